@@ -1,0 +1,28 @@
+"""Shared-memory primitives, knowing nothing of KV caches: named segments with checked
+headers, SPSC rings of fixed-size records, slot arenas and seqlocked stats blocks."""
+
+from shm.arena import FREE, SlotArena, SlotOwnershipError
+from shm.records import RecordLayout
+from shm.ring import Consumer, Producer, Ring, RingClosed, RingEmpty, RingFull
+from shm.segment import LayoutMismatch, Segment, SegmentError, segment_name, sweep
+from shm.stats import StatsBlock, TornRead
+
+__all__ = [
+    "FREE",
+    "Consumer",
+    "LayoutMismatch",
+    "Producer",
+    "RecordLayout",
+    "Ring",
+    "RingClosed",
+    "RingEmpty",
+    "RingFull",
+    "Segment",
+    "SegmentError",
+    "SlotArena",
+    "SlotOwnershipError",
+    "StatsBlock",
+    "TornRead",
+    "segment_name",
+    "sweep",
+]

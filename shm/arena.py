@@ -1,0 +1,131 @@
+"""Slot arena: N fixed-size byte slots in one segment, each with an owner.
+
+Payload layout, ARENA_LAYOUT_VERSION 1:
+
+    0      META    slots u64, slot_bytes u64, data_at u64 (128-byte line)
+    128    STATE   one SLOT_STATE record (32 bytes) per slot
+    D      DATA    slots x slot_bytes, D page-aligned (4096) so slots suit O_DIRECT/DMA
+
+Ownership passes from one process to the next along a ring: whoever holds a slot sets
+its new owner *before* pushing the slot's id, and the receiver reads the slot only after
+popping that id, so the ring's semaphore orders the slot's bytes and its state. The
+state is therefore written by one process at a time and needs no lock; the counts by
+owner are derived from it when read, never stored twice.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from shm.segment import PAYLOAD_OFFSET, Segment, SegmentSpec
+
+ARENA_LAYOUT_VERSION = 1
+ARENA_KIND = "arena"
+FREE = 0  # owner value of a slot nobody holds
+
+SLOT_STATE = np.dtype(
+    [("owner", "<u4"), ("pid", "<u4"), ("generation", "<u8"), ("since", "<f8"), ("used", "<u8")]
+)
+_META = np.dtype([("slots", "<u8"), ("slot_bytes", "<u8"), ("data_at", "<u8")])
+_STATE_AT = 128
+_PAGE = 4096
+
+
+class SlotOwnershipError(RuntimeError):
+    """A slot was handed over by a process that did not hold it."""
+
+
+def _spec() -> SegmentSpec:
+    return SegmentSpec(ARENA_KIND, ARENA_LAYOUT_VERSION)
+
+
+class SlotArena:
+    def __init__(self, seg: Segment) -> None:
+        self._seg = seg
+        self.name = seg.name
+        meta = seg.array(_META, 0, 1)[0]
+        self.slots = int(meta["slots"])
+        self.slot_bytes = int(meta["slot_bytes"])
+        self._data_at = int(meta["data_at"])
+        self.state = seg.array(SLOT_STATE, _STATE_AT, self.slots)
+
+    @classmethod
+    def create(cls, name: str, slots: int, slot_bytes: int) -> SlotArena:
+        if slots < 1 or slot_bytes < 1:
+            raise ValueError(f"arena of {slots} slots of {slot_bytes} bytes: expected >= 1 each")
+        data_at = (_STATE_AT + SLOT_STATE.itemsize * slots + _PAGE - 1) // _PAGE * _PAGE
+        seg = Segment.create(name, _spec(), data_at + slots * slot_bytes)
+        meta = seg.array(_META, 0, 1)
+        meta[0] = (slots, slot_bytes, data_at)
+        del meta
+        return cls(seg)
+
+    @classmethod
+    def attach(cls, name: str) -> SlotArena:
+        return cls(Segment.attach(name, _spec()))
+
+    def slot(self, index: int) -> memoryview:
+        """The bytes of slot ``index`` (a view into shared memory)."""
+        self._check_index(index)
+        start = PAYLOAD_OFFSET + self._data_at + index * self.slot_bytes
+        return memoryview(self._seg.mm)[start : start + self.slot_bytes]
+
+    def slot_array(self, index: int, dtype: np.dtype | str = np.uint8) -> np.ndarray:
+        self._check_index(index)
+        count = self.slot_bytes // np.dtype(dtype).itemsize
+        return self._seg.array(dtype, self._data_at + index * self.slot_bytes, count)
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < self.slots:
+            raise IndexError(f"slot {index}: expected 0-{self.slots - 1}")
+
+    def hand_over(self, index: int, from_owner: int, to_owner: int, used: int = 0) -> None:
+        """Move slot ``index`` from ``from_owner`` to ``to_owner``; the caller must be the
+        current holder. Taking a free slot bumps its generation."""
+        self._check_index(index)
+        st = self.state[index]
+        if int(st["owner"]) != from_owner:
+            raise SlotOwnershipError(
+                f"slot {index} of {self.name} is owned by {int(st['owner'])}, not {from_owner}"
+            )
+        if from_owner == FREE:
+            st["generation"] += 1
+        st["used"] = used if to_owner != FREE else 0
+        st["pid"] = os.getpid() if to_owner != FREE else 0
+        st["since"] = time.time()
+        st["owner"] = to_owner
+
+    def free_slots(self) -> list[int]:
+        return [i for i in range(self.slots) if int(self.state[i]["owner"]) == FREE]
+
+    def counts_by_owner(self) -> dict[int, int]:
+        """Owner -> number of slots (a racy read, for gauges)."""
+        owners, counts = np.unique(self.state["owner"], return_counts=True)
+        return {int(o): int(c) for o, c in zip(owners, counts, strict=True)}
+
+    def held_by_dead(self, alive: Callable[[int], bool]) -> list[int]:
+        """Slots held (not FREE) by a pid for which ``alive(pid)`` is false: what a
+        supervisor reclaims after a worker crash."""
+        return [
+            i for i in range(self.slots)
+            if int(self.state[i]["owner"]) != FREE and not alive(int(self.state[i]["pid"]))
+        ]
+
+    def reclaim(self, index: int) -> None:
+        """Force slot ``index`` back to FREE (its holder is dead)."""
+        st = self.state[index]
+        st["owner"], st["pid"], st["used"], st["since"] = FREE, 0, 0, time.time()
+
+    def close(self) -> None:
+        del self.state
+        self._seg.close()
+
+    def __enter__(self) -> SlotArena:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,287 @@
+"""Named POSIX shared-memory segments with a checked header.
+
+Byte layout of every segment (little-endian), defined once in ``HEADER``:
+
+    offset  size  field
+    0       8     magic            b"SPKSHM\\0\\0"
+    8       4     header_version   HEADER_VERSION
+    12      4     layout_version   version of the payload layout (ring, arena, stats ...)
+    16      16    kind             ASCII tag of the payload type, NUL padded
+    32      8     fingerprint      hash of the payload's record dtype (0 if none)
+    40      8     total_size       bytes of the whole segment
+    48      4     creator_pid
+    52      4     (pad)
+    56      8     creator_start    psutil create_time of the creator (pid-reuse guard)
+    64      ...   payload (PAYLOAD_OFFSET), cache-line aligned
+
+Names are ``/sparkcache.<instance>.r<rank>.<role>``: the instance and rank namespace them
+so two instances on one host never meet, and ``sweep`` can find one instance's leftovers.
+The creator owns the name and unlinks it; attachers only close their mapping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mmap
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import posix_ipc
+import psutil
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"SPKSHM\0\0"
+HEADER_VERSION = 1
+HEADER = np.dtype(
+    [
+        ("magic", "S8"),
+        ("header_version", "<u4"),
+        ("layout_version", "<u4"),
+        ("kind", "S16"),
+        ("fingerprint", "<u8"),
+        ("total_size", "<u8"),
+        ("creator_pid", "<u4"),
+        ("pad", "<u4"),
+        ("creator_start", "<f8"),
+    ]
+)
+PAYLOAD_OFFSET = 64
+CACHE_LINE = 128  # 2 x 64 B: arm64 and x86 prefetchers pull line pairs; keep hot fields apart
+assert HEADER.itemsize == PAYLOAD_OFFSET
+
+SHM_DIR = Path("/dev/shm")
+NAME_PREFIX = "sparkcache."
+_PART_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+_ROLE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
+# A segment whose header was never written (creator died inside create) is left alone
+# this long, so a sweep never races a creator that is still filling it in.
+UNWRITTEN_GRACE_S = 10.0
+
+
+class SegmentError(RuntimeError):
+    """A segment is missing, or is not what the caller expected."""
+
+
+class LayoutMismatch(SegmentError):
+    """The segment exists but its header says another layout; never read it."""
+
+
+def dtype_fingerprint(dtype: np.dtype) -> int:
+    """64-bit hash of a dtype's field names, types, offsets and size."""
+    text = repr((dtype.descr, dtype.itemsize)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+def segment_name(instance: str, rank: int, role: str) -> str:
+    if not _PART_RE.match(instance):
+        raise ValueError(f"instance {instance!r}: expected 1-32 characters of A-Z a-z 0-9 _ -")
+    if rank < 0:
+        raise ValueError(f"rank {rank}: expected 0 or more")
+    if not _ROLE_RE.match(role):
+        raise ValueError(f"role {role!r}: expected 1-48 characters of A-Z a-z 0-9 _ . -")
+    return f"/{NAME_PREFIX}{instance}.r{rank}.{role}"
+
+
+def _process_start(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return 0.0
+
+
+@dataclass(frozen=True)
+class SegmentSpec:
+    """What a caller expects of a segment: checked on attach."""
+
+    kind: str
+    layout_version: int
+    fingerprint: int = 0
+
+
+class Segment:
+    """A mapped shared-memory segment. ``buf`` is the whole mapping; ``payload`` starts
+    after the header. Create with ``Segment.create``, attach with ``Segment.attach``."""
+
+    def __init__(self, name: str, mm: mmap.mmap, owner: bool) -> None:
+        self.name = name
+        self.mm = mm
+        self.owner = owner
+        # A one-element array, not a scalar, so field writes land in shared memory.
+        self.header = np.frombuffer(mm, HEADER, count=1)
+
+    @property
+    def size(self) -> int:
+        return len(self.mm)
+
+    def array(self, dtype: np.dtype | str, offset: int, count: int = -1) -> np.ndarray:
+        """A numpy view of the payload at ``offset`` bytes past the header. Views must be
+        dropped before ``close`` (a mapping cannot close under a live view)."""
+        return np.frombuffer(self.mm, dtype, count=count, offset=PAYLOAD_OFFSET + offset)
+
+    @classmethod
+    def create(cls, name: str, spec: SegmentSpec, payload_size: int) -> Segment:
+        """Create ``name`` (mode 0600, fails if it exists) and write its header."""
+        total = PAYLOAD_OFFSET + payload_size
+        mem = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=total)
+        try:
+            os.fchmod(mem.fd, 0o600)  # shm_open applies the umask; be explicit
+            mm = mmap.mmap(mem.fd, total)
+        except BaseException:
+            mem.close_fd()
+            posix_ipc.unlink_shared_memory(name)
+            raise
+        mem.close_fd()
+        seg = cls(name, mm, owner=True)
+        h = seg.header[0]
+        h["header_version"] = HEADER_VERSION
+        h["layout_version"] = spec.layout_version
+        h["kind"] = spec.kind.encode()
+        h["fingerprint"] = spec.fingerprint
+        h["total_size"] = total
+        h["creator_pid"] = os.getpid()
+        h["creator_start"] = _process_start(os.getpid())
+        h["magic"] = MAGIC  # last: a header with magic is complete
+        return seg
+
+    @classmethod
+    def attach(cls, name: str, spec: SegmentSpec) -> Segment:
+        """Map an existing segment after checking its header against ``spec``."""
+        try:
+            mem = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            raise SegmentError(f"shared-memory segment {name} does not exist") from None
+        try:
+            if mem.size < PAYLOAD_OFFSET:
+                raise LayoutMismatch(
+                    f"segment {name} is {mem.size} bytes, smaller than its header"
+                )
+            mm = mmap.mmap(mem.fd, mem.size)
+        finally:
+            mem.close_fd()
+        seg = cls(name, mm, owner=False)
+        try:
+            seg._check(spec)
+        except BaseException:
+            seg.close()
+            raise
+        return seg
+
+    def _check(self, spec: SegmentSpec) -> None:
+        h = self.header[0]
+        if bytes(h["magic"]) != MAGIC.rstrip(b"\0"):
+            raise LayoutMismatch(f"segment {self.name} has no SparkCache header")
+        got = [
+            ("header version", int(h["header_version"]), HEADER_VERSION),
+            ("kind", bytes(h["kind"]).decode(errors="replace"), spec.kind),
+            ("layout version", int(h["layout_version"]), spec.layout_version),
+            ("record dtype fingerprint", int(h["fingerprint"]), spec.fingerprint),
+            ("size", int(h["total_size"]), self.size),
+        ]
+        for what, found, expected in got:
+            if found != expected:
+                raise LayoutMismatch(
+                    f"segment {self.name}: {what} is {found!r}, this code expects "
+                    f"{expected!r}; refusing to read it (restart the supervisor so both "
+                    "sides run the same version)"
+                )
+
+    def close(self) -> None:
+        """Drop this process's mapping; the creator also unlinks the name."""
+        del self.header
+        try:
+            self.mm.close()
+        except BufferError:
+            # A numpy view still exists somewhere; the mapping goes when it does.
+            log.debug("segment %s still has views; mapping freed later", self.name)
+        if self.owner:
+            unlink_quietly(self.name)
+            self.owner = False
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def unlink_quietly(name: str) -> bool:
+    try:
+        posix_ipc.unlink_shared_memory(name)
+        return True
+    except posix_ipc.ExistentialError:
+        return False
+
+
+def read_creator(path: Path) -> tuple[int, float] | None:
+    """(pid, start time) from a segment file's header, or None if it has none yet."""
+    try:
+        with path.open("rb") as f:
+            raw = f.read(PAYLOAD_OFFSET)
+    except OSError:
+        return None
+    if len(raw) < PAYLOAD_OFFSET:
+        return None
+    h = np.frombuffer(raw, HEADER, count=1)[0]
+    if bytes(h["magic"]) != MAGIC.rstrip(b"\0"):
+        return None
+    return int(h["creator_pid"]), float(h["creator_start"])
+
+
+def creator_alive(pid: int, start: float) -> bool:
+    if not psutil.pid_exists(pid):
+        return False
+    actual = _process_start(pid)
+    # A different start time means the pid was reused by an unrelated process.
+    return actual == 0.0 or start == 0.0 or abs(actual - start) < 1.0
+
+
+def sweep(instance: str) -> list[str]:
+    """Unlink the segments (and their semaphores) of ``instance`` whose creator is dead.
+    Segments of live creators and of other instances are never touched. Returns the
+    names removed."""
+    prefix = f"{NAME_PREFIX}{instance}."
+    removed: list[str] = []
+    live_segments: set[str] = set()
+    for path in sorted(SHM_DIR.glob(prefix + "*")):
+        creator = read_creator(path)
+        if creator is None:
+            try:
+                age = time.time() - path.stat().st_mtime
+            except OSError:
+                continue
+            if age < UNWRITTEN_GRACE_S:
+                live_segments.add(path.name)
+                continue
+        elif creator_alive(*creator):
+            live_segments.add(path.name)
+            continue
+        if unlink_quietly("/" + path.name):
+            removed.append("/" + path.name)
+    # Semaphores are named after their segment plus a suffix ("<segment>.data").
+    for path in sorted(SHM_DIR.glob("sem." + prefix + "*")):
+        sem_name = path.name[len("sem.") :]
+        owner = sem_name.rsplit(".", 1)[0]
+        if owner in live_segments:
+            continue
+        try:
+            posix_ipc.unlink_semaphore("/" + sem_name)
+            removed.append("/" + sem_name)
+        except posix_ipc.ExistentialError:
+            pass
+    if removed:
+        log.info("swept %d leftovers of instance %s: %s", len(removed), instance, removed)
+    return removed
+
+
+def instance_entries(instance: str) -> list[str]:
+    """Every /dev/shm entry (segments and semaphores) of ``instance``."""
+    prefix = f"{NAME_PREFIX}{instance}."
+    return sorted(
+        p.name for p in SHM_DIR.iterdir() if p.name.startswith((prefix, "sem." + prefix))
+    )

@@ -1,0 +1,309 @@
+"""SparkCache configuration: one frozen dataclass, read from ``SPARKCACHE_*`` variables
+and CLI flags generated from the same fields.
+
+Every field carries its help text in ``metadata["help"]``; the CLI flags, their help and
+the environment variable names all come from here, so a setting cannot exist in one place
+and be missing in another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ENV_PREFIX = "SPARKCACHE_"
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+TiB = 1024 * GiB
+
+_SIZE_UNITS = {"": 1, "B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": TiB}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_INSTANCE_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+
+
+class AccessMode(str, Enum):
+    """What the store may do for the engine."""
+
+    READ_WRITE = "read-write"
+    RESTORE_ONLY = "restore-only"
+    OFF = "off"
+
+
+def _default_store_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "sparkcache"
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Settings of one SparkCache instance (all ranks of one serving node)."""
+
+    store_dir: Path = field(
+        default_factory=_default_store_dir,
+        metadata=_help("Directory holding rank-<r>/ stores; created 0700 if missing."),
+    )
+    instance: str = field(
+        default="default",
+        metadata=_help("Name that namespaces shared-memory segments: [A-Za-z0-9_-], 1-32."),
+    )
+    ranks: int = field(default=1, metadata=_help("Tensor-parallel ranks served, >= 1."))
+    max_bytes: int = field(
+        default=40 * GiB,
+        metadata=_help("High watermark per rank; crossing it starts eviction (e.g. 40GiB)."),
+    )
+    low_watermark_bytes: int = field(
+        default=32 * GiB,
+        metadata=_help("Eviction stops once used bytes per rank fall to this (< max bytes)."),
+    )
+    access_mode: AccessMode = field(
+        default=AccessMode.READ_WRITE,
+        metadata=_help("read-write, restore-only (no capture) or off."),
+    )
+    capture_slots: int = field(
+        default=2, metadata=_help("Capture slots per rank: publications in flight, >= 1.")
+    )
+    capture_slot_bytes: int = field(
+        default=3 * GiB,
+        metadata=_help("Bytes of one capture slot; must hold at least one page."),
+    )
+    lease_seconds: float = field(
+        default=300.0,
+        metadata=_help("Seconds a new or restoring root is protected from eviction, >= 0."),
+    )
+    page_tokens: int = field(default=16, metadata=_help("Tokens per page, >= 1."))
+    cpus: tuple[int, ...] | None = field(
+        default=None,
+        metadata=_help("Cores for SparkCache workers, e.g. 6-7 or 2,3; default: any."),
+    )
+    metrics_host: str = field(
+        default="127.0.0.1", metadata=_help("Address the /metrics endpoint binds.")
+    )
+    metrics_port: int = field(
+        default=9464, metadata=_help("Port of the /metrics endpoint; 0 disables it.")
+    )
+
+    def check_page_fits(self, page_bytes: int) -> None:
+        """Raise ConfigError if one page (known once the KV caches are registered) does not
+        fit a capture slot."""
+        if page_bytes > self.capture_slot_bytes:
+            raise ConfigError(
+                [
+                    Problem(
+                        "capture_slot_bytes",
+                        str(self.capture_slot_bytes),
+                        f"at least one page: {page_bytes} bytes "
+                        f"({self.page_tokens} tokens across all layers)",
+                    )
+                ]
+            )
+
+
+FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One invalid setting: which, its value and what is allowed."""
+
+    field_name: str
+    value: str
+    allowed: str
+
+    def __str__(self) -> str:
+        where = f"{env_name(self.field_name)} ({flag_name(self.field_name)})"
+        return f"{where}={self.value!r} is invalid: expected {self.allowed}"
+
+
+class ConfigError(ValueError):
+    """One or more settings are invalid; ``problems`` lists each."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+def parse_size(text: str) -> int:
+    """``40GiB``, ``512MiB``, ``1.5GiB``, ``4096`` -> bytes. Binary suffixes only: ``GB``
+    is refused rather than guessed, since 10^9 and 2^30 differ by 7 %."""
+    m = _SIZE_RE.match(text)
+    if not m or m.group(2) not in _SIZE_UNITS:
+        raise ValueError("a size: plain bytes or a number with KiB, MiB, GiB or TiB")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """``0-3,6`` -> (0, 1, 2, 3, 6)."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError("a CPU list such as 0-3,6")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError("a CPU list such as 0-3,6 (ranges ascending)")
+        cores.update(range(first, last + 1))
+    return tuple(sorted(cores))
+
+
+def _parse_field(name: str, text: str) -> Any:
+    """Convert one raw string to the type of field ``name``; ValueError names what is allowed."""
+    if name in ("max_bytes", "low_watermark_bytes", "capture_slot_bytes"):
+        return parse_size(text)
+    if name in ("ranks", "capture_slots", "page_tokens", "metrics_port"):
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError("a whole number") from None
+    if name == "lease_seconds":
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError("a number of seconds") from None
+    if name == "access_mode":
+        try:
+            return AccessMode(text)
+        except ValueError:
+            allowed = ", ".join(m.value for m in AccessMode)
+            raise ValueError(f"one of {allowed}") from None
+    if name == "cpus":
+        return parse_cpus(text)
+    if name == "store_dir":
+        return Path(text).expanduser()
+    return text
+
+
+def load(
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, str | None] | None = None,
+    *,
+    check_store_dir: bool = True,
+) -> Config:
+    """Build and validate a Config: defaults, then ``SPARKCACHE_*`` variables, then CLI
+    ``overrides`` (field name -> raw text; None means not given). Every problem found is
+    reported at once in one ConfigError."""
+    env = os.environ if env is None else env
+    raw: dict[str, str] = {}
+    for name in FIELDS:
+        if env_name(name) in env:
+            raw[name] = env[env_name(name)]
+    for name, text in (overrides or {}).items():
+        if name not in FIELDS:
+            raise KeyError(f"unknown setting {name!r}")
+        if text is not None:
+            raw[name] = text
+
+    problems: list[Problem] = []
+    values: dict[str, Any] = {}
+    for name, text in raw.items():
+        try:
+            values[name] = _parse_field(name, text)
+        except ValueError as e:
+            problems.append(Problem(name, text, str(e)))
+    cfg = Config(**values)
+    failed = {p.field_name for p in problems}
+    problems.extend(validate(cfg, check_store_dir=check_store_dir, skip=failed))
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def validate(
+    cfg: Config, *, check_store_dir: bool = True, skip: frozenset[str] | set[str] = frozenset()
+) -> list[Problem]:
+    """All problems of ``cfg``; fields in ``skip`` already failed to parse."""
+    out: list[Problem] = []
+
+    def bad(name: str, allowed: str) -> None:
+        if name not in skip:
+            out.append(Problem(name, _show(getattr(cfg, name)), allowed))
+
+    if not _INSTANCE_RE.match(cfg.instance):
+        bad("instance", "1-32 characters from A-Z a-z 0-9 _ -")
+    if cfg.ranks < 1:
+        bad("ranks", "at least 1")
+    if cfg.max_bytes <= 0:
+        bad("max_bytes", "a positive size")
+    if cfg.low_watermark_bytes >= cfg.max_bytes:
+        bad("low_watermark_bytes", f"a size below max bytes ({_show(cfg.max_bytes)})")
+    if cfg.capture_slots < 1:
+        bad("capture_slots", "at least 1")
+    if cfg.page_tokens < 1:
+        bad("page_tokens", "at least 1")
+    if cfg.capture_slot_bytes < cfg.page_tokens:
+        # The page size is only known once the engine registers its KV caches
+        # (check_page_fits); a slot smaller than one byte per token can never hold one.
+        bad("capture_slot_bytes", f"at least one page (>= {cfg.page_tokens} bytes)")
+    if cfg.lease_seconds < 0:
+        bad("lease_seconds", "zero or more seconds")
+    if not 0 <= cfg.metrics_port <= 65535:
+        bad("metrics_port", "a port from 0 to 65535")
+    if cfg.cpus is not None:
+        count = psutil.cpu_count(logical=True) or 1
+        missing = [c for c in cfg.cpus if c >= count]
+        if missing:
+            bad("cpus", f"cores that exist on this machine: 0-{count - 1} (no core {missing})")
+    if check_store_dir and "store_dir" not in skip:
+        reason = store_dir_problem(cfg.store_dir)
+        if reason:
+            out.append(Problem("store_dir", str(cfg.store_dir), reason))
+    return out
+
+
+def store_dir_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be the store dir, or None. A missing dir is fine if it can be
+    created. Writability is probed with a real file, since root passes ``os.access``."""
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        return "a directory (this path is not one)" if probe == path else (
+            f"a directory that can be created ({probe} is not a directory)"
+        )
+    try:
+        with tempfile.TemporaryFile(dir=probe, prefix=".sparkcache-probe-"):
+            pass
+    except OSError as e:
+        what = "a writable directory" if probe == path else f"a creatable directory ({probe}"
+        detail = errno.errorcode.get(e.errno or 0, str(e))
+        return f"{what}{')' if probe != path else ''}: writing there fails with {detail}"
+    return None
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, Enum):
+        return str(value.value)
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def describe(cfg: Config) -> dict[str, str]:
+    """Field name -> value as an operator would write it."""
+    return {name: _show(getattr(cfg, name)) for name in FIELDS}

@@ -1,0 +1,253 @@
+"""The ring in one process: semantics, errors, and a state-machine test against a deque."""
+
+from __future__ import annotations
+
+import os
+import queue
+import stat
+from collections import deque
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from shm import (
+    Consumer,
+    LayoutMismatch,
+    Producer,
+    RecordLayout,
+    Ring,
+    RingClosed,
+    RingEmpty,
+    RingFull,
+    SegmentError,
+    segment_name,
+)
+from shm.segment import instance_entries
+
+LAYOUT = RecordLayout("test-rec", 1, np.dtype([("seq", "<u8"), ("val", "<i4"), ("tag", "<u2")]))
+
+
+@pytest.fixture
+def ring(instance: str):
+    r = Ring.create(segment_name(instance, 0, "ring"), LAYOUT, 8)
+    p, c = Producer(r.name, LAYOUT), Consumer(r.name, LAYOUT, spin_s=0)
+    yield r, p, c
+    c.close()
+    p.detach()
+    r.close()
+
+
+def test_push_pop_in_order_with_wraparound(ring):
+    r, p, c = ring
+    for i in range(50):
+        p.try_push((i, -i, 7))
+        assert c.try_pop() == (i, -i, 7)
+    batch = LAYOUT.array([(100 + i, i, 8) for i in range(6)])
+    p.push_batch(batch)  # wraps around the end of the 8-record ring
+    got = c.pop_batch(100)
+    assert got.tolist() == batch.tolist()
+    assert r.depth() == 0
+
+
+def test_full_and_empty_raise_queue_exceptions(ring):
+    _, p, c = ring
+    with pytest.raises(queue.Empty):
+        c.try_pop()
+    for i in range(8):
+        p.try_push((i, 0, 0))
+    with pytest.raises(queue.Full):
+        p.try_push((9, 0, 0))
+    with pytest.raises(RingFull):
+        p.push_batch(LAYOUT.array([(1, 1, 0)]))
+    assert c.try_pop()[0] == 0
+    p.try_push((8, 0, 0))  # space came back batch by batch
+    assert [c.try_pop()[0] for _ in range(8)] == list(range(1, 9))
+    with pytest.raises(RingEmpty):
+        c.pop(timeout=0.01)
+
+
+def test_a_half_read_batch_keeps_its_space(ring):
+    _, p, c = ring
+    p.push_batch(LAYOUT.array([(i, 0, 0) for i in range(6)]))
+    assert len(c.pop_batch(3)) == 3
+    p.push_batch(LAYOUT.array([(6, 0, 0), (7, 0, 0)]))
+    with pytest.raises(RingFull):
+        p.try_push((8, 0, 0))  # the first batch's 3 read records are not back yet
+    assert c.pop_batch(10)["seq"].tolist() == [3, 4, 5, 6, 7]
+    p.try_push((8, 0, 0))
+
+
+def test_batch_larger_than_ring_is_refused(ring):
+    _, p, _ = ring
+    with pytest.raises(ValueError, match="cannot fit a ring of 8"):
+        p.push_batch(LAYOUT.array([(i, 0, 0) for i in range(9)]))
+
+
+def test_wrong_dtype_for_batch_is_refused(ring):
+    _, p, _ = ring
+    with pytest.raises(TypeError, match="expected"):
+        p.push_batch(np.zeros(2, np.dtype([("seq", "<u8")])))
+
+
+def test_close_drains_then_raises_closed(ring):
+    _, p, c = ring
+    p.try_push((1, 0, 0))
+    p.close()
+    assert c.pop(timeout=1)[0] == 1
+    with pytest.raises(RingClosed):
+        c.pop(timeout=1)
+
+
+def test_segment_and_semaphores_are_0600_and_removed(instance):
+    r = Ring.create(segment_name(instance, 3, "pub"), LAYOUT, 4)
+    entries = instance_entries(instance)
+    assert len(entries) == 3  # the segment and its data/space semaphores
+    for e in entries:
+        assert stat.S_IMODE(os.stat(f"/dev/shm/{e}").st_mode) == 0o600
+    r.close()
+    assert instance_entries(instance) == []
+
+
+def test_attach_with_other_record_version_fails_clearly(instance):
+    name = segment_name(instance, 0, "ring")
+    with Ring.create(name, LAYOUT, 4):
+        v2 = RecordLayout("test-rec", 2, LAYOUT.dtype)
+        with pytest.raises(SegmentError, match=r"'test-rec' v1 .* this code reads 'test-rec' v2"):
+            Consumer(name, v2)
+
+
+def test_attach_with_other_dtype_fails_clearly(instance):
+    name = segment_name(instance, 0, "ring")
+    with Ring.create(name, LAYOUT, 4):
+        other = RecordLayout("test-rec", 1, np.dtype([("seq", "<u8"), ("val", "<u8")]))
+        with pytest.raises(LayoutMismatch, match="record dtype fingerprint"):
+            Producer(name, other)
+
+
+def test_attach_to_missing_ring_fails_clearly(instance):
+    with pytest.raises(SegmentError, match="does not exist"):
+        Consumer(segment_name(instance, 0, "nothing"), LAYOUT)
+
+
+def test_second_live_consumer_is_refused(ring):
+    r, _, _ = ring
+    with pytest.raises(SegmentError, match="already has a consumer"):
+        Consumer(r.name, LAYOUT)
+
+
+class RingModel(RuleBasedStateMachine):
+    """The ring against a deque. Space returns batch by batch, so the model tracks the
+    batches too: a record still occupies space until its whole batch has been read."""
+
+    CAPACITY = 16
+
+    def __init__(self) -> None:
+        super().__init__()
+        import uuid
+
+        self.instance = "t" + uuid.uuid4().hex[:12]
+        self.ring = Ring.create(segment_name(self.instance, 0, "ring"), LAYOUT, self.CAPACITY)
+        self.p = Producer(self.ring.name, LAYOUT)
+        self.c = Consumer(self.ring.name, LAYOUT, spin_s=0)
+        self.model: deque[tuple] = deque()
+        self.batches: deque[list[int]] = deque()  # [size, unread] per unfinished batch
+        self.next = 0
+
+    def occupied(self) -> int:
+        return sum(size for size, _ in self.batches)
+
+    def _take(self, n: int) -> None:
+        for _ in range(n):
+            self.model.popleft()
+            self.batches[0][1] -= 1
+            if self.batches[0][1] == 0:
+                self.batches.popleft()
+
+    @rule(n=st.integers(1, 20))
+    def push(self, n: int) -> None:
+        rows = [(self.next + i, i, 9) for i in range(n)]
+        if n > self.CAPACITY:
+            with pytest.raises(ValueError):
+                self.p.push_batch(LAYOUT.array(rows))
+            return
+        if self.occupied() + n > self.CAPACITY:
+            with pytest.raises(RingFull):
+                self.p.push_batch(LAYOUT.array(rows)) if n > 1 else self.p.try_push(rows[0])
+            return
+        if n == 1:
+            self.p.try_push(rows[0])
+        else:
+            self.p.push_batch(LAYOUT.array(rows))
+        self.model.extend(rows)
+        self.batches.append([n, n])
+        self.next += n
+
+    @rule()
+    def pop_one(self) -> None:
+        if not self.model:
+            with pytest.raises(RingEmpty):
+                self.c.try_pop()
+            return
+        assert self.c.try_pop() == self.model[0]
+        self._take(1)
+
+    @rule(n=st.integers(1, 40))
+    def pop_many(self, n: int) -> None:
+        if not self.model:
+            with pytest.raises(RingEmpty):
+                self.c.pop_batch(n)
+            return
+        got = self.c.pop_batch(n).tolist()
+        want = list(self.model)[: min(n, len(self.model))]
+        assert got == want
+        self._take(len(got))
+
+    @precondition(lambda self: self.model)
+    @rule()
+    def reattach_consumer(self) -> None:
+        """A new consumer continues exactly where the old one stopped."""
+        self.c.close()
+        self.c = Consumer(self.ring.name, LAYOUT, spin_s=0)
+
+    @invariant()
+    def depth_matches(self) -> None:
+        assert self.ring.depth() == len(self.model)
+
+    def teardown(self) -> None:
+        self.c.close()
+        self.p.detach()
+        self.ring.close()
+        assert instance_entries(self.instance) == []
+
+
+RingModel.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+test_ring_state_machine = RingModel.TestCase
+
+
+def test_consumer_that_died_holding_an_unrecorded_post_is_recovered(instance, spawn):
+    """SIGKILL between a successful wait and recording it, made deterministic: take a
+    data post by hand, mark the consumer as a dead process, and attach a new one."""
+    name = segment_name(instance, 0, "ring")
+    with Ring.create(name, LAYOUT, 4) as ring:
+        p = Producer(name, LAYOUT)
+        p.push_batch(LAYOUT.array([(0, 0, 0), (1, 0, 0)]))
+        p.push_batch(LAYOUT.array([(2, 0, 0), (3, 0, 0)]))  # the ring is now full
+        dead = spawn.Process(target=int)
+        dead.start()
+        dead.join()
+        c = Consumer(name, LAYOUT, spin_s=0)
+        c._m.data.acquire(0)  # the post for batch 0, taken and never recorded
+        c._m.set_u64(256 + 32, dead.pid)  # CONSUMER pid: a process that has exited
+        c._m.close()
+        c2 = Consumer(name, LAYOUT, spin_s=0)
+        assert c2.pop_batch(2)["seq"].tolist() == [0, 1]
+        p.try_push((4, 0, 0))  # space came back: no deadlock
+        p.close()
+        assert c2.pop_batch(10)["seq"].tolist() == [2, 3, 4]
+        with pytest.raises(RingClosed):
+            c2.pop(timeout=1)
+        c2.close()
+        assert ring.depth() == 0

@@ -1,0 +1,145 @@
+"""Segments, sweep, slot arena and stats blocks."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from shm import (
+    FREE,
+    LayoutMismatch,
+    RecordLayout,
+    Ring,
+    Segment,
+    SlotArena,
+    SlotOwnershipError,
+    StatsBlock,
+    segment_name,
+    sweep,
+)
+from shm.segment import SegmentSpec, instance_entries
+from tests.conftest import join_or_kill
+
+SPEC = SegmentSpec("test", 1)
+WORKER = RecordLayout(
+    "worker-stats", 1,
+    np.dtype([("pid", "<u4"), ("state", "<u4"), ("heartbeat", "<f8"), ("a", "<u8"), ("b", "<u8")]),
+)
+
+
+def test_header_is_checked_on_attach(instance):
+    name = segment_name(instance, 0, "seg")
+    with Segment.create(name, SPEC, 100) as seg:
+        assert stat.S_IMODE(os.stat("/dev/shm" + name).st_mode) == 0o600
+        assert int(seg.header[0]["creator_pid"]) == os.getpid()
+        with pytest.raises(LayoutMismatch, match="layout version is 1, this code expects 2"):
+            Segment.attach(name, SegmentSpec("test", 2))
+        with pytest.raises(LayoutMismatch, match="kind is 'test', this code expects 'ring'"):
+            Segment.attach(name, SegmentSpec("ring", 1))
+        with Segment.attach(name, SPEC) as other:
+            assert not other.owner
+        assert instance_entries(instance)  # an attacher's close never unlinks
+
+
+def test_names_are_validated():
+    with pytest.raises(ValueError, match="instance 'a/b'"):
+        segment_name("a/b", 0, "x")
+    with pytest.raises(ValueError, match="role"):
+        segment_name("ok", 0, "../x")
+
+
+def _create_and_exit(name: str, ring_name: str) -> None:
+    Segment.create(name, SPEC, 64)
+    Ring.create(ring_name, WORKER, 4)
+    os._exit(0)  # die without cleaning up, like a SIGKILLed supervisor
+
+
+def test_sweep_removes_only_dead_creators_segments(instance, spawn):
+    other = instance + "x"
+    mine_live = Segment.create(segment_name(instance, 0, "live"), SPEC, 64)
+    other_dead = spawn.Process(
+        target=_create_and_exit,
+        args=(segment_name(other, 0, "dead"), segment_name(other, 0, "ring")),
+    )
+    dead = spawn.Process(
+        target=_create_and_exit,
+        args=(segment_name(instance, 0, "dead"), segment_name(instance, 1, "ring")),
+    )
+    for p in (dead, other_dead):
+        p.start()
+        assert join_or_kill(p) == 0
+    try:
+        removed = sweep(instance)
+        assert sorted(removed) == sorted(
+            segment_name(instance, r, n) + suffix
+            for r, n, suffix in [(0, "dead", ""), (1, "ring", ""), (1, "ring", ".data"),
+                                 (1, "ring", ".space")]
+        )
+        assert instance_entries(instance) == [segment_name(instance, 0, "live")[1:]]
+        assert len(instance_entries(other)) == 4  # another instance is never touched
+    finally:
+        mine_live.close()
+        sweep(other)
+    assert instance_entries(other) == []
+
+
+def test_arena_hands_slots_over_and_counts_by_owner(instance):
+    CAPTURE, COMMIT = 1, 2
+    with SlotArena.create(segment_name(instance, 0, "slots"), 3, 4096) as arena:
+        assert arena.counts_by_owner() == {FREE: 3}
+        arena.hand_over(0, FREE, CAPTURE)
+        arena.slot_array(0)[:4] = [1, 2, 3, 4]
+        arena.hand_over(0, CAPTURE, COMMIT, used=4)
+        assert arena.counts_by_owner() == {FREE: 2, COMMIT: 1}
+        with pytest.raises(SlotOwnershipError, match="owned by 2, not 1"):
+            arena.hand_over(0, CAPTURE, FREE)
+        with SlotArena.attach(arena.name) as seen:
+            assert bytes(seen.slot(0)[:4]) == b"\x01\x02\x03\x04"
+            assert int(seen.state[0]["used"]) == 4
+            assert seen.held_by_dead(lambda pid: False) == [0]
+            assert seen.held_by_dead(lambda pid: True) == []
+        arena.reclaim(0)
+        assert arena.free_slots() == [0, 1, 2]
+        with pytest.raises(IndexError, match="expected 0-2"):
+            arena.slot(3)
+
+
+def test_stats_block_round_trip_and_version_check(instance):
+    name = segment_name(instance, 0, "stats")
+    with StatsBlock.create(name, WORKER, 3) as block:
+        assert block.read(0) is None
+        block.write(1, (42, 2, 1.5, 7, 8))
+        with StatsBlock.attach(name, WORKER) as reader:
+            assert reader.read(1) == (42, 2, 1.5, 7, 8)
+            assert reader.read_array()["pid"].tolist() == [42]
+        v2 = RecordLayout("worker-stats", 2, WORKER.dtype)
+        with pytest.raises(LayoutMismatch):
+            StatsBlock.attach(name, v2)
+
+
+def _hammer(name: str, n: int) -> None:
+    block = StatsBlock.attach(name, WORKER)
+    for i in range(1, n + 1):
+        block.write(0, (i, i, float(i), i, i))
+    block.close()
+
+
+def test_stats_reader_never_sees_a_torn_record(instance, spawn):
+    """A writer in another process rewrites the record as fast as it can; every field
+    of every record read must come from the same write."""
+    name = segment_name(instance, 0, "stats")
+    with StatsBlock.create(name, WORKER, 1) as block:
+        writer = spawn.Process(target=_hammer, args=(name, 200_000))
+        writer.start()
+        seen = 0
+        while writer.is_alive() or seen == 0:
+            rec = block.read(0)
+            if rec is not None:
+                assert len(set(rec)) == 1, rec
+                seen += 1
+        assert join_or_kill(writer) == 0
+        assert block.read(0)[0] == 200_000
+        assert seen > 100

@@ -1,0 +1,1 @@
+"""Worker processes of one rank (capture, commit, maintenance); see issue 4."""
