@@ -82,6 +82,9 @@ _NO_SEQ = 2**64 - 1
 # Default bounded spin before sleeping: long enough to catch a busy producer's next post
 # (round trips stay ~microseconds), short enough that an idle consumer costs nothing.
 DEFAULT_SPIN_S = 50e-6
+# How often a consumer blocked on an empty ring looks for posts it took but never
+# recorded (see Consumer._adopt_unrecorded_posts).
+_IDLE_CHECK_S = 0.1
 
 
 class RingFull(queue.Full):
@@ -369,11 +372,8 @@ class Consumer:
         died_attached = _claim_end(m, _CONSUMER_PID, "consumer")
         self.spin_s = spin_s
         self._mm = m.mm
-        self._cap = m.capacity
-        self._size = m.itemsize
-        self._at = m.records_at
         self._unpack = layout.packer.unpack_from
-        self._closed = False
+        self._owed = 0  # posts a dead consumer took unrecorded, adopted as ours
         self._tail, self._batch, acquired, self._taken = _CONSUMER.unpack_from(
             m.mm, m.base + _CONSUMER_AT
         )
@@ -381,33 +381,46 @@ class Consumer:
         if acquired:
             _, start, count, _ = m.entry(self._batch)
             self._end = start + count
-        elif died_attached and self._lost_a_post():
-            # The dead consumer took the post for the next batch but died before
-            # recording it. A post and wait of our own makes its writes visible to us
-            # (every semaphore operation is a read-modify-write in one release sequence).
-            m.data.release()
-            m.data.acquire(1.0)
-            self._take_post()
+        # Posts taken beyond the batches read were close posts: the ring was closed and
+        # drained before this consumer came.
+        self._closed = self._taken > self._batch + acquired
+        if died_attached:
+            self._adopt_unrecorded_posts()
 
-    def _lost_a_post(self, settle_s: float = 0.2) -> bool:
-        """Did the previous consumer take a data post it did not record? Posts made are
-        ``pushed`` (+2 once closed) give or take one still in flight; posts taken are
-        those minus the semaphore's value. Re-read until the in-flight case is ruled out;
-        a producer that stays put that long has nothing in flight."""
+    def _adopt_unrecorded_posts(self, settle_s: float = 0.01) -> None:
+        """Take over data posts that were acquired but never recorded: by a consumer
+        SIGKILLed between the two, or (seen when idle) by this one's own lag.
+
+        Posts made are ``pushed`` (+2 once closed), one fewer while a push is between
+        storing ``pushed`` and posting; posts taken are posts made minus the semaphore's
+        value. A reading that holds still for ``settle_s`` has no push in flight; one
+        that never holds still (a busy producer) is counted one low, which is safe: the
+        post is found at the next idle check."""
         m = self._m
-        deadline = time.monotonic() + settle_s
+        last = None
+        deadline = time.monotonic() + 10 * settle_s
         while True:
             pushed, _, closed = struct.unpack_from("<QQQ", m.mm, m.base + _PRODUCER_AT)
-            value = m.data.value
-            again = struct.unpack_from("<QQQ", m.mm, m.base + _PRODUCER_AT)
-            if again[0] != pushed or again[2] != closed:
-                continue
-            extra = pushed + 2 * closed - value - self._taken
-            if extra <= 0:
-                return False
-            if extra >= 2 or time.monotonic() > deadline:
-                return True
-            time.sleep(0.001)
+            reading = (pushed, closed, m.data.value)
+            unrecorded = pushed + 2 * closed - reading[2] - self._taken
+            if unrecorded <= 0:
+                return  # the common case, decided by one reading
+            if reading == last:
+                break
+            if time.monotonic() > deadline:
+                unrecorded -= 1
+                break
+            last = reading
+            time.sleep(settle_s)
+        if unrecorded <= 0:
+            return
+        log.warning("ring %s: adopting %d data post(s) taken but not recorded", m.name, unrecorded)
+        # A post and wait of our own synchronises us with every earlier post (all
+        # operations on a semaphore are read-modify-writes in one release sequence).
+        m.data.release()
+        m.data.acquire(1.0)
+        self._taken += unrecorded
+        self._owed += unrecorded
 
     def _persist(self) -> None:
         _CONSUMER.pack_into(
@@ -425,31 +438,42 @@ class Consumer:
         self._persist()
         self._m.space.release()
 
-    def _take_post(self) -> None:
-        """A data post was just acquired: it covers batch ``self._batch``, or is a
-        close/wake post if that batch does not exist."""
-        m = self._m
-        self._taken += 1
-        seq, start, count, _ = m.entry(self._batch)
-        if seq == self._batch:
-            self._tail = start
-            self._end = start + count
-        elif m.u64(_PRODUCER_CLOSED):
-            self._closed = True
-        self._persist()
-
-    def _ready(self) -> bool:
-        """True if a batch with unread records is acquired; never blocks."""
-        while True:
-            if self._tail < self._end:
-                return True
-            if self._end >= 0:
-                self._finish_batch()
+    def _next_post(self) -> bool:
+        """Acquire the next data post without blocking. True if it covers a batch (now
+        the current one); False if there is none, or it was a close post. Callers
+        persist before acquiring another, so at most one post is ever unrecorded by
+        pop, and by pop_batch at most the batches it is copying."""
+        if self._owed:
+            self._owed -= 1
+        else:
             try:
                 self._m.data.acquire(0)
             except posix_ipc.BusyError:
                 return False
-            self._take_post()
+            self._taken += 1
+        return self._take_post()
+
+    def _take_post(self) -> bool:
+        """Act on a post just acquired (and counted in ``_taken``)."""
+        m = self._m
+        seq, start, count, _ = m.entry(self._batch)
+        if seq == self._batch:
+            self._tail = start
+            self._end = start + count
+            return True
+        if m.u64(_PRODUCER_CLOSED):
+            self._closed = True
+        self._persist()
+        return False
+
+    def _ready(self) -> bool:
+        """True if a batch with unread records is acquired; never blocks."""
+        while self._tail >= self._end:
+            if self._end >= 0:
+                self._finish_batch()
+            if not self._next_post() and self._end < 0:
+                return False
+        return True
 
     def _wait(self, timeout: float | None) -> None:
         """Block until a batch is ready; RingEmpty on timeout, RingClosed when drained."""
@@ -468,13 +492,19 @@ class Consumer:
         while True:
             if self._closed:
                 raise RingClosed(f"ring {self._m.name} is closed and drained")
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
+            remaining = _IDLE_CHECK_S if deadline is None else deadline - time.monotonic()
+            if remaining <= 0:
                 raise RingEmpty
             try:
-                self._m.data.acquire(remaining)
+                self._m.data.acquire(min(remaining, _IDLE_CHECK_S))
             except posix_ipc.BusyError:
-                raise RingEmpty from None
+                # Idle: the producer may be blocked on a full ring while a post this
+                # consumer never recorded keeps it waiting for data. Look for one.
+                self._adopt_unrecorded_posts()
+                if self._owed and self._ready():
+                    return
+                continue
+            self._taken += 1
             self._take_post()
             if self._ready():
                 return
@@ -487,7 +517,8 @@ class Consumer:
         """One record, waiting up to ``timeout`` seconds (None: forever)."""
         if self._tail >= self._end:
             self._wait(timeout)
-        rec = self._unpack(self._mm, self._at + (self._tail % self._cap) * self._size)
+        m = self._m
+        rec = self._unpack(self._mm, m.records_at + (self._tail % m.capacity) * m.itemsize)
         self._tail += 1
         if self._tail == self._end:
             self._finish_batch()  # hand the space back now, not at the next pop
@@ -497,20 +528,28 @@ class Consumer:
 
     def pop_batch(self, max_records: int, timeout: float | None = 0) -> np.ndarray:
         """Up to ``max_records`` records as a structured array (at least one), waiting up
-        to ``timeout`` for the first."""
-        self._wait(timeout)
-        parts = []
-        want = max_records
-        while want > 0 and self._ready():
-            n = min(want, self._end - self._tail)
-            parts.append(self._m.records(self._tail, n))
-            self._tail += n
-            want -= n
-            if self._tail == self._end:
-                self._finish_batch()
-            else:
-                self._persist()
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        to ``timeout`` for the first. Consecutive batches are copied in one go: their
+        posts are recorded, and their space handed back, once the copy is made."""
+        if self._tail >= self._end:
+            self._wait(timeout)
+        start = self._tail
+        limit = start + max_records
+        finished = 0
+        while self._end <= limit:  # the current batch is taken whole
+            finished += 1
+            self._batch += 1
+            stop = self._end
+            self._end = -1
+            if stop == limit or not self._next_post():
+                break
+        else:
+            stop = limit
+        self._tail = stop
+        out = self._m.records(start, stop - start)
+        self._persist()  # before handing space back: see the crash notes above
+        for _ in range(finished):
+            self._m.space.release()
+        return out
 
     def close(self) -> None:
         """Detach; a new consumer may attach and continue where this one stopped.

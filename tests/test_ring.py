@@ -251,3 +251,17 @@ def test_consumer_that_died_holding_an_unrecorded_post_is_recovered(instance, sp
             c2.pop(timeout=1)
         c2.close()
         assert ring.depth() == 0
+
+
+def test_consumer_attaching_to_a_closed_drained_ring_sees_it_closed(ring):
+    r, p, c = ring
+    p.try_push((1, 0, 0))
+    p.close()
+    assert c.pop(timeout=1)[0] == 1
+    with pytest.raises(RingClosed):
+        c.pop(timeout=1)
+    c.close()
+    late = Consumer(r.name, LAYOUT, spin_s=0)
+    with pytest.raises(RingClosed):
+        late.pop(timeout=5)
+    late.close()

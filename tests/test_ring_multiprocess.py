@@ -103,8 +103,11 @@ def consume_logging(name: str, log_path: str) -> None:
     c.close()
 
 
+KILLS = 12
+
+
 def test_consumer_killed_mid_stream_new_consumer_continues(instance, spawn, tmp_path):
-    total = 60_000
+    total = 200_000
     ring = Ring.create(segment_name(instance, 0, "ring"), LAYOUT, 256)
     producer = spawn.Process(target=produce, args=(ring.name, total, 2))
     logs = []
@@ -112,19 +115,19 @@ def test_consumer_killed_mid_stream_new_consumer_continues(instance, spawn, tmp_
     try:
         producer.start()
         rng = random.Random(3)
-        for k in range(6):  # five consumers killed at random points, the sixth finishes
+        for k in range(KILLS + 1):  # consumers killed at random points; the last finishes
             log = tmp_path / f"consumer{k}.log"
             logs.append(log)
             c = spawn.Process(target=consume_logging, args=(ring.name, str(log)))
             procs.append(c)
             c.start()
-            if k < 5:
+            if k < KILLS:
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline:  # until it is mid-stream
                     if log.exists() and log.stat().st_size >= 200:
                         break
                     time.sleep(0.005)
-                time.sleep(rng.uniform(0, 0.05))
+                time.sleep(rng.uniform(0, 0.02))
                 os.kill(c.pid, signal.SIGKILL)
                 c.join(10)
                 assert c.exitcode == -signal.SIGKILL
@@ -148,5 +151,5 @@ def test_consumer_killed_mid_stream_new_consumer_continues(instance, spawn, tmp_
     # at most one pop (7 records) per kill.
     assert all(a < b for a, b in itertools.pairwise(seqs))
     assert seqs[-1] == total - 1
-    assert total - len(seqs) <= 5 * 7
+    assert total - len(seqs) <= KILLS * 7
     assert depth == 0
