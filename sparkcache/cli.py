@@ -10,7 +10,8 @@ from typing import Any
 
 import typer
 
-from sparkcache import config
+from sparkcache import config, store_cli
+from sparkcache.store.fsck import DEFAULT_FSCK_GRACE_SECONDS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True)
 
@@ -68,3 +69,27 @@ def show_config(
         return
     for name, value in values.items():
         typer.echo(f"{config.env_name(name):34s} {value}")
+
+
+@app.command("status")
+@with_config_flags
+def status(
+    cfg: config.Config,
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Capacity line: ranks, entries, used/capacity GiB, healthy (exit 1 if not)."""
+    raise typer.Exit(store_cli.status(cfg.store_dir, json_out, cfg.max_bytes))
+
+
+@app.command("fsck")
+@with_config_flags
+def fsck(
+    cfg: config.Config,
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    repair: bool = typer.Option(False, "--repair", help="Reconcile and quarantine, then check."),
+    grace_seconds: float = typer.Option(
+        DEFAULT_FSCK_GRACE_SECONDS, "--grace-seconds", help="Ignore files younger than this."
+    ),
+) -> None:
+    """Check every store invariant; exit 1 if any is violated."""
+    raise typer.Exit(store_cli.fsck_command(cfg.store_dir, json_out, repair, grace_seconds))

@@ -1,0 +1,59 @@
+"""The thin file-I/O layer the store goes through, so tests can inject faults.
+
+Every system call the store makes on object files goes through a ``FileOps`` instance.
+Tests subclass it to raise ``ENOSPC`` from ``write`` or ``EIO`` from ``fsync``; the store
+itself never special-cases a test. ``StepHook`` is called at each named step of the commit
+and eviction protocols so a crash test can SIGKILL a child exactly at that step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+StepHook = Callable[[str], None]
+
+# The named steps, in protocol order; crash tests iterate over these.
+COMMIT_STEPS = (
+    "commit.temp_write",  # a temp file is partly written (torn)
+    "commit.fsync",  # a temp file is fully written, not yet fsynced
+    "commit.rename",  # a temp file was renamed to its final name, directory not fsynced
+    "commit.dir_fsync",  # directories fsynced, index transaction not begun
+    "commit.index_txn",  # inside the index transaction, before COMMIT
+)
+EVICTION_STEPS = (
+    "evict.select",  # victims selected, nothing removed
+    "evict.remove",  # inside the removal transaction, before COMMIT
+    "collect.select",  # inside the collection transaction, rows chosen, before DELETE
+    "collect.delete",  # rows deleted, before COMMIT
+    "collect.unlink",  # rows gone durably, before unlinking one file
+)
+
+
+def no_hook(step: str) -> None:
+    """The default step hook: does nothing."""
+
+
+class FileOps:
+    """Plain POSIX calls; every path argument is a name relative to an open directory fd."""
+
+    def open(self, name: str, flags: int, mode: int, dir_fd: int) -> int:
+        return os.open(name, flags, mode, dir_fd=dir_fd)
+
+    def write(self, fd: int, data: memoryview) -> int:
+        return os.write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def readinto(self, fd: int, buf: memoryview, offset: int) -> int:
+        return os.preadv(fd, [buf], offset)
+
+    def rename(self, src: str, dst: str, src_dir_fd: int, dst_dir_fd: int) -> None:
+        os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+
+    def unlink(self, name: str, dir_fd: int) -> None:
+        os.unlink(name, dir_fd=dir_fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)

@@ -1,0 +1,196 @@
+"""The SQLite index of one rank: schema, connections and transactions.
+
+WAL mode, so readers (lookup, restore) work on a snapshot and never block the one writer;
+``synchronous=FULL`` so a transaction that returned is on disk (a commit is acknowledged
+only after that). Writers take the lock up front with ``BEGIN IMMEDIATE`` so that the
+re-checks made inside a transaction cannot be invalidated before it commits.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import stat
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+from sparkcache.store.layout import FILE_MODE
+from sparkcache.store.records import StoreError, UnsafeStoreDir
+
+SCHEMA_VERSION = "1"
+BUSY_TIMEOUT_MS = 30_000
+# SQLite's default limit on host parameters is 32766 since 3.32; stay far below it.
+_CHUNK = 500
+
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(
+    name TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS objects(
+    key TEXT PRIMARY KEY,
+    generation TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    refcount INTEGER NOT NULL CHECK (refcount >= 0),
+    state TEXT NOT NULL CHECK (state IN ('live', 'quarantined')),
+    created REAL NOT NULL
+) WITHOUT ROWID;
+-- Collection reads only unreferenced objects; a partial index makes that O(n collected).
+CREATE INDEX IF NOT EXISTS objects_garbage ON objects(key) WHERE refcount = 0;
+CREATE TABLE IF NOT EXISTS roots(
+    id TEXT PRIMARY KEY,
+    bytes INTEGER NOT NULL,
+    pages INTEGER NOT NULL,
+    created REAL NOT NULL,
+    last_access REAL NOT NULL,
+    lease_until REAL NOT NULL
+) WITHOUT ROWID;
+-- Victim selection walks this index in order and stops after k rows: O(k log n).
+CREATE INDEX IF NOT EXISTS roots_lru ON roots(lease_until, last_access);
+CREATE TABLE IF NOT EXISTS root_pages(
+    root_id TEXT NOT NULL,
+    pos INTEGER NOT NULL,
+    key TEXT NOT NULL,
+    PRIMARY KEY (root_id, pos)
+) WITHOUT ROWID;
+-- Restores renew the roots holding (key, pos); chained keys make that the whole prefix.
+CREATE INDEX IF NOT EXISTS root_pages_key ON root_pages(key, pos);
+-- Running totals kept by triggers in the same transactions, so usage() never scans.
+CREATE TABLE IF NOT EXISTS totals(
+    name TEXT PRIMARY KEY,
+    count INTEGER NOT NULL,
+    bytes INTEGER NOT NULL
+) WITHOUT ROWID;
+INSERT OR IGNORE INTO totals VALUES ('roots', 0, 0), ('live', 0, 0), ('quarantined', 0, 0);
+CREATE TRIGGER IF NOT EXISTS objects_ins AFTER INSERT ON objects BEGIN
+    UPDATE totals SET count = count + 1, bytes = bytes + NEW.bytes WHERE name = NEW.state;
+END;
+CREATE TRIGGER IF NOT EXISTS objects_del AFTER DELETE ON objects BEGIN
+    UPDATE totals SET count = count - 1, bytes = bytes - OLD.bytes WHERE name = OLD.state;
+END;
+CREATE TRIGGER IF NOT EXISTS objects_upd AFTER UPDATE OF state, bytes ON objects BEGIN
+    UPDATE totals SET count = count - 1, bytes = bytes - OLD.bytes WHERE name = OLD.state;
+    UPDATE totals SET count = count + 1, bytes = bytes + NEW.bytes WHERE name = NEW.state;
+END;
+CREATE TRIGGER IF NOT EXISTS roots_ins AFTER INSERT ON roots BEGIN
+    UPDATE totals SET count = count + 1, bytes = bytes + NEW.bytes WHERE name = 'roots';
+END;
+CREATE TRIGGER IF NOT EXISTS roots_del AFTER DELETE ON roots BEGIN
+    UPDATE totals SET count = count - 1, bytes = bytes - OLD.bytes WHERE name = 'roots';
+END;
+"""
+
+
+def _check_index_file(path: Path, create: bool) -> None:
+    """Refuse a symlinked or foreign index; create a missing one with mode 0600."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if not create:
+            raise StoreError(f"no index at {path}") from None
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE))
+        return
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeStoreDir(f"{path} is not a regular file (symlink?); refusing to open it")
+    if st.st_uid != os.geteuid():
+        raise UnsafeStoreDir(f"{path} is owned by uid {st.st_uid}, not by this user")
+    for suffix in ("-wal", "-shm"):
+        side = path.with_name(path.name + suffix)
+        if side.is_symlink():
+            raise UnsafeStoreDir(f"{side} is a symlink; refusing to open the index")
+
+
+def connect(path: Path, create: bool) -> sqlite3.Connection:
+    """Open the index, creating the schema if asked; fail closed on anything unreadable."""
+    _check_index_file(path, create)
+    try:
+        conn = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode != "wal":
+            raise StoreError(f"index {path} could not be switched to WAL (mode {mode})")
+        conn.execute("PRAGMA synchronous=FULL")
+        version = _schema_version(conn, path, create)
+    except sqlite3.DatabaseError as exc:
+        raise StoreError(f"index {path} cannot be read: {exc}") from exc
+    if version != SCHEMA_VERSION:
+        conn.close()
+        raise StoreError(f"index {path} has schema version {version}, expected {SCHEMA_VERSION}")
+    return conn
+
+
+def _schema_version(conn: sqlite3.Connection, path: Path, create: bool) -> str | None:
+    has_meta = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'"
+    ).fetchone()
+    if has_meta is None:
+        if not create:
+            raise StoreError(f"index {path} has no schema")
+        # executescript commits on its own; the schema is idempotent, so a racing
+        # creator in another process does no harm.
+        conn.executescript(
+            "BEGIN IMMEDIATE;"
+            + _SCHEMA
+            + f"INSERT OR IGNORE INTO meta VALUES ('schema_version', '{SCHEMA_VERSION}');"
+            + "COMMIT;"
+        )
+    row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
+    return None if row is None else row[0]
+
+
+class OutcomeUnknown(StoreError):
+    """COMMIT itself failed: the transaction may or may not be durable."""
+
+
+@contextmanager
+def write_txn(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT``; rolled back on any exception before COMMIT.
+
+    A failing COMMIT raises OutcomeUnknown: after an I/O error the WAL frames may still
+    reach the disk and be replayed, so callers must not undo what the transaction refers to.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+    except BaseException:
+        # SQLite may already have rolled back (e.g. after SQLITE_FULL).
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    try:
+        conn.execute("COMMIT")
+    except sqlite3.Error as exc:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise OutcomeUnknown(f"index COMMIT failed: {exc}") from exc
+
+
+@contextmanager
+def read_txn(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """A deferred transaction: every read inside sees one snapshot."""
+    conn.execute("BEGIN")
+    try:
+        yield conn
+    finally:
+        conn.execute("COMMIT")
+
+
+def chunks(items: Sequence[T], size: int = _CHUNK) -> Iterable[Sequence[T]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def rows_for_keys(conn: sqlite3.Connection, columns: str, keys: Sequence[str]) -> dict[str, tuple]:
+    """``key -> (columns...)`` for the object rows of ``keys`` (missing keys absent)."""
+    out: dict[str, tuple] = {}
+    for part in chunks(list(keys)):
+        marks = ",".join("?" * len(part))
+        for row in conn.execute(
+            f"SELECT key, {columns} FROM objects WHERE key IN ({marks})", tuple(part)
+        ):
+            out[row[0]] = row[1:]
+    return out

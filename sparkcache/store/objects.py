@@ -1,0 +1,177 @@
+"""The object file format, and writing and verified reading of one object file.
+
+An object file is a 64-byte header followed by the page bytes::
+
+    offset size field
+         0    8 magic b"SPKCPAGE"
+         8    2 format version (1)
+        10    2 header length (64)
+        12    4 flags (0)
+        16   16 page key (raw digest)
+        32    8 generation (raw)
+        40    8 payload length
+        48   12 reserved (zero)
+        60    4 CRC-32 of bytes 0..59 followed by the payload
+
+All integers little-endian. The checksum is zlib's CRC-32: it runs at ~1.8 GB/s here
+(blake2b manages ~0.45 GB/s), it detects every error of up to 3 bits and every burst of up
+to 32 bits, so a flipped bit anywhere in the file is always caught; it guards against
+media and torn-write damage, not against an adversary who can write the store (who could
+rewrite the index as well). The key, generation and length are checked on their own too.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import struct
+import zlib
+
+from sparkcache.store.fileops import FileOps, StepHook
+from sparkcache.store.layout import FILE_MODE, object_name, temp_name
+
+MAGIC = b"SPKCPAGE"
+OBJECT_FORMAT_VERSION = 1
+_HEADER = struct.Struct("<8sHHI16s8sQ12sI")
+HEADER_SIZE = _HEADER.size
+_CHECKED = HEADER_SIZE - 4
+_RESERVED = bytes(12)
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+assert HEADER_SIZE == 64
+
+
+class ObjectCorrupt(Exception):
+    """An object file failed verification; the message says which check."""
+
+
+def build_header(key: str, generation: str, payload: memoryview) -> bytes:
+    head = _HEADER.pack(
+        MAGIC,
+        OBJECT_FORMAT_VERSION,
+        HEADER_SIZE,
+        0,
+        bytes.fromhex(key),
+        bytes.fromhex(generation),
+        payload.nbytes,
+        _RESERVED,
+        0,
+    )[:_CHECKED]
+    crc = zlib.crc32(payload, zlib.crc32(head))
+    return head + struct.pack("<I", crc)
+
+
+def _write_all(ops: FileOps, fd: int, data: memoryview) -> None:
+    while data.nbytes:
+        n = ops.write(fd, data)
+        if n <= 0:  # a regular file that accepts nothing is full; never spin
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        data = data[n:]
+
+
+def write_temp(
+    ops: FileOps, dir_fd: int, key: str, generation: str, payload: memoryview, hook: StepHook
+) -> int:
+    """Write ``<key>.<generation>.tmp`` under ``dir_fd`` and return its open descriptor.
+
+    The file is not yet durable: the caller fsyncs it (``sync_and_close``, on a background
+    thread) while it writes the next one. On failure the descriptor is closed and the file
+    removed.
+    """
+    name = temp_name(key, generation)
+    header = build_header(key, generation, payload)
+    fd = ops.open(name, _WRITE_FLAGS, FILE_MODE, dir_fd)
+    try:
+        _write_all(ops, fd, memoryview(header))
+        half = payload.nbytes // 2
+        _write_all(ops, fd, payload[:half])
+        hook("commit.temp_write")
+        _write_all(ops, fd, payload[half:])
+    except BaseException:
+        ops.close(fd)
+        try:
+            ops.unlink(name, dir_fd)
+        except FileNotFoundError:
+            pass
+        raise
+    return fd
+
+
+def sync_and_close(ops: FileOps, fd: int, hook: StepHook) -> None:
+    """fsync a written temporary file and close it (closed even if fsync fails)."""
+    try:
+        hook("commit.fsync")
+        ops.fsync(fd)
+    finally:
+        ops.close(fd)
+
+
+def open_object(ops: FileOps, dir_fd: int, key: str, generation: str) -> int:
+    """Open object ``key.generation`` for reading, never through a symlink.
+
+    Raises FileNotFoundError if it is absent, ObjectCorrupt if it cannot be opened as a file.
+    """
+    try:
+        return ops.open(object_name(key, generation), _READ_FLAGS, 0, dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        # ELOOP: a symlink planted where an object should be; never followed.
+        raise ObjectCorrupt(f"cannot open object: {exc.strerror}") from exc
+
+
+def read_verified(
+    ops: FileOps, fd: int, key: str, generation: str, length: int, out: memoryview
+) -> None:
+    """Read the open object ``fd`` into ``out[:length]`` and verify it completely.
+
+    Raises ObjectCorrupt if any check fails; then ``out[:length]`` is zeroed so no
+    unverified byte is left in the caller's buffer.
+    """
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ObjectCorrupt("not a regular file")
+    if st.st_size != HEADER_SIZE + length:
+        raise ObjectCorrupt(f"size {st.st_size} != {HEADER_SIZE + length}")
+    header = bytearray(HEADER_SIZE)
+    if ops.readinto(fd, memoryview(header), 0) != HEADER_SIZE:
+        raise ObjectCorrupt("short header")
+    body = out[:length]
+    try:
+        if ops.readinto(fd, body, HEADER_SIZE) != length:
+            raise ObjectCorrupt("short payload")
+        check_header(header, key, generation, length, body)
+    except BaseException:
+        body[:] = bytes(length)
+        raise
+
+
+def check_header(
+    header: bytearray, key: str, generation: str, length: int, payload: memoryview
+) -> None:
+    magic, version, hlen, flags, hkey, hgen, hlength, reserved, crc = _HEADER.unpack(header)
+    if magic != MAGIC:
+        raise ObjectCorrupt("bad magic")
+    if version != OBJECT_FORMAT_VERSION or hlen != HEADER_SIZE or flags != 0:
+        raise ObjectCorrupt(f"unsupported format version {version} / header {hlen} / {flags}")
+    if hkey != bytes.fromhex(key):
+        raise ObjectCorrupt("key mismatch")
+    if hgen != bytes.fromhex(generation):
+        raise ObjectCorrupt("generation mismatch")
+    if hlength != length:
+        raise ObjectCorrupt(f"length {hlength} != {length}")
+    if reserved != _RESERVED:
+        raise ObjectCorrupt("reserved bytes not zero")
+    if zlib.crc32(payload, zlib.crc32(memoryview(header)[:_CHECKED])) != crc:
+        raise ObjectCorrupt("checksum mismatch")
+
+
+def verify_file(ops: FileOps, dir_fd: int, key: str, generation: str, length: int) -> None:
+    """Verify an object file without a caller buffer (fsck)."""
+    fd = open_object(ops, dir_fd, key, generation)
+    try:
+        read_verified(ops, fd, key, generation, length, memoryview(bytearray(length)))
+    finally:
+        ops.close(fd)

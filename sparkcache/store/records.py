@@ -1,0 +1,91 @@
+"""Typed records and errors of the page store API."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from sparkcache.identity import require_hex
+
+ROOT_ID_HEX_LEN = 32
+# Raw bytes-like page contents: bytes, bytearray, memoryview, numpy arrays (C-contiguous).
+Buffer = bytes | bytearray | memoryview
+
+
+class StoreError(RuntimeError):
+    """The store cannot do what was asked without risking wrong or lost data."""
+
+
+class UnsafeStoreDir(StoreError):
+    """A store path is a symlink, not a directory, owned by someone else or writable by others."""
+
+
+class CommitFailed(StoreError):
+    """A commit did not happen; nothing of it is referenced and earlier roots are intact."""
+
+
+@dataclass(frozen=True)
+class PageData:
+    """One page to store: its hex key and its bytes."""
+
+    key: str
+    data: Buffer
+
+    def __post_init__(self) -> None:
+        require_hex(self.key, "page key")
+
+
+@dataclass(frozen=True)
+class Root:
+    """A publication: the ordered pages of one sequence at one moment."""
+
+    root_id: str
+    pages: Sequence[PageData]
+
+    def __post_init__(self) -> None:
+        require_hex(self.root_id, "root id", ROOT_ID_HEX_LEN)
+        if not self.pages:
+            raise ValueError(f"root {self.root_id} has no pages; a root needs at least one")
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    root_id: str
+    pages: int
+    pages_written: int
+    pages_deduplicated: int
+    bytes_written: int
+    retries: int
+
+
+@dataclass(frozen=True)
+class RemoveResult:
+    removed: tuple[str, ...]
+    # Roots asked for that were not removed: unknown, or leased again since selection.
+    skipped: tuple[str, ...]
+    bytes: int
+
+
+@dataclass(frozen=True)
+class CollectResult:
+    objects: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class ReconcileResult:
+    temp_files_removed: int
+    orphan_files_removed: int
+    dead_rows_removed: int
+    refcounts_fixed: int
+    objects_missing: int
+
+
+@dataclass(frozen=True)
+class Usage:
+    entries: int
+    used_bytes: int
+    objects: int
+    # state -> (objects, bytes), e.g. {"live": (10, 10485760), "quarantined": (1, 1048576)}
+    by_state: dict[str, tuple[int, int]] = field(default_factory=dict)
+    collectable_objects: int = 0

@@ -1,0 +1,574 @@
+"""``PageStore``: the durable page store of one rank, used in-process.
+
+Commit protocol (invariants 1 and 3 of the design brief; details in docs/store.md):
+  1. read which page keys the index already holds live (the rest is the page delta);
+  2. ``ObjectWriter`` writes each delta page to ``<key>.<gen>.tmp``, fsyncs it, renames it
+     to ``<key>.<gen>`` and fsyncs every fan-out directory touched;
+  3. ``BEGIN IMMEDIATE``; re-check every key: one this commit relied on but did not write
+     that is no longer live (collected meanwhile), or one it wrote whose file is gone (swept
+     by a concurrent reconcile), rolls back and goes round again for those keys; then rows
+     for our files, the root (with its lease), its pages and references; ``COMMIT``
+     (fsynced WAL). Only then is the root acknowledged.
+Any failure before the COMMIT unlinks every file this commit wrote; earlier roots are
+untouched.
+
+Eviction protocol (invariant 2): ``select_victims`` walks the LRU index; ``remove_roots``
+deletes roots and drops their references in one durable transaction, re-checking leases;
+``collect`` deletes unreferenced object rows in one durable transaction and only then
+unlinks exactly those ``<key>.<generation>`` files.
+
+A store instance belongs to one process: open a new one after fork.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sqlite3
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparkcache.identity import require_hex
+from sparkcache.store import index, recovery
+from sparkcache.store.fileops import FileOps, StepHook, no_hook
+from sparkcache.store.layout import (
+    DIR_FLAGS,
+    RankLayout,
+    fanout,
+    object_name,
+    open_subdir,
+)
+from sparkcache.store.objects import ObjectCorrupt, open_object, read_verified
+from sparkcache.store.records import (
+    ROOT_ID_HEX_LEN,
+    CollectResult,
+    CommitFailed,
+    CommitResult,
+    ReconcileResult,
+    RemoveResult,
+    Root,
+    StoreError,
+    Usage,
+)
+from sparkcache.store.writer import ObjectWriter, WrittenFile
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_SECONDS = 300.0
+DEFAULT_GRACE_SECONDS = 60.0
+# Pages a restore keeps open and has the kernel read ahead while it verifies the current one.
+PREFETCH_PAGES = 4
+
+
+@dataclass
+class StoreCounters:
+    """Process-local counters; the metrics layer reads them."""
+
+    commits: int = 0
+    commits_failed: int = 0
+    commit_retries: int = 0
+    quarantined: int = 0
+    missing_files: int = 0
+
+
+class _Conflict(Exception):
+    """Keys a commit relied on were collected before its transaction; roll back, retry."""
+
+    def __init__(self, keys: set[str]) -> None:
+        super().__init__(f"{len(keys)} keys vanished")
+        self.keys = keys
+
+
+class PageStore:
+    """Objects, index and protocols of ``<store_dir>/rank-<rank>``."""
+
+    def __init__(
+        self,
+        store_dir: Path | str,
+        rank: int,
+        *,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        create: bool = True,
+        fileops: FileOps | None = None,
+        hook: StepHook = no_hook,
+        clock: Callable[[], float] = time.time,
+        touch_batch: int = 64,
+        touch_interval_s: float = 1.0,
+        max_retries: int = 8,
+    ) -> None:
+        if rank < 0:
+            raise ValueError(f"rank {rank!r} must be >= 0")
+        self.layout = RankLayout(Path(store_dir), rank)
+        self.layout.prepare(create)
+        self.lease_seconds = lease_seconds
+        self.counters = StoreCounters()
+        self._ops = fileops or FileOps()
+        self._hook = hook
+        self._clock = clock
+        self._touch_batch = touch_batch
+        self._touch_interval_s = touch_interval_s
+        self._max_retries = max_retries
+        self._touches: dict[tuple[str, int], float] = {}
+        self._touches_since = 0.0
+        self._objects_fd = os.open(self.layout.objects_dir, DIR_FLAGS)
+        self._quarantine_fd = os.open(self.layout.quarantine_dir, DIR_FLAGS)
+        self._writer = ObjectWriter(self._ops, hook, self._objects_fd)
+        try:
+            self._wconn = index.connect(self.layout.index_path, create)
+        except BaseException:
+            os.close(self._objects_fd)
+            os.close(self._quarantine_fd)
+            raise
+        try:
+            # Lookups and restores read here, on their own WAL snapshot.
+            self._rconn = index.connect(self.layout.index_path, create=False)
+        except BaseException:
+            self._wconn.close()
+            os.close(self._objects_fd)
+            os.close(self._quarantine_fd)
+            raise
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Flush batched access records and release descriptors and connections."""
+        try:
+            self.flush_touches()
+        finally:
+            self._writer.close()
+            self._wconn.close()
+            self._rconn.close()
+            os.close(self._objects_fd)
+            os.close(self._quarantine_fd)
+
+    def __enter__(self) -> PageStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ commit
+
+    def commit(self, root: Root) -> CommitResult:
+        """Store ``root``'s page delta and publish the root with a lease; see module doc."""
+        views = [memoryview(p.data).cast("B") for p in root.pages]
+        keys = [p.key for p in root.pages]
+        data = dict(zip(keys, views, strict=True))
+        written: dict[str, WrittenFile] = {}
+        retries = 0
+        surplus: list[WrittenFile] = []
+        try:
+            while True:
+                live = self._live_keys(list(data.keys() - written.keys()))
+                delta = [k for k in data if k not in live and k not in written]
+                self._writer.write(delta, data, written)
+                conflict = self._publish(root.root_id, keys, views, written, surplus)
+                if not conflict:
+                    break
+                for key in conflict:
+                    written.pop(key, None)  # only files that are gone; rewritten next round
+                retries += 1
+                self.counters.commit_retries += 1
+                log.info(
+                    "commit %s: %d deduplicated pages were collected meanwhile; retry",
+                    root.root_id,
+                    len(conflict),
+                )
+                if retries > self._max_retries:
+                    raise CommitFailed(
+                        f"commit {root.root_id}: still racing collection after {retries} tries"
+                    )
+        except index.OutcomeUnknown as exc:
+            # The COMMIT itself failed: the root may still be durable, so its files stay;
+            # reconcile() removes them later if no row references them.
+            self.counters.commits_failed += 1
+            raise CommitFailed(f"commit {root.root_id} failed: {exc}") from exc
+        except BaseException as exc:
+            self.counters.commits_failed += 1
+            self._writer.discard(written.values())
+            if isinstance(exc, OSError | sqlite3.Error):
+                raise CommitFailed(f"commit {root.root_id} failed: {exc}") from exc
+            raise
+        # Published. Keys another committer stored first: our copies are unreferenced.
+        self._writer.discard(surplus)
+        for w in surplus:
+            del written[w.key]
+        self.counters.commits += 1
+        pages_written = sum(1 for w in written.values() if w.key in data)
+        return CommitResult(
+            root_id=root.root_id,
+            pages=len(keys),
+            pages_written=pages_written,
+            pages_deduplicated=len(keys) - pages_written,
+            bytes_written=sum(data[k].nbytes for k in written),
+            retries=retries,
+        )
+
+    def _live_keys(self, keys: list[str]) -> set[str]:
+        rows = index.rows_for_keys(self._rconn, "state", keys)
+        return {k for k, (state,) in rows.items() if state == "live"}
+
+    def _publish(
+        self,
+        root_id: str,
+        keys: list[str],
+        views: list[memoryview],
+        written: dict[str, WrittenFile],
+        surplus: list[WrittenFile],
+    ) -> set[str]:
+        """Step 3: the index transaction. Returns the keys that vanished (retry) or ``{}``.
+
+        Fills ``surplus`` with files we wrote whose key another committer stored first.
+        """
+        now = self._clock()
+        sizes = {k: v.nbytes for k, v in zip(keys, views, strict=True)}
+        surplus.clear()
+        try:
+            with index.write_txn(self._wconn) as conn:
+                self._adopt_objects(conn, sizes, written, surplus, now)
+                self._drop_root(conn, root_id)
+                conn.execute(
+                    "INSERT INTO roots VALUES (?, ?, ?, ?, ?, ?)",
+                    (
+                        root_id,
+                        sum(sizes[k] for k in keys),
+                        len(keys),
+                        now,
+                        now,
+                        now + self.lease_seconds,
+                    ),
+                )
+                conn.executemany(
+                    "INSERT INTO root_pages VALUES (?, ?, ?)",
+                    [(root_id, pos, key) for pos, key in enumerate(keys)],
+                )
+                conn.executemany(
+                    "UPDATE objects SET refcount = refcount + ? WHERE key = ?",
+                    [(n, key) for key, n in Counter(keys).items()],
+                )
+                self._hook("commit.index_txn")
+        except _Conflict as conflict:
+            return conflict.keys
+        return set()
+
+    def _adopt_objects(
+        self,
+        conn: sqlite3.Connection,
+        sizes: dict[str, int],
+        written: dict[str, WrittenFile],
+        surplus: list[WrittenFile],
+        now: float,
+    ) -> None:
+        """Inside the commit transaction: rows for the files we wrote, re-check the rest."""
+        rows = index.rows_for_keys(conn, "generation, state", list(sizes))
+        conflict = set()
+        for key, size in sizes.items():
+            row = rows.get(key)
+            mine = written.get(key)
+            if mine is None:
+                if row is None or row[1] != "live":
+                    conflict.add(key)
+            elif (row is None or row[1] != "live") and not self._writer.exists(mine):
+                # Swept by a concurrent reconcile() before we held the lock: write it again.
+                conflict.add(key)
+            elif row is None:
+                conn.execute(
+                    "INSERT INTO objects VALUES (?, ?, ?, 0, 'live', ?)",
+                    (key, mine.generation, size, now),
+                )
+            elif row[1] != "live":
+                # The quarantined copy was moved aside; ours replaces it.
+                conn.execute(
+                    "UPDATE objects SET generation = ?, bytes = ?, state = 'live' WHERE key = ?",
+                    (mine.generation, size, key),
+                )
+            elif row[0] != mine.generation:
+                surplus.append(mine)
+        if conflict:
+            raise _Conflict(conflict)
+
+    def _drop_root(self, conn: sqlite3.Connection, root_id: str) -> int:
+        """Delete a root and its references inside the caller's transaction; its bytes."""
+        row = conn.execute("SELECT bytes FROM roots WHERE id = ?", (root_id,)).fetchone()
+        if row is None:
+            return 0
+        old = [
+            k for (k,) in conn.execute("SELECT key FROM root_pages WHERE root_id = ?", (root_id,))
+        ]
+        conn.executemany(
+            "UPDATE objects SET refcount = refcount - ? WHERE key = ?",
+            [(n, key) for key, n in Counter(old).items()],
+        )
+        conn.execute("DELETE FROM root_pages WHERE root_id = ?", (root_id,))
+        conn.execute("DELETE FROM roots WHERE id = ?", (root_id,))
+        return int(row[0])
+
+    # ------------------------------------------------------------------ read side
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        """Number of leading ``keys`` the store holds live (the longest stored prefix)."""
+        keys = [require_hex(k, "page key") for k in keys]
+        rows = index.rows_for_keys(self._rconn, "refcount, state", keys)
+        n = 0
+        for key in keys:
+            row = rows.get(key)
+            if row is None or row[0] == 0 or row[1] != "live":
+                break
+            n += 1
+        return n
+
+    def restore(self, keys: Sequence[str], into: Sequence[object]) -> int:
+        """Read and verify the leading ``keys`` into ``into`` (one writable buffer per page).
+
+        Returns how many leading pages were restored. A page that fails verification ends
+        the prefix: its buffer is zeroed, the object quarantined and counted. The next
+        ``PREFETCH_PAGES`` objects are opened and read ahead by the kernel while the current
+        one is verified; an open object stays readable even if collection unlinks it.
+        """
+        keys = [require_hex(k, "page key") for k in keys]
+        if len(into) < len(keys):
+            raise ValueError(f"restore: {len(keys)} keys but only {len(into)} buffers")
+        with index.read_txn(self._rconn) as conn:
+            rows = index.rows_for_keys(conn, "generation, bytes, refcount, state", keys)
+        plan: list[tuple[str, str, int, memoryview]] = []
+        for i, key in enumerate(keys):
+            row = rows.get(key)
+            if row is None or row[2] == 0 or row[3] != "live":
+                break
+            buf = memoryview(into[i]).cast("B")  # type: ignore[arg-type]
+            if buf.readonly or buf.nbytes < row[1]:
+                raise ValueError(
+                    f"restore: buffer {i} must be writable and hold {row[1]} bytes, "
+                    f"has {buf.nbytes}{' (read-only)' if buf.readonly else ''}"
+                )
+            plan.append((key, row[0], row[1], buf))
+        n = self._read_plan(plan)
+        if n:
+            self._touches[(keys[n - 1], n - 1)] = self._clock()
+            try:
+                self._maybe_flush_touches()
+            except sqlite3.Error as exc:
+                # The pages were verified and are the caller's; access records can wait.
+                log.warning("could not record restore access yet: %s", exc)
+        return n
+
+    def _read_plan(self, plan: list[tuple[str, str, int, memoryview]]) -> int:
+        """Open ahead, read and verify ``plan`` in order; the number of pages restored."""
+        ahead: deque[int] = deque()  # open descriptors of plan[n : opened]
+        opened = 0
+        limit = len(plan)  # cut at the first page that cannot be opened
+        n = 0
+        try:
+            for key, generation, size, buf in plan:
+                while opened < limit and len(ahead) <= PREFETCH_PAGES:
+                    fd = self._open_page(*plan[opened][:2])
+                    if fd is None:
+                        limit = opened
+                        break
+                    ahead.append(fd)
+                    opened += 1
+                if not ahead:
+                    break
+                fd = ahead.popleft()
+                try:
+                    read_verified(self._ops, fd, key, generation, size, buf)
+                except ObjectCorrupt as exc:
+                    self._quarantine(key, generation, str(exc))
+                    break
+                except OSError as exc:
+                    log.warning("object %s.%s unreadable: %s; a miss", key, generation, exc)
+                    break
+                finally:
+                    self._ops.close(fd)
+                n += 1
+        finally:
+            for fd in ahead:
+                self._ops.close(fd)
+        return n
+
+    def _open_page(self, key: str, generation: str) -> int | None:
+        """Open a page's object and start its readahead; None (handled) if it cannot be."""
+        try:
+            dir_fd = open_subdir(fanout(key), self._objects_fd, create=False)
+        except FileNotFoundError:
+            self._missing(key, generation)
+            return None
+        except StoreError as exc:
+            self._quarantine(key, generation, str(exc))
+            return None
+        try:
+            fd = open_object(self._ops, dir_fd, key, generation)
+        except FileNotFoundError:
+            self._missing(key, generation)
+            return None
+        except ObjectCorrupt as exc:
+            self._quarantine(key, generation, str(exc))
+            return None
+        except OSError as exc:
+            log.warning("object %s.%s cannot be opened: %s; a miss", key, generation, exc)
+            return None
+        finally:
+            os.close(dir_fd)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass  # readahead is an optimisation only
+        return fd
+
+    def _missing(self, key: str, generation: str) -> None:
+        """A live row without its file: a race with collection is a plain miss; else damage."""
+        row = self._rconn.execute(
+            "SELECT generation, refcount, state FROM objects WHERE key = ?", (key,)
+        ).fetchone()
+        if row is not None and row[0] == generation and row[2] == "live":
+            self.counters.missing_files += 1
+            self._quarantine(key, generation, "file missing")
+
+    def quarantine(self, key: str, generation: str, reason: str) -> None:
+        """Mark an object bad and move its file (or planted link) aside; never deleted here."""
+        self._quarantine(require_hex(key, "page key"), generation, reason)
+
+    def _quarantine(self, key: str, generation: str, reason: str) -> None:
+        self.counters.quarantined += 1
+        log.warning("object %s.%s failed verification (%s): quarantined", key, generation, reason)
+        # Row first: from this COMMIT on no reader uses the object, and the next commit of
+        # the key writes a fresh generation.
+        with index.write_txn(self._wconn) as conn:
+            conn.execute(
+                "UPDATE objects SET state = 'quarantined' WHERE key = ? AND generation = ?",
+                (key, generation),
+            )
+        name = object_name(key, generation)
+        try:
+            fd = open_subdir(fanout(key), self._objects_fd, create=False)
+        except (FileNotFoundError, StoreError):
+            return
+        try:
+            self._ops.rename(name, name, fd, self._quarantine_fd)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                log.warning("could not move %s to quarantine: %s", name, exc)
+        finally:
+            os.close(fd)
+
+    def _maybe_flush_touches(self) -> None:
+        now = self._clock()
+        if not self._touches_since:
+            self._touches_since = now
+        if (
+            len(self._touches) >= self._touch_batch
+            or now - self._touches_since >= self._touch_interval_s
+        ):
+            self.flush_touches()
+
+    def flush_touches(self) -> int:
+        """Record batched restores: renew leases and last access of the roots they read."""
+        if not self._touches:
+            return 0
+        with index.write_txn(self._wconn) as conn:
+            for (key, pos), when in self._touches.items():
+                conn.execute(
+                    "UPDATE roots SET last_access = max(last_access, ?), "
+                    "lease_until = max(lease_until, ?) WHERE id IN "
+                    "(SELECT root_id FROM root_pages WHERE key = ? AND pos = ?)",
+                    (when, when + self.lease_seconds, key, pos),
+                )
+        flushed, self._touches, self._touches_since = len(self._touches), {}, 0.0
+        return flushed
+
+    # ------------------------------------------------------------------ eviction
+
+    def select_victims(self, k: int) -> list[str]:
+        """Up to ``k`` unleased roots, least recently used first (an index walk, no sort).
+
+        Every commit and restore sets ``lease_until = last_access + lease_seconds``, so
+        lease order is access order and the ``(lease_until, last_access)`` index yields LRU.
+        """
+        rows = self._rconn.execute(
+            "SELECT id FROM roots WHERE lease_until <= ? ORDER BY lease_until, last_access LIMIT ?",
+            (self._clock(), k),
+        ).fetchall()
+        self._hook("evict.select")
+        return [r[0] for r in rows]
+
+    def remove_roots(self, ids: Sequence[str]) -> RemoveResult:
+        """Durably remove unleased roots and drop their references (before any collection)."""
+        ids = [require_hex(i, "root id", ROOT_ID_HEX_LEN) for i in ids]
+        removed, skipped, freed = [], [], 0
+        with index.write_txn(self._wconn) as conn:
+            now = self._clock()
+            for root_id in ids:
+                row = conn.execute(
+                    "SELECT lease_until FROM roots WHERE id = ?", (root_id,)
+                ).fetchone()
+                # Re-checked under the write lock: a restore may have renewed the lease.
+                if row is None or row[0] > now:
+                    skipped.append(root_id)
+                    continue
+                freed += self._drop_root(conn, root_id)
+                removed.append(root_id)
+            self._hook("evict.remove")
+        return RemoveResult(tuple(removed), tuple(skipped), freed)
+
+    def collect(self, n: int) -> CollectResult:
+        """Delete up to ``n`` unreferenced object rows durably, then unlink their files."""
+        with index.write_txn(self._wconn) as conn:
+            rows = conn.execute(
+                "SELECT key, generation, bytes FROM objects WHERE refcount = 0 LIMIT ?", (n,)
+            ).fetchall()
+            self._hook("collect.select")
+            conn.executemany(
+                "DELETE FROM objects WHERE key = ? AND generation = ? AND refcount = 0",
+                [(k, g) for k, g, _ in rows],
+            )
+            self._hook("collect.delete")
+        for key, generation, _ in rows:
+            self._hook("collect.unlink")
+            self._writer.discard([WrittenFile(key, generation, renamed=True)])
+        return CollectResult(objects=len(rows), bytes=sum(r[2] for r in rows))
+
+    # ------------------------------------------------------------------ recovery
+
+    def reconcile(self, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> ReconcileResult:
+        """Start-up repair after a crash: dead rows, wrong refcounts, orphan and temp files.
+
+        Fails closed: if the index does not pass ``quick_check`` nothing is deleted. Temp
+        files younger than ``grace_seconds`` are left alone (a commit in another process may
+        be writing them). Only ``objects/`` is swept; the index's ``-wal`` and ``-shm`` files
+        are never removed. Safe beside running committers: see ``recovery``.
+        """
+        recovery.check_readable(self._wconn, str(self.layout.index_path))
+        dead, fixed = recovery.repair_rows(self._wconn)
+        swept = recovery.sweep_files(self._wconn, self._ops, self._objects_fd, grace_seconds)
+        for key, generation in swept.missing:
+            self.counters.missing_files += 1
+            log.warning("object %s.%s has no file: quarantined", key, generation)
+        result = ReconcileResult(
+            temp_files_removed=swept.temp_files_removed,
+            orphan_files_removed=swept.orphan_files_removed,
+            dead_rows_removed=dead,
+            refcounts_fixed=fixed,
+            objects_missing=len(swept.missing),
+        )
+        log.info("reconcile %s: %s", self.layout.rank_dir, result)
+        return result
+
+    # ------------------------------------------------------------------ accounting
+
+    def usage(self) -> Usage:
+        """Entries, bytes and objects per state, from trigger-kept totals (no scan)."""
+        with index.read_txn(self._rconn) as conn:
+            totals = {name: (c, b) for name, c, b in conn.execute("SELECT * FROM totals")}
+            garbage = conn.execute("SELECT count(*) FROM objects WHERE refcount = 0").fetchone()[0]
+        states = {k: v for k, v in totals.items() if k != "roots"}
+        return Usage(
+            entries=totals["roots"][0],
+            used_bytes=sum(b for _, b in states.values()),
+            objects=sum(c for c, _ in states.values()),
+            by_state=states,
+            collectable_objects=garbage,
+        )

@@ -1,0 +1,72 @@
+"""Helpers for tests and benchmarks of the store: deterministic pages and injected faults."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import signal
+
+import numpy as np
+
+from sparkcache.store.fileops import FileOps
+from sparkcache.store.records import PageData, Root
+
+
+def page_bytes(key: str, size: int) -> bytes:
+    """Deterministic page contents derived from the key, so any reader can check them."""
+    seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def make_root(root_id: str, keys: list[str], size: int) -> Root:
+    return Root(root_id, [PageData(k, page_bytes(k, size)) for k in keys])
+
+
+class FaultyFileOps(FileOps):
+    """FileOps that fails like a full disk or a dying device, on demand.
+
+    ``space``: bytes that may still be written before ``write`` raises ENOSPC (None:
+    unlimited). ``fail_fsync``: make every ``fsync`` raise EIO. Counts fsync calls.
+    """
+
+    def __init__(self, space: int | None = None, fail_fsync: bool = False) -> None:
+        self.space = space
+        self.fail_fsync = fail_fsync
+        self.fsyncs = 0
+
+    def write(self, fd: int, data: memoryview) -> int:
+        if self.space is not None:
+            if self.space <= 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            data = data[: self.space]
+        n = super().write(fd, data)
+        if self.space is not None:
+            self.space -= n
+        return n
+
+    def fsync(self, fd: int) -> None:
+        self.fsyncs += 1
+        if self.fail_fsync:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        super().fsync(fd)
+
+
+class KillAt:
+    """A step hook that SIGKILLs its own process the ``nth`` time it reaches ``step``.
+
+    Occurrences count only while ``armed``, so a caller can let some operations finish
+    (and be acknowledged) before the kill.
+    """
+
+    def __init__(self, step: str, nth: int, armed: bool = True) -> None:
+        self.step = step
+        self.nth = nth
+        self.armed = armed
+        self.seen = 0
+
+    def __call__(self, step: str) -> None:
+        if step == self.step and self.armed:
+            self.seen += 1
+            if self.seen == self.nth:
+                os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,358 @@
+"""PageStore API: commit, dedup, lookup, restore, leases, eviction primitives, usage."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sparkcache.identity import Namespace, sequence_keys
+from sparkcache.store import PageData, PageStore, Root, StoreError, UnsafeStoreDir
+from sparkcache.store.fsck import fsck
+from sparkcache.store.layout import fanout, object_name
+from sparkcache.store.testing import make_root, page_bytes
+
+SIZE = 4096
+NS = Namespace("model-a", "bfloat16", "nhd", tp_size=2, rank=0, page_tokens=8)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def rid() -> str:
+    return secrets.token_hex(16)
+
+
+def keys_for(tokens: list[int], ns: Namespace = NS) -> list[str]:
+    return list(sequence_keys(ns, tokens).all())
+
+
+def restored(store: PageStore, keys: list[str], size: int = SIZE) -> list[bytes]:
+    bufs = [bytearray(size) for _ in keys]
+    n = store.restore(keys, bufs)
+    return [bytes(b) for b in bufs[:n]]
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: Clock) -> PageStore:
+    s = PageStore(tmp_path / "store", 0, lease_seconds=10, clock=clock)
+    yield s
+    s.close()
+
+
+def test_roundtrip_and_longest_prefix(store: PageStore) -> None:
+    keys = keys_for(list(range(30)))
+    result = store.commit(make_root(rid(), keys, SIZE))
+    assert (result.pages, result.pages_written, result.pages_deduplicated) == (4, 4, 0)
+    assert store.lookup(keys) == 4
+    assert restored(store, keys) == [page_bytes(k, SIZE) for k in keys]
+    longer = keys_for(list(range(40)))
+    assert store.lookup(longer) == 3  # full pages shared; the tails differ
+    assert store.lookup([]) == 0
+
+
+def test_dedup_writes_only_the_delta_and_counts_references(store: PageStore) -> None:
+    first = keys_for(list(range(24)))
+    second = keys_for(list(range(40)))
+    store.commit(make_root(rid(), first, SIZE))
+    result = store.commit(make_root(rid(), second, SIZE))
+    assert (result.pages_written, result.pages_deduplicated) == (2, 3)
+    refs = dict(store._rconn.execute("SELECT key, refcount FROM objects"))
+    assert [refs[k] for k in second] == [2, 2, 2, 1, 1]
+    assert store.usage().objects == 5
+
+
+def test_restore_into_numpy_buffers_and_rejects_small_ones(store: PageStore) -> None:
+    keys = keys_for(list(range(16)))
+    store.commit(make_root(rid(), keys, SIZE))
+    out = np.zeros((2, SIZE), dtype=np.uint8)
+    assert store.restore(keys, [out[0], out[1]]) == 2
+    assert out[1].tobytes() == page_bytes(keys[1], SIZE)
+    with pytest.raises(ValueError, match="hold 4096 bytes"):
+        store.restore(keys, [bytearray(SIZE), bytearray(10)])
+    with pytest.raises(ValueError, match="2 keys but only 1 buffers"):
+        store.restore(keys, [bytearray(SIZE)])
+
+
+def test_non_hex_keys_and_ids_are_refused(store: PageStore) -> None:
+    with pytest.raises(ValueError, match=r"page key '\.\./etc' is not a hex digest"):
+        store.lookup(["../etc"])
+    with pytest.raises(ValueError, match="root id 'zz' is not a hex digest"):
+        store.remove_roots(["zz"])
+    with pytest.raises(ValueError, match="root id"):
+        Root("nothex", [PageData("0" * 32, b"x")])
+    with pytest.raises(ValueError, match="page key"):
+        PageData("0" * 31 + "G", b"x")
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        Namespace("model-b", "bfloat16", "nhd", tp_size=2, rank=0, page_tokens=8),
+        Namespace("model-a", "float16", "nhd", tp_size=2, rank=0, page_tokens=8),
+        Namespace("model-a", "bfloat16", "hnd", tp_size=2, rank=0, page_tokens=8),
+        Namespace("model-a", "bfloat16", "nhd", tp_size=2, rank=1, page_tokens=8),
+    ],
+)
+def test_namespace_mismatch_is_a_miss(store: PageStore, other: Namespace) -> None:
+    tokens = list(range(50))
+    store.commit(make_root(rid(), keys_for(tokens), SIZE))
+    theirs = keys_for(tokens, other)
+    assert store.lookup(theirs) == 0
+    assert store.restore(theirs, [bytearray(SIZE) for _ in theirs]) == 0
+
+
+def test_recommitting_a_root_id_replaces_it(store: PageStore) -> None:
+    root_id = rid()
+    store.commit(make_root(root_id, keys_for(list(range(20))), SIZE))
+    store.commit(make_root(root_id, keys_for(list(range(28))), SIZE))
+    usage = store.usage()
+    assert usage.entries == 1
+    assert usage.collectable_objects == 1  # the old tail
+
+
+def test_leases_protect_and_lru_order(store: PageStore, clock: Clock) -> None:
+    ids = [rid() for _ in range(3)]
+    for i, root_id in enumerate(ids):
+        store.commit(make_root(root_id, keys_for([i] * 8), SIZE))
+        clock.now += 1
+    assert store.select_victims(10) == []  # all leased
+    clock.now += 20
+    assert store.select_victims(10) == ids
+    # A restore of the oldest renews its lease and makes it most recently used.
+    keys0 = keys_for([0] * 8)
+    assert store.restore(keys0, [bytearray(SIZE)]) == 1
+    store.flush_touches()
+    assert store.select_victims(10) == ids[1:]
+    clock.now += 20
+    assert store.select_victims(2) == ids[1:]
+
+
+def test_remove_rechecks_lease_and_collect_unlinks_only_its_generation(
+    store: PageStore, clock: Clock
+) -> None:
+    keys = keys_for(list(range(8)))
+    root_id = rid()
+    store.commit(make_root(root_id, keys, SIZE))
+    assert store.remove_roots([root_id]).skipped == (root_id,)  # still leased
+    clock.now += 11
+    result = store.remove_roots([root_id, rid()])
+    assert result.removed == (root_id,) and result.bytes == SIZE
+    gen = store._rconn.execute("SELECT generation FROM objects").fetchone()[0]
+    # A stray copy of the same key under another generation is not collect()'s to delete.
+    fan = store.layout.objects_dir / fanout(keys[0])
+    other = fan / object_name(keys[0], "0" * 16)
+    other.write_bytes(b"x")
+    assert store.collect(10).objects == 1
+    assert not (fan / object_name(keys[0], gen)).exists()
+    assert other.exists()
+    assert store.usage().used_bytes == 0
+
+
+def test_victim_selection_uses_the_index_not_a_sort(store: PageStore) -> None:
+    plan = " ".join(
+        str(r)
+        for r in store._rconn.execute(
+            "EXPLAIN QUERY PLAN SELECT id FROM roots WHERE lease_until <= ? "
+            "ORDER BY lease_until, last_access LIMIT ?",
+            (0, 1),
+        )
+    )
+    assert "roots_lru" in plan and "TEMP B-TREE" not in plan
+
+
+def test_reconcile_removes_orphans_and_temps_keeps_sqlite_files(store: PageStore) -> None:
+    keys = keys_for(list(range(8)))
+    store.commit(make_root(rid(), keys, SIZE))
+    fan = store.layout.objects_dir / "ab"
+    orphan = fan / object_name("ab" + "0" * 30, "1" * 16)
+    temp = fan / (object_name("ab" + "1" * 30, "2" * 16) + ".tmp")
+    stranger = fan / "notes.txt"
+    for p in (orphan, temp, stranger):
+        p.write_bytes(b"junk")
+    wal = store.layout.index_path.with_name("index.sqlite-wal")
+    assert wal.exists()
+    recent = store.reconcile(grace_seconds=3600)
+    assert (recent.orphan_files_removed, recent.temp_files_removed) == (0, 0)
+    result = store.reconcile(grace_seconds=0)
+    assert (result.orphan_files_removed, result.temp_files_removed) == (1, 1)
+    assert not orphan.exists() and not temp.exists() and stranger.exists()
+    assert wal.exists() and store.layout.index_path.exists()
+    assert restored(store, keys) == [page_bytes(keys[0], SIZE)]
+
+
+def test_reconcile_fixes_refcounts_and_dead_rows(store: PageStore) -> None:
+    keys = keys_for(list(range(16)))
+    store.commit(make_root(rid(), keys, SIZE))
+    with store._wconn as conn:
+        conn.execute("UPDATE objects SET refcount = 7")
+        conn.execute("INSERT INTO root_pages VALUES (?, 0, ?)", ("f" * 32, keys[0]))
+    result = store.reconcile(grace_seconds=0)
+    assert result.dead_rows_removed == 1 and result.refcounts_fixed == 2
+    refs = [r for (r,) in store._rconn.execute("SELECT refcount FROM objects")]
+    assert refs == [1, 1]
+
+
+def test_reconcile_fails_closed_on_an_unreadable_index(tmp_path: Path) -> None:
+    store_dir = tmp_path / "store"
+    with PageStore(store_dir, 0) as s:
+        s.commit(make_root(rid(), keys_for(list(range(8))), SIZE))
+        fan_files = list(s.layout.objects_dir.rglob("*.*"))
+        index_path = s.layout.index_path
+    index_path.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StoreError, match="cannot be read"):
+        PageStore(store_dir, 0).reconcile(grace_seconds=0)
+    assert all(p.exists() for p in fan_files)
+
+
+def test_unsafe_store_dirs_are_refused(tmp_path: Path) -> None:
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    with pytest.raises(UnsafeStoreDir, match="writable by group or others"):
+        PageStore(open_dir, 0)
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(UnsafeStoreDir, match="symlink"):
+        PageStore(link, 0)
+    store = PageStore(tmp_path / "fresh", 3)
+    store.close()
+    for path in (tmp_path / "fresh", store.layout.rank_dir, store.layout.objects_dir):
+        assert path.stat().st_mode & 0o777 == 0o700
+    assert store.layout.index_path.stat().st_mode & 0o777 == 0o600
+
+
+def test_planted_symlinks_are_never_followed(store: PageStore, tmp_path: Path) -> None:
+    keys = keys_for(list(range(16)))
+    store.commit(make_root(rid(), keys, SIZE))
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 100)
+    gen = dict(store._rconn.execute("SELECT key, generation FROM objects"))
+    # An object file replaced by a link to another file: a miss, quarantined, secret intact.
+    path = store.layout.objects_dir / fanout(keys[1]) / object_name(keys[1], gen[keys[1]])
+    path.unlink()
+    path.symlink_to(secret)
+    assert store.restore(keys, [bytearray(SIZE), bytearray(SIZE)]) == 1
+    assert secret.read_bytes() == b"s" * 100
+    assert store.counters.quarantined == 1
+    # A fan-out directory replaced by a link: refused, never followed.
+    fan = store.layout.objects_dir / fanout(keys[0])
+    os.rename(fan, tmp_path / "moved")
+    fan.symlink_to(tmp_path / "moved")
+    assert store.restore(keys, [bytearray(SIZE), bytearray(SIZE)]) == 0
+
+
+def test_corrupt_object_is_quarantined_then_rewritten(store: PageStore) -> None:
+    keys = keys_for(list(range(8)))
+    store.commit(make_root(rid(), keys, SIZE))
+    (path,) = store.layout.objects_dir.rglob("*.*")
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0x01
+    path.write_bytes(data)
+    buf = bytearray(b"\xff" * SIZE)
+    assert store.restore(keys, [buf]) == 0
+    assert buf == bytes(SIZE)  # no unverified byte left behind
+    assert store.lookup(keys) == 0
+    assert list(store.layout.quarantine_dir.iterdir()) == [store.layout.quarantine_dir / path.name]
+    assert store.usage().by_state["quarantined"] == (1, SIZE)
+    result = store.commit(make_root(rid(), keys, SIZE))
+    assert result.pages_written == 1
+    assert restored(store, keys) == [page_bytes(keys[0], SIZE)]
+
+
+def test_readers_do_not_block_the_writer(store: PageStore, tmp_path: Path) -> None:
+    keys = keys_for(list(range(8)))
+    store.commit(make_root(rid(), keys, SIZE))
+    reader = sqlite3.connect(store.layout.index_path, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM objects").fetchone()
+    store.commit(make_root(rid(), keys_for(list(range(9, 17))), SIZE))  # no busy wait
+    reader.execute("COMMIT")
+    reader.close()
+    assert store.usage().entries == 2
+
+
+def test_collected_page_mid_prefix_is_a_plain_miss(store: PageStore, clock: Clock) -> None:
+    k1, k2 = keys_for(list(range(16)))
+    old, new = rid(), rid()
+    store.commit(make_root(old, [k1, k2], SIZE))
+    store.commit(make_root(new, [k1], SIZE))
+    clock.now += 11
+    store.remove_roots([old])
+    store.collect(10)
+    assert store.lookup([k1, k2]) == 1
+    assert store.restore([k1, k2], [bytearray(SIZE), bytearray(SIZE)]) == 1
+    assert store.counters.quarantined == 0
+
+
+def test_a_vanished_file_is_quarantined_and_reported_by_reconcile(store: PageStore) -> None:
+    keys = keys_for(list(range(16)))
+    store.commit(make_root(rid(), keys, SIZE))
+    gen = dict(store._rconn.execute("SELECT key, generation FROM objects"))
+    (store.layout.objects_dir / fanout(keys[1]) / object_name(keys[1], gen[keys[1]])).unlink()
+    result = store.reconcile(grace_seconds=0)
+    assert result.objects_missing == 1
+    assert store.lookup(keys) == 1
+    assert store.usage().by_state["quarantined"] == (1, SIZE)
+
+
+def test_restores_are_recorded_in_batches(tmp_path: Path, clock: Clock) -> None:
+    store = PageStore(
+        tmp_path / "s", 0, lease_seconds=10, clock=clock, touch_batch=3, touch_interval_s=60
+    )
+    roots = {rid(): keys_for([i] * 8) for i in range(3)}
+    for root_id, keys in roots.items():
+        store.commit(make_root(root_id, keys, SIZE))
+    clock.now += 100
+    for n, keys in enumerate(roots.values(), start=1):
+        store.restore(keys, [bytearray(SIZE)])
+        leased = store._rconn.execute(
+            "SELECT count(*) FROM roots WHERE lease_until > ?", (clock.now,)
+        ).fetchone()[0]
+        assert leased == (3 if n == 3 else 0)  # written once the batch is full
+    store.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory away")
+def test_a_store_dir_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    os.chown(other, 65534, 65534)
+    with pytest.raises(UnsafeStoreDir, match="owned by uid 65534"):
+        PageStore(other, 0)
+
+
+def test_a_symlinked_index_is_refused(tmp_path: Path) -> None:
+    store_dir = tmp_path / "store"
+    PageStore(store_dir, 0).close()
+    index_path = store_dir / "rank-0" / "index.sqlite"
+    elsewhere = tmp_path / "elsewhere.sqlite"
+    os.rename(index_path, elsewhere)
+    index_path.symlink_to(elsewhere)
+    with pytest.raises(UnsafeStoreDir, match="not a regular file"):
+        PageStore(store_dir, 0)
+
+
+def test_fsck_flags_planted_entries(store: PageStore, tmp_path: Path) -> None:
+    store.commit(make_root(rid(), keys_for(list(range(8))), SIZE))
+    fan = store.layout.objects_dir / "cd"
+    (fan / ("cd" + "0" * 30 + "." + "1" * 16)).symlink_to(tmp_path)
+    report = fsck(store.layout.store_dir, grace_seconds=0)
+    assert not report.ok
+    assert any("unexpected entry objects/cd/" in p for p in report.problems)

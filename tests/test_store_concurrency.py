@@ -1,0 +1,158 @@
+"""Publication racing collection: never lost, never referencing a collected file."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import secrets
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Event
+from pathlib import Path
+
+import pytest
+
+from sparkcache.store import PageStore
+from sparkcache.store.fsck import fsck
+from sparkcache.store.testing import make_root, page_bytes
+
+SIZE = 4096
+CHILD_TIMEOUT_S = 120
+CTX = mp.get_context("fork")
+SHARED = [secrets.token_hex(16) for _ in range(6)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_commit_retries_when_a_deduplicated_page_is_collected_meanwhile(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    evictor = PageStore(tmp_path / "s", 0, lease_seconds=0, clock=clock)
+    first, shared = secrets.token_hex(16), secrets.token_hex(16)
+    fired: list[str] = []
+    armed: list[bool] = []
+
+    def collect_shared_page(step: str) -> None:
+        # Between the committer's dedup check and its transaction, another process
+        # removes the only root holding the shared page and collects the page.
+        if step == "commit.dir_fsync" and armed and not fired:
+            fired.append(step)
+            evictor.remove_roots([first])
+            assert evictor.collect(10).objects == 2
+
+    committer = PageStore(tmp_path / "s", 0, lease_seconds=0, clock=clock, hook=collect_shared_page)
+    committer.commit(make_root(first, [shared, secrets.token_hex(16)], SIZE))
+    clock.now += 1
+    armed.append(True)
+    keys = [shared, secrets.token_hex(16)]
+    result = committer.commit(make_root(secrets.token_hex(16), keys, SIZE))
+    assert fired and result.retries == 1
+    bufs = [bytearray(SIZE), bytearray(SIZE)]
+    assert evictor.restore(keys, bufs) == 2
+    assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in keys]
+    committer.close()
+    evictor.close()
+    assert fsck(tmp_path / "s", grace_seconds=0).ok
+
+
+def committer(store_dir: Path, seed: int, done: Event, conn: Connection) -> None:
+    rng = random.Random(seed)
+    store = PageStore(store_dir, 0, lease_seconds=0)
+    for _ in range(120):
+        keys = [*rng.sample(SHARED, rng.randint(1, 3)), secrets.token_hex(16)]
+        root_id = secrets.token_hex(16)
+        store.commit(make_root(root_id, keys, SIZE))
+        conn.send(("ack", root_id, keys))
+    store.close()
+    done.set()
+
+
+def evictor(store_dir: Path, seed: int, done: Event, conn: Connection) -> None:
+    """Evict and collect in small random slices for as long as the committer runs."""
+    rng = random.Random(seed)
+    store = PageStore(store_dir, 0, lease_seconds=0)
+    while not done.is_set():
+        victims = store.select_victims(rng.randint(1, 4))
+        removed = store.remove_roots(victims).removed
+        conn.send(("removed", list(removed)))
+        store.collect(rng.randint(1, 8))
+    store.close()
+
+
+def run_all(procs: list[tuple], timeout: float) -> list[tuple]:
+    """Start every (target, args) child, gather messages, join (kill on timeout)."""
+    started = []
+    for target, args in procs:
+        parent, child = CTX.Pipe(duplex=False)
+        proc = CTX.Process(target=target, args=(*args, child))
+        proc.start()
+        child.close()
+        started.append((proc, parent))
+    messages = []
+    try:
+        for _proc, parent in started:
+            try:
+                while True:
+                    messages.append(parent.recv())
+            except EOFError:
+                pass
+    finally:
+        for proc, parent in started:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            parent.close()
+    assert [p.exitcode for p, _ in started] == [0] * len(started)
+    return messages
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_concurrent_commits_and_eviction_lose_nothing(tmp_path: Path, seed: int) -> None:
+    store_dir = tmp_path / "store"
+    PageStore(store_dir, 0).close()
+    done = CTX.Event()
+    children = [(committer, (store_dir, seed, done)), (evictor, (store_dir, seed + 10, done))]
+    messages = run_all(children, CHILD_TIMEOUT_S)
+    acked = {m[1]: m[2] for m in messages if m[0] == "ack"}
+    removed = {r for m in messages if m[0] == "removed" for r in m[1]}
+    assert len(acked) == 120 and removed
+    report = fsck(store_dir, grace_seconds=0)
+    assert report.ok, report.problems
+    with PageStore(store_dir, 0) as store:
+        present = {r for (r,) in store._rconn.execute("SELECT id FROM roots")}
+        assert set(acked) - removed <= present, "an acknowledged publication was lost"
+        assert present <= set(acked)
+        for root_id in present:
+            keys = acked[root_id]
+            bufs = [bytearray(SIZE) for _ in keys]
+            assert store.restore(keys, bufs) == len(keys), f"root {root_id} lost a page"
+            assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in keys]
+
+
+def test_reconcile_beside_a_commit_never_strands_it(tmp_path: Path) -> None:
+    """A reconcile that sweeps a commit's renamed-but-unindexed files forces a rewrite."""
+    sweeper = PageStore(tmp_path / "s", 0)
+    swept = []
+
+    def sweep(step: str) -> None:
+        if step == "commit.dir_fsync" and not swept:
+            swept.append(sweeper.reconcile(grace_seconds=0))
+
+    committer = PageStore(tmp_path / "s", 0, hook=sweep)
+    keys = [secrets.token_hex(16) for _ in range(3)]
+    result = committer.commit(make_root(secrets.token_hex(16), keys, SIZE))
+    assert swept[0].orphan_files_removed == 3
+    assert result.retries == 1
+    bufs = [bytearray(SIZE) for _ in keys]
+    assert sweeper.restore(keys, bufs) == 3
+    assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in keys]
+    committer.close()
+    sweeper.close()
+    assert fsck(tmp_path / "s", grace_seconds=0).ok

@@ -1,0 +1,175 @@
+"""SIGKILL at every step of commit and of eviction/collection, repeatedly.
+
+A child process runs the protocol with a step hook that SIGKILLs the child the n-th time it
+reaches the named step. After each kill the parent reconciles, runs fsck, and checks that
+every root acknowledged before the kill restores byte-for-byte and that nothing restored
+is ever torn (page contents are a function of the key, so every page read is checkable).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import random
+import secrets
+import signal
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pytest
+
+from sparkcache.store import PageStore
+from sparkcache.store.fileops import COMMIT_STEPS, EVICTION_STEPS
+from sparkcache.store.fsck import fsck
+from sparkcache.store.testing import KillAt, make_root, page_bytes
+
+SIZE = 16384
+CHILD_TIMEOUT_S = 60
+CTX = mp.get_context("fork")
+
+
+def pool_key(group: int, pos: int) -> str:
+    return hashlib.blake2b(f"{group}/{pos}".encode(), digest_size=16).hexdigest()
+
+
+def random_root(rng: random.Random) -> tuple[str, list[str]]:
+    """Roots share prefixes from three groups (dedup) and end in a unique tail."""
+    group = rng.randrange(3)
+    keys = [pool_key(group, i) for i in range(rng.randint(1, 3))]
+    keys.append(secrets.token_hex(16))
+    return secrets.token_hex(16), keys
+
+
+# Steps reached once per page written; the others once per commit.
+PER_PAGE_STEPS = {"commit.temp_write", "commit.fsync", "commit.rename"}
+
+
+def commit_child(store_dir: Path, step: str, nth: int, seed: int, conn: Connection) -> None:
+    """Acknowledge ``nth`` commits, then die at ``step`` of the next one.
+
+    The fatal commit writes three fresh pages, and per-page steps die at its first, second
+    or third page depending on ``nth``, so kills land at different points of a commit.
+    """
+    occurrence = 1 + nth % 3 if step in PER_PAGE_STEPS else 1
+    hook = KillAt(step, occurrence, armed=False)
+    store = PageStore(store_dir, 0, hook=hook)
+    rng = random.Random(seed)
+    for i in range(6):
+        hook.armed = i == nth
+        root_id, keys = random_root(rng)
+        if hook.armed:
+            keys += [secrets.token_hex(16) for _ in range(2)]
+        store.commit(make_root(root_id, keys, SIZE))
+        conn.send(("ack", root_id, keys))
+    conn.send(("done",))
+
+
+def eviction_child(store_dir: Path, step: str, nth: int, seed: int, conn: Connection) -> None:
+    store = PageStore(store_dir, 0, lease_seconds=0, hook=KillAt(step, nth))
+    rng = random.Random(seed)
+    for _ in range(6):
+        root_id, keys = random_root(rng)
+        store.commit(make_root(root_id, keys, SIZE))
+        conn.send(("ack", root_id, keys))
+    while victims := store.select_victims(2):
+        conn.send(("removing", victims))
+        store.remove_roots(victims)
+        store.collect(3)
+    store.collect(1000)
+    conn.send(("done",))
+
+
+def run_child(target, *args) -> list[tuple]:
+    """Run ``target`` in a child; return its messages. The child always ends here."""
+    parent, child = CTX.Pipe(duplex=False)
+    proc = CTX.Process(target=target, args=(*args, child))
+    proc.start()
+    child.close()
+    messages = []
+    try:
+        while True:
+            messages.append(parent.recv())
+    except EOFError:
+        pass
+    finally:
+        proc.join(CHILD_TIMEOUT_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        parent.close()
+    assert proc.exitcode == -signal.SIGKILL, f"child was not killed at its step: {messages}"
+    return messages
+
+
+# What the kill must leave behind for reconcile() to clean up (proves the kill landed).
+LEFTOVERS = {
+    "commit.temp_write": "temp_files_removed",
+    "commit.fsync": "temp_files_removed",
+    "commit.rename": "orphan_files_removed",
+    "commit.dir_fsync": "orphan_files_removed",
+    "commit.index_txn": "orphan_files_removed",
+    "collect.unlink": "orphan_files_removed",
+}
+
+
+def verify_after_crash(
+    store_dir: Path, acked: dict[str, list[str]], doomed: set[str], step: str
+) -> None:
+    if step in LEFTOVERS:
+        assert not fsck(store_dir, grace_seconds=0).ok  # fsck sees the debris
+    with PageStore(store_dir, 0) as store:
+        result = store.reconcile(grace_seconds=0)
+    if step in LEFTOVERS:
+        assert getattr(result, LEFTOVERS[step]) >= 1, result
+    report = fsck(store_dir, grace_seconds=0)
+    assert report.ok, report.problems
+    with PageStore(store_dir, 0) as store:
+        present = {r for (r,) in store._rconn.execute("SELECT id FROM roots")}
+        for root_id, keys in acked.items():
+            if root_id in doomed and root_id not in present:
+                continue
+            assert root_id in present, f"acknowledged root {root_id} lost"
+            bufs = [bytearray(SIZE) for _ in keys]
+            assert store.restore(keys, bufs) == len(keys)
+            assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in keys]
+        # Every root in the index, acknowledged or not, restores only whole, correct pages.
+        for root_id in present:
+            keys = [
+                k
+                for (k,) in store._rconn.execute(
+                    "SELECT key FROM root_pages WHERE root_id = ? ORDER BY pos", (root_id,)
+                )
+            ]
+            bufs = [bytearray(SIZE) for _ in keys]
+            n = store.restore(keys, bufs)
+            assert n == len(keys)
+            assert [bytes(b) for b in bufs[:n]] == [page_bytes(k, SIZE) for k in keys[:n]]
+        assert not list(store.layout.objects_dir.rglob("*.tmp"))
+        assert store.counters.quarantined == 0
+
+
+@pytest.mark.parametrize("step", COMMIT_STEPS)
+def test_sigkill_during_commit(tmp_path: Path, step: str) -> None:
+    store_dir = tmp_path / "store"
+    acked: dict[str, list[str]] = {}
+    for nth in (1, 2, 3):
+        for msg in run_child(commit_child, store_dir, step, nth, nth):
+            if msg[0] == "ack":
+                acked[msg[1]] = msg[2]
+        verify_after_crash(store_dir, acked, set(), step)
+    assert len(acked) >= 3
+
+
+@pytest.mark.parametrize("step", EVICTION_STEPS)
+def test_sigkill_during_eviction(tmp_path: Path, step: str) -> None:
+    store_dir = tmp_path / "store"
+    acked: dict[str, list[str]] = {}
+    doomed: set[str] = set()
+    for nth in (1, 2, 3):
+        for msg in run_child(eviction_child, store_dir, step, nth, 100 + nth):
+            if msg[0] == "ack":
+                acked[msg[1]] = msg[2]
+            elif msg[0] == "removing":
+                doomed.update(msg[1])
+        verify_after_crash(store_dir, acked, doomed, step)
+    assert doomed

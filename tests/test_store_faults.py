@@ -1,0 +1,168 @@
+"""Disk full, EIO on fsync and bit flips: failures are clean, corruption is always caught."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import secrets
+import stat
+from pathlib import Path
+
+import pytest
+
+from sparkcache.store import CommitFailed, PageStore
+from sparkcache.store.objects import HEADER_SIZE
+from sparkcache.store.testing import FaultyFileOps, make_root, page_bytes
+
+SIZE = 8192
+
+
+def keys(n: int, prefix: str = "") -> list[str]:
+    return [(prefix + secrets.token_hex(16))[:32] for _ in range(n)]
+
+
+def files(store: PageStore) -> list[Path]:
+    return sorted(p for p in store.layout.objects_dir.rglob("*") if p.is_file())
+
+
+def restores(store: PageStore, page_keys: list[str]) -> bool:
+    bufs = [bytearray(SIZE) for _ in page_keys]
+    n = store.restore(page_keys, bufs)
+    return n == len(page_keys) and all(
+        bytes(b) == page_bytes(k, SIZE) for b, k in zip(bufs, page_keys, strict=True)
+    )
+
+
+def test_disk_full_fails_cleanly_and_recovers(tmp_path: Path) -> None:
+    ops = FaultyFileOps()
+    store = PageStore(tmp_path / "s", 0, fileops=ops)
+    before = keys(3)
+    store.commit(make_root(secrets.token_hex(16), before, SIZE))
+    kept = files(store)
+    ops.space = 2 * (SIZE + HEADER_SIZE) + 100  # room for two pages and a bit
+    failed_root = secrets.token_hex(16)
+    page_keys = keys(4)
+    with pytest.raises(CommitFailed, match="No space left"):
+        store.commit(make_root(failed_root, page_keys, SIZE))
+    assert files(store) == kept  # partial and temporary files removed
+    assert store.lookup(page_keys) == 0
+    assert store.usage().entries == 1
+    assert restores(store, before)
+    ops.space = None  # space freed
+    store.commit(make_root(failed_root, page_keys, SIZE))
+    assert restores(store, page_keys)
+    store.close()
+
+
+def test_eio_on_fsync_fails_the_commit_and_is_not_retried(tmp_path: Path) -> None:
+    ops = FaultyFileOps()
+    store = PageStore(tmp_path / "s", 0, fileops=ops)
+    before = keys(2)
+    store.commit(make_root(secrets.token_hex(16), before, SIZE))
+    kept = files(store)
+    ops.fail_fsync = True
+    ops.fsyncs = 0
+    page_keys = keys(3)
+    with pytest.raises(CommitFailed, match="Input/output error"):
+        store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
+    # One fsync failed and the commit gave up: no second attempt on the same data.
+    assert ops.fsyncs == 1
+    assert files(store) == kept
+    assert store.lookup(page_keys) == 0
+    assert store.counters.commits_failed == 1
+    ops.fail_fsync = False
+    assert restores(store, before)
+    store.close()
+
+
+def test_eio_on_directory_fsync_leaves_nothing_referenced(tmp_path: Path) -> None:
+    class DirFsyncFails(FaultyFileOps):
+        def fsync(self, fd: int) -> None:
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            super().fsync(fd)
+
+    store = PageStore(tmp_path / "s", 0, fileops=DirFsyncFails())
+    page_keys = keys(3)
+    with pytest.raises(CommitFailed):
+        store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
+    assert files(store) == [] and store.usage().entries == 0
+    store.close()
+
+
+def test_a_thousand_bit_flips_are_all_detected(tmp_path: Path) -> None:
+    rng = random.Random(1234)
+    store = PageStore(tmp_path / "s", 0)
+    page_keys = keys(20)
+    store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
+    paths = {p.name.split(".")[0]: p for p in files(store)}
+    originals = {k: paths[k].read_bytes() for k in page_keys}
+    misses = 0
+    for _ in range(1000):
+        key = rng.choice(page_keys)
+        path = paths[key]
+        data = bytearray(originals[key])
+        bit = rng.randrange(len(data) * 8)
+        data[bit // 8] ^= 1 << (bit % 8)
+        path.write_bytes(data)
+        buf = bytearray(SIZE)
+        if store.restore([key], [buf]) == 0:
+            misses += 1
+            assert buf == bytes(SIZE)
+        # Put the good copy back under the same name and un-quarantine it for the next round.
+        path.write_bytes(originals[key])
+        with store._wconn as conn:
+            conn.execute("UPDATE objects SET state = 'live' WHERE key = ?", (key,))
+    assert misses == 1000
+    assert store.counters.quarantined == 1000
+    assert restores(store, page_keys)
+    store.close()
+
+
+def test_index_full_fails_cleanly_and_recovers(tmp_path: Path) -> None:
+    store = PageStore(tmp_path / "s", 0)
+    before = keys(2)
+    store.commit(make_root(secrets.token_hex(16), before, SIZE))
+    kept = files(store)
+    pages = store._wconn.execute("PRAGMA page_count").fetchone()[0]
+    store._wconn.execute(f"PRAGMA max_page_count = {pages}")  # SQLITE_FULL on growth
+    page_keys = keys(200)
+    with pytest.raises(CommitFailed, match="full"):
+        store.commit(make_root(secrets.token_hex(16), page_keys, 64))
+    assert files(store) == kept
+    assert store.usage().entries == 1 and restores(store, before)
+    store._wconn.execute("PRAGMA max_page_count = 1073741823")
+    store.commit(make_root(secrets.token_hex(16), page_keys, 64))
+    assert store.lookup(page_keys) == 200
+    store.close()
+
+
+def test_corruption_deep_in_a_long_restore_ends_the_prefix_there(tmp_path: Path) -> None:
+    store = PageStore(tmp_path / "s", 0)
+    page_keys = keys(12)
+    store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
+    (victim,) = [p for p in files(store) if p.name.startswith(page_keys[7])]
+    data = bytearray(victim.read_bytes())
+    data[HEADER_SIZE + 5] ^= 0x10
+    victim.write_bytes(data)
+    bufs = [bytearray(SIZE) for _ in page_keys]
+    assert store.restore(page_keys, bufs) == 7
+    assert [bytes(b) for b in bufs[:7]] == [page_bytes(k, SIZE) for k in page_keys[:7]]
+    assert bufs[7] == bytes(SIZE)
+    assert store.counters.quarantined == 1
+    assert store.lookup(page_keys) == 7
+    store.close()
+
+
+def test_a_truncated_object_is_never_restored(tmp_path: Path) -> None:
+    store = PageStore(tmp_path / "s", 0)
+    page_keys = keys(2)
+    store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
+    (victim,) = [p for p in files(store) if p.name.startswith(page_keys[1])]
+    victim.write_bytes(victim.read_bytes()[: HEADER_SIZE + SIZE // 2])
+    bufs = [bytearray(SIZE), bytearray(b"\\xff" * SIZE)]
+    assert store.restore(page_keys, bufs) == 1
+    assert bufs[1] == bytearray(b"\\xff" * SIZE)  # rejected on size, before any read
+    assert store.counters.quarantined == 1
+    store.close()
