@@ -4,6 +4,7 @@ posix_ipc.MessageQueue and a pipe, all measured in one run between two processes
 to different cores. Prints one JSON object (--json) or a table.
 
     .venv/bin/python scripts/bench_ring.py --json [--records 400000] [--round-trips 5000]
+        [--repeat 3]
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import statistics
 import struct
 import sys
 import time
@@ -306,14 +308,22 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--records", type=int, default=400_000, help="records per single run")
     ap.add_argument("--round-trips", type=int, default=5_000)
+    ap.add_argument("--repeat", type=int, default=3, help="runs per throughput figure (median)")
     args = ap.parse_args()
     n = args.records
     res: dict[str, float | int | str] = {"cores": len(os.sched_getaffinity(0)), "records": n}
     for kind in ("ring", "mp_queue", "posix_mq", "pipe"):
         # Slow transports get fewer records: rates, not totals, are compared.
         single_n = n if kind == "ring" else n // 4
-        res[f"{kind}_single_per_s"] = round(_throughput(kind, single_n, batched=False))
-        res[f"{kind}_batched_per_s"] = round(_throughput(kind, n * 4 // BATCH * BATCH, True))
+        # Medians of several runs: these machines are noisy.
+        res[f"{kind}_single_per_s"] = round(
+            statistics.median(_throughput(kind, single_n, False) for _ in range(args.repeat))
+        )
+        res[f"{kind}_batched_per_s"] = round(
+            statistics.median(
+                _throughput(kind, n * 4 // BATCH * BATCH, True) for _ in range(args.repeat)
+            )
+        )
         rtt = _rtt(kind, args.round_trips, spin_s=0.0)
         res[f"{kind}_rtt_p50_us"] = round(_pct(rtt, 50), 2)
         res[f"{kind}_rtt_p99_us"] = round(_pct(rtt, 99), 2)

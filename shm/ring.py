@@ -82,6 +82,8 @@ _NO_SEQ = 2**64 - 1
 # Default bounded spin before sleeping: long enough to catch a busy producer's next post
 # (round trips stay ~microseconds), short enough that an idle consumer costs nothing.
 DEFAULT_SPIN_S = 50e-6
+# Records a single pop may copy out at once when the ring holds a backlog.
+DEFAULT_PREFETCH = 64
 # How often a consumer blocked on an empty ring looks for posts it took but never
 # recorded (see Consumer._adopt_unrecorded_posts).
 _IDLE_CHECK_S = 0.1
@@ -153,14 +155,14 @@ class _RingMapping:
     def set_u64(self, at: int, value: int) -> None:
         _U64.pack_into(self.mm, self.base + at, value)
 
-    def records(self, start: int, count: int) -> np.ndarray:
-        """Copy ``count`` records from ring position ``start`` (wrapping)."""
+    def records(self, start: int, count: int) -> bytes:
+        """Copy ``count`` records' bytes from ring position ``start`` (wrapping)."""
         first = min(count, self.capacity - start % self.capacity)
         at = self.records_at + (start % self.capacity) * self.itemsize
         out = self.mm[at : at + first * self.itemsize]
         if first < count:
             out += self.mm[self.records_at : self.records_at + (count - first) * self.itemsize]
-        return np.frombuffer(out, self.layout.dtype)
+        return out
 
     def close(self) -> None:
         self.data.close()
@@ -260,6 +262,12 @@ class Producer:
         _claim_end(m, _PRODUCER_PID, "producer")
         self.capacity = m.capacity
         self._pack = layout.packer.pack_into
+        self._mm = m.mm
+        self._records_at = m.records_at
+        self._size = m.itemsize
+        self._table_at = m.base + _TABLE_AT
+        self._post = m.data.release
+        self._dtype = layout.dtype
         self._closed = bool(m.u64(_PRODUCER_CLOSED))
         self._pushed = m.u64(_PRODUCER_AT)
         self._freed = m.u64(_PRODUCER_AT + 8)
@@ -306,22 +314,21 @@ class Producer:
             raise RingFull(f"ring {self._m.name}: no space for {n} records")
 
     def _publish(self, n: int) -> None:
-        m = self._m
+        pushed = self._pushed
         _ENTRY.pack_into(
-            m.mm, m.base + _TABLE_AT + _ENTRY.size * (self._pushed % self.capacity),
-            self._pushed, self._head, n, 0,
+            self._mm, self._table_at + _ENTRY.size * (pushed % self.capacity),
+            pushed, self._head, n, 0,
         )
         self._head += n
-        self._pushed += 1
-        m.set_u64(_PRODUCER_AT, self._pushed)
-        m.data.release()  # release: everything above is visible to whoever acquires it
+        self._pushed = pushed + 1
+        _U64.pack_into(self._mm, PAYLOAD_OFFSET + _PRODUCER_AT, pushed + 1)
+        self._post()  # release: everything above is visible to whoever acquires it
 
     def try_push(self, record: tuple, timeout: float = 0.0) -> None:
         """Push one record (a tuple in field order); RingFull if there is no space."""
         if self._head >= self._limit or self._closed:
             self._reserve(1, timeout)
-        m = self._m
-        self._pack(m.mm, m.records_at + (self._head % self.capacity) * m.itemsize, *record)
+        self._pack(self._mm, self._records_at + (self._head % self.capacity) * self._size, *record)
         self._publish(1)
 
     def push_batch(self, records: np.ndarray, timeout: float = 0.0) -> None:
@@ -329,18 +336,22 @@ class Producer:
         n = len(records)
         if n == 0:
             return
-        if records.dtype is not self._m.layout.dtype and records.dtype != self._m.layout.dtype:
-            raise TypeError(f"records of dtype {records.dtype}: expected {self._m.layout.dtype}")
+        if records.dtype is not self._dtype and records.dtype != self._dtype:
+            raise TypeError(f"records of dtype {records.dtype}: expected {self._dtype}")
         if self._head + n > self._limit or self._closed:
             self._reserve(n, timeout)
-        m = self._m
-        raw = memoryview(np.ascontiguousarray(records)).cast("B")
+        if not records.flags.c_contiguous:
+            records = np.ascontiguousarray(records)
         pos = self._head % self.capacity
-        first = min(n, self.capacity - pos) * m.itemsize
-        at = m.records_at + pos * m.itemsize
-        m.mm[at : at + first] = raw[:first]
-        if first < len(raw):
-            m.mm[m.records_at : m.records_at + len(raw) - first] = raw[first:]
+        at = self._records_at + pos * self._size
+        if pos + n <= self.capacity:
+            self._mm[at : at + n * self._size] = records  # its buffer is the raw bytes
+        else:
+            first = self.capacity - pos
+            self._mm[at : at + first * self._size] = records[:first]
+            self._mm[self._records_at : self._records_at + (n - first) * self._size] = (
+                records[first:]
+            )
         self._publish(n)
 
     def close(self) -> None:
@@ -367,11 +378,26 @@ class Producer:
 class Consumer:
     """The reading end."""
 
-    def __init__(self, name: str, layout: RecordLayout, spin_s: float = DEFAULT_SPIN_S) -> None:
+    def __init__(
+        self,
+        name: str,
+        layout: RecordLayout,
+        spin_s: float = DEFAULT_SPIN_S,
+        prefetch: int = DEFAULT_PREFETCH,
+    ) -> None:
         self._m = m = _RingMapping(Segment.attach(name, _spec(layout)), layout)
         died_attached = _claim_end(m, _CONSUMER_PID, "consumer")
         self.spin_s = spin_s
+        self.prefetch = max(1, prefetch)
+        self._buf = b""  # records pop copied out but has not returned yet
+        self._buf_pos = 0
+        self._dtype = layout.dtype
         self._mm = m.mm
+        self._size = m.itemsize
+        self._cap = m.capacity
+        self._table_at = m.base + _TABLE_AT
+        self._trywait = m.data.acquire
+        self._space_post = m.space.release
         self._unpack = layout.packer.unpack_from
         self._owed = 0  # posts a dead consumer took unrecorded, adopted as ours
         self._tail, self._batch, acquired, self._taken = _CONSUMER.unpack_from(
@@ -440,14 +466,13 @@ class Consumer:
 
     def _next_post(self) -> bool:
         """Acquire the next data post without blocking. True if it covers a batch (now
-        the current one); False if there is none, or it was a close post. Callers
-        persist before acquiring another, so at most one post is ever unrecorded by
-        pop, and by pop_batch at most the batches it is copying."""
+        the current one); False if there is none, or it was a close post. The posts
+        not yet recorded are at most those of the batches ``_pull`` is copying."""
         if self._owed:
             self._owed -= 1
         else:
             try:
-                self._m.data.acquire(0)
+                self._trywait(0)
             except posix_ipc.BusyError:
                 return False
             self._taken += 1
@@ -455,13 +480,15 @@ class Consumer:
 
     def _take_post(self) -> bool:
         """Act on a post just acquired (and counted in ``_taken``)."""
-        m = self._m
-        seq, start, count, _ = m.entry(self._batch)
-        if seq == self._batch:
+        batch = self._batch
+        seq, start, count, _ = _ENTRY.unpack_from(
+            self._mm, self._table_at + _ENTRY.size * (batch % self._cap)
+        )
+        if seq == batch:
             self._tail = start
             self._end = start + count
             return True
-        if m.u64(_PRODUCER_CLOSED):
+        if self._m.u64(_PRODUCER_CLOSED):
             self._closed = True
         self._persist()
         return False
@@ -514,21 +541,33 @@ class Consumer:
         return self.pop(timeout=0)
 
     def pop(self, timeout: float | None = None) -> tuple:
-        """One record, waiting up to ``timeout`` seconds (None: forever)."""
-        if self._tail >= self._end:
-            self._wait(timeout)
-        m = self._m
-        rec = self._unpack(self._mm, m.records_at + (self._tail % m.capacity) * m.itemsize)
-        self._tail += 1
-        if self._tail == self._end:
-            self._finish_batch()  # hand the space back now, not at the next pop
-        else:
-            self._persist()
-        return rec
+        """One record, waiting up to ``timeout`` seconds (None: forever).
+
+        Records already in the ring beyond the first (up to ``prefetch``) come along in
+        the same copy and are served from this process's memory: a consumer that has
+        fallen behind catches up in bulk instead of paying cross-core cache misses per
+        record. Like every popped record, they are delivered at most once."""
+        pos = self._buf_pos
+        if pos < len(self._buf):
+            self._buf_pos = pos + self._size
+            return self._unpack(self._buf, pos)
+        self._buf = self._pull(self.prefetch, timeout)
+        self._buf_pos = self._size
+        return self._unpack(self._buf, 0)
 
     def pop_batch(self, max_records: int, timeout: float | None = 0) -> np.ndarray:
         """Up to ``max_records`` records as a structured array (at least one), waiting up
-        to ``timeout`` for the first. Consecutive batches are copied in one go: their
+        to ``timeout`` for the first."""
+        pos = self._buf_pos
+        if pos < len(self._buf):  # what pop prefetched comes first
+            end = min(len(self._buf), pos + max_records * self._size)
+            self._buf_pos = end
+            return np.frombuffer(self._buf[pos:end], self._dtype)
+        return np.frombuffer(self._pull(max_records, timeout), self._dtype)
+
+    def _pull(self, max_records: int, timeout: float | None) -> bytes:
+        """Copy up to ``max_records`` records out of the ring (at least one, waiting up to
+        ``timeout`` for it). Consecutive batches already posted come in one copy; their
         posts are recorded, and their space handed back, once the copy is made."""
         if self._tail >= self._end:
             self._wait(timeout)
@@ -548,7 +587,7 @@ class Consumer:
         out = self._m.records(start, stop - start)
         self._persist()  # before handing space back: see the crash notes above
         for _ in range(finished):
-            self._m.space.release()
+            self._space_post()
         return out
 
     def close(self) -> None:

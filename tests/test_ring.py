@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from shm import (
     Consumer,
@@ -33,7 +33,8 @@ LAYOUT = RecordLayout("test-rec", 1, np.dtype([("seq", "<u8"), ("val", "<i4"), (
 @pytest.fixture
 def ring(instance: str):
     r = Ring.create(segment_name(instance, 0, "ring"), LAYOUT, 8)
-    p, c = Producer(r.name, LAYOUT), Consumer(r.name, LAYOUT, spin_s=0)
+    # prefetch=1: these tests check space coming back record by record
+    p, c = Producer(r.name, LAYOUT), Consumer(r.name, LAYOUT, spin_s=0, prefetch=1)
     yield r, p, c
     c.close()
     p.detach()
@@ -140,9 +141,12 @@ def test_second_live_consumer_is_refused(ring):
 
 class RingModel(RuleBasedStateMachine):
     """The ring against a deque. Space returns batch by batch, so the model tracks the
-    batches too: a record still occupies space until its whole batch has been read."""
+    batches too: a record still occupies space until its whole batch has been copied
+    out. A single pop copies out up to PREFETCH records already in the ring; the model
+    keeps those in ``buffered``, which a re-attached consumer has lost (at most once)."""
 
     CAPACITY = 16
+    PREFETCH = 5
 
     def __init__(self) -> None:
         super().__init__()
@@ -151,20 +155,26 @@ class RingModel(RuleBasedStateMachine):
         self.instance = "t" + uuid.uuid4().hex[:12]
         self.ring = Ring.create(segment_name(self.instance, 0, "ring"), LAYOUT, self.CAPACITY)
         self.p = Producer(self.ring.name, LAYOUT)
-        self.c = Consumer(self.ring.name, LAYOUT, spin_s=0)
-        self.model: deque[tuple] = deque()
-        self.batches: deque[list[int]] = deque()  # [size, unread] per unfinished batch
+        self.c = self._consumer()
+        self.model: deque[tuple] = deque()  # records in the ring
+        self.batches: deque[list[int]] = deque()  # [size, not yet copied out] per batch
+        self.buffered: deque[tuple] = deque()  # copied out by pop, not yet returned
         self.next = 0
+
+    def _consumer(self) -> Consumer:
+        return Consumer(self.ring.name, LAYOUT, spin_s=0, prefetch=self.PREFETCH)
 
     def occupied(self) -> int:
         return sum(size for size, _ in self.batches)
 
-    def _take(self, n: int) -> None:
+    def _copy_out(self, n: int) -> list[tuple]:
+        out = []
         for _ in range(n):
-            self.model.popleft()
+            out.append(self.model.popleft())
             self.batches[0][1] -= 1
             if self.batches[0][1] == 0:
                 self.batches.popleft()
+        return out
 
     @rule(n=st.integers(1, 20))
     def push(self, n: int) -> None:
@@ -187,30 +197,32 @@ class RingModel(RuleBasedStateMachine):
 
     @rule()
     def pop_one(self) -> None:
-        if not self.model:
-            with pytest.raises(RingEmpty):
-                self.c.try_pop()
-            return
-        assert self.c.try_pop() == self.model[0]
-        self._take(1)
+        if not self.buffered:
+            if not self.model:
+                with pytest.raises(RingEmpty):
+                    self.c.try_pop()
+                return
+            self.buffered.extend(self._copy_out(min(self.PREFETCH, len(self.model))))
+        assert self.c.try_pop() == self.buffered.popleft()
 
     @rule(n=st.integers(1, 40))
     def pop_many(self, n: int) -> None:
-        if not self.model:
+        if self.buffered:
+            want = [self.buffered.popleft() for _ in range(min(n, len(self.buffered)))]
+        elif self.model:
+            want = self._copy_out(min(n, len(self.model)))
+        else:
             with pytest.raises(RingEmpty):
                 self.c.pop_batch(n)
             return
-        got = self.c.pop_batch(n).tolist()
-        want = list(self.model)[: min(n, len(self.model))]
-        assert got == want
-        self._take(len(got))
+        assert self.c.pop_batch(n).tolist() == want
 
-    @precondition(lambda self: self.model)
     @rule()
     def reattach_consumer(self) -> None:
-        """A new consumer continues exactly where the old one stopped."""
+        """A new consumer continues exactly where the old one stopped copying out."""
         self.c.close()
-        self.c = Consumer(self.ring.name, LAYOUT, spin_s=0)
+        self.c = self._consumer()
+        self.buffered.clear()
 
     @invariant()
     def depth_matches(self) -> None:
