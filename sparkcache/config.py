@@ -226,21 +226,27 @@ def load(
             problems.append(Problem(name, text, str(e)))
     cfg = Config(**values)
     failed = {p.field_name for p in problems}
-    problems.extend(validate(cfg, check_store_dir=check_store_dir, skip=failed))
+    problems.extend(validate(cfg, check_store_dir=check_store_dir, skip=failed, given=raw))
     if problems:
         raise ConfigError(problems)
     return cfg
 
 
 def validate(
-    cfg: Config, *, check_store_dir: bool = True, skip: frozenset[str] | set[str] = frozenset()
+    cfg: Config,
+    *,
+    check_store_dir: bool = True,
+    skip: frozenset[str] | set[str] = frozenset(),
+    given: Mapping[str, str] | None = None,
 ) -> list[Problem]:
-    """All problems of ``cfg``; fields in ``skip`` already failed to parse."""
+    """All problems of ``cfg``; fields in ``skip`` already failed to parse. A message
+    quotes the text the operator gave (``given``) where there is one."""
     out: list[Problem] = []
+    given = given or {}
 
     def bad(name: str, allowed: str) -> None:
         if name not in skip:
-            out.append(Problem(name, _show(getattr(cfg, name)), allowed))
+            out.append(Problem(name, given.get(name, _show(getattr(cfg, name))), allowed))
 
     if not _INSTANCE_RE.match(cfg.instance):
         bad("instance", "1-32 characters from A-Z a-z 0-9 _ -")

@@ -48,7 +48,7 @@ def test_every_field_has_help_env_and_flag():
     ("env", "expected"),
     [
         ({"SPARKCACHE_LOW_WATERMARK_BYTES": "40GiB"},
-         "SPARKCACHE_LOW_WATERMARK_BYTES (--low-watermark-bytes)='42949672960' is invalid: "
+         "SPARKCACHE_LOW_WATERMARK_BYTES (--low-watermark-bytes)='40GiB' is invalid: "
          "expected a size below max bytes (42949672960)"),
         ({"SPARKCACHE_MAX_BYTES": "40GB"},
          "SPARKCACHE_MAX_BYTES (--max-bytes)='40GB' is invalid: expected a size: plain bytes "
@@ -60,7 +60,7 @@ def test_every_field_has_help_env_and_flag():
          "SPARKCACHE_ACCESS_MODE (--access-mode)='write-only' is invalid: expected one of "
          "read-write, restore-only, off"),
         ({"SPARKCACHE_LEASE_SECONDS": "-1"},
-         "SPARKCACHE_LEASE_SECONDS (--lease-seconds)='-1.0' is invalid: expected zero or more "
+         "SPARKCACHE_LEASE_SECONDS (--lease-seconds)='-1' is invalid: expected zero or more "
          "seconds"),
         ({"SPARKCACHE_CPUS": "0,9999"},
          f"SPARKCACHE_CPUS (--cpus)='0,9999' is invalid: expected cores that exist on this "

@@ -1,0 +1,40 @@
+"""The CLI's configuration handling: flags generated from Config, errors as exit 2."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from sparkcache import config
+from sparkcache.cli import app
+
+
+def test_config_flags_match_config_fields():
+    out = CliRunner().invoke(app, ["config", "--help"], env={"COLUMNS": "200"}).output
+    for name in config.FIELDS:
+        assert config.flag_name(name) in out
+
+
+def test_config_prints_effective_values(tmp_path):
+    result = CliRunner().invoke(
+        app,
+        ["config", "--json", "--max-bytes", "2GiB", "--low-watermark-bytes", "1GiB"],
+        env={"SPARKCACHE_STORE_DIR": str(tmp_path), "SPARKCACHE_RANKS": "4"},
+    )
+    assert result.exit_code == 0
+    values = json.loads(result.output)
+    assert values["max_bytes"] == str(2 * config.GiB) and values["ranks"] == "4"
+
+
+def test_bad_values_exit_2_with_one_line_each(tmp_path):
+    result = CliRunner().invoke(
+        app,
+        ["config", "--access-mode", "sometimes"],
+        env={"SPARKCACHE_STORE_DIR": str(tmp_path), "SPARKCACHE_LEASE_SECONDS": "-5"},
+    )
+    assert result.exit_code == 2
+    lines = [x for x in result.output.splitlines() if x.startswith("sparkcache: ")]
+    assert len(lines) == 2
+    assert "SPARKCACHE_ACCESS_MODE (--access-mode)='sometimes'" in lines[0]
+    assert "SPARKCACHE_LEASE_SECONDS (--lease-seconds)='-5'" in lines[1]
