@@ -5,12 +5,13 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import typer
 
-from sparkcache import config, store_cli
+from sparkcache import config, store_cli, supervisor
 from sparkcache.store.fsck import DEFAULT_FSCK_GRACE_SECONDS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True)
@@ -93,3 +94,39 @@ def fsck(
 ) -> None:
     """Check every store invariant; exit 1 if any is violated."""
     raise typer.Exit(store_cli.fsck_command(cfg.store_dir, json_out, repair, grace_seconds))
+
+
+@app.command("supervise")
+@with_config_flags
+def supervise(
+    cfg: config.Config,
+    avoid: str = typer.Option(
+        "", "--avoid", help="PID[,PID]: keep workers off these processes' cores (default --cpus)."
+    ),
+    startsecs: float = typer.Option(1.0, "--startsecs", help="Exiting sooner is a failed start."),
+    startretries: int = typer.Option(
+        3, "--startretries", help="Failed starts in a row before a worker is FATAL."
+    ),
+) -> None:
+    """Create the segments, start, pin and watch the workers of every rank until
+    SIGTERM/SIGINT; then drain, stop them and unlink every segment."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s supervisor %(levelname)s %(message)s"
+    )
+    try:
+        pids = [int(p) for p in avoid.split(",") if p.strip()]
+    except ValueError:
+        typer.echo(f"sparkcache: --avoid={avoid!r} is invalid: expected PID[,PID]", err=True)
+        raise typer.Exit(2) from None
+    sup = supervisor.Supervisor(
+        cfg, avoid=pids, policy=supervisor.Policy(startsecs, startretries)
+    )
+    try:
+        sup.start()
+    except supervisor.SupervisorError as exc:
+        typer.echo(f"sparkcache: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(
+        f"sparkcache: supervising instance={cfg.instance} ranks={cfg.ranks} cores={sup.cpus}"
+    )
+    raise typer.Exit(sup.run())

@@ -465,6 +465,19 @@ class PageStore:
         ):
             self.flush_touches()
 
+    def take_touches(self) -> list[tuple[str, int, float]]:
+        """Hand the batched restore accesses to the caller instead of writing them: a
+        client that only reads sends them to the commit worker, the store's one writer."""
+        taken = [(key, pos, when) for (key, pos), when in self._touches.items()]
+        self._touches, self._touches_since = {}, 0.0
+        return taken
+
+    def record_access(self, key: str, pos: int, when: float) -> None:
+        """Batch an access another process's restore made (see ``take_touches``)."""
+        require_hex(key, "page key")
+        self._touches[(key, pos)] = max(when, self._touches.get((key, pos), 0.0))
+        self._maybe_flush_touches()
+
     def flush_touches(self) -> int:
         """Record batched restores: renew leases and last access of the roots they read."""
         if not self._touches:

@@ -1,0 +1,84 @@
+"""Record layouts of the pipeline's rings and stats blocks, defined once.
+
+Page keys and root ids (16 bytes) travel as two little-endian u64 halves (``hi`` holds
+the first 8 bytes) because records hold ints and floats only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shm.records import RecordLayout
+
+# client -> capture: one record per page, one batch per publication.
+PUBLISH = RecordLayout(
+    "publish",
+    1,
+    np.dtype(
+        [
+            ("pub_id", "<u8"),
+            ("root_hi", "<u8"),
+            ("root_lo", "<u8"),
+            ("key_hi", "<u8"),
+            ("key_lo", "<u8"),
+            ("block_id", "<i8"),
+            ("deadline", "<f8"),  # time.monotonic() after which the engine reuses the blocks
+            ("reg_gen", "<u4"),
+            ("page_index", "<u4"),
+            ("npages", "<u4"),
+            ("pad", "<u4"),
+        ]
+    ),
+)
+
+# capture -> client: the blocks of ``pub_id`` may be reused.
+COMPLETION = RecordLayout(
+    "completion",
+    1,
+    np.dtype([("pub_id", "<u8"), ("status", "<i4"), ("pages_copied", "<u4")]),
+)
+
+# capture -> commit: slot ``slot`` (of ``generation``) holds a publication. The slot's own
+# header carries everything else, so commit can redo a slot after its own crash.
+FILLED = RecordLayout(
+    "filled", 1, np.dtype([("slot", "<u4"), ("pad", "<u4"), ("generation", "<u8")])
+)
+
+# commit -> capture: slot ``slot`` is FREE again.
+FREED = RecordLayout("freed", 1, np.dtype([("slot", "<u4"), ("pad", "<u4"), ("generation", "<u8")]))
+
+# client -> commit: a restore read the prefix ending at page ``pos`` with key ``key``.
+TOUCH = RecordLayout(
+    "touch",
+    1,
+    np.dtype([("key_hi", "<u8"), ("key_lo", "<u8"), ("pos", "<u8"), ("when", "<f8")]),
+)
+
+# One slot per worker of a rank (see workers.lifecycle.Role), written by that worker.
+WORKER_STATS = RecordLayout(
+    "worker_stats",
+    1,
+    np.dtype(
+        [
+            ("pid", "<u4"),
+            ("state", "<u4"),
+            ("heartbeat", "<f8"),  # time.time() of the last loop iteration
+            ("started", "<f8"),
+            ("processed", "<u8"),  # publications captured / roots committed / slices run
+            ("failed", "<u8"),
+            ("backlog", "<u8"),  # bytes above the low watermark (maintenance)
+            ("used_bytes", "<u8"),  # store bytes (maintenance)
+            ("copy_bytes", "<u8"),  # capture: bytes copied into slots
+            ("copy_seconds", "<f8"),  # capture: time spent copying them
+        ]
+    ),
+)
+
+
+def split_key(hex_key: str) -> tuple[int, int]:
+    raw = bytes.fromhex(hex_key)
+    return int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:16], "little")
+
+
+def join_key(hi: int, lo: int) -> str:
+    return (int(hi).to_bytes(8, "little") + int(lo).to_bytes(8, "little")).hex()

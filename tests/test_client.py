@@ -1,0 +1,111 @@
+"""The client never raises and never blocks: with no supervisor, in each access mode, with
+bad input, every publication is skipped and counted by reason."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pipeline_util import LAYERS, SHAPE, make_cfg
+
+from sparkcache.client import SparkCacheClient
+from sparkcache.kvmem import SharedKVCaches
+
+
+@pytest.fixture
+def kv(instance: str):
+    caches = SharedKVCaches.create(instance, 0, [SHAPE] * LAYERS, torch.float16)
+    yield caches
+    caches.close()
+
+
+def _client(tmp_path: Path, instance: str, kv: SharedKVCaches, **more: str) -> SparkCacheClient:
+    c = SparkCacheClient(make_cfg(tmp_path / "store", instance, **more), 0)
+    assert c.register_kv_caches(kv.tensors)
+    return c
+
+
+def test_no_supervisor_skips_counted_and_fast(tmp_path: Path, instance: str, kv) -> None:
+    c = _client(tmp_path, instance, kv)
+    t0 = time.perf_counter()
+    for i in range(100):
+        assert c.publish(i, list(range(40)), [0, 1, 2]) is False
+    assert time.perf_counter() - t0 < 0.5
+    assert c.counters.skipped["supervisor_absent"] == 100
+    assert c.lookup(list(range(40))) == 0  # no store yet: a miss, not an error raised
+    assert c.restore(list(range(40)), [0, 1, 2]) == 0
+    assert c.poll_completions() == []
+    c.close()
+
+
+@pytest.mark.parametrize("mode,reason", [("off", "mode_off"), ("restore-only", "restore_only")])
+def test_access_modes(tmp_path: Path, instance: str, kv, mode: str, reason: str) -> None:
+    c = _client(tmp_path, instance, kv, access_mode=mode)
+    assert c.publish("s", list(range(20)), [0, 1]) is False
+    assert c.counters.skipped[reason] == 1
+    c.close()
+
+
+def test_unregistered_and_bad_registration(tmp_path: Path, instance: str) -> None:
+    c = SparkCacheClient(make_cfg(tmp_path / "store", instance), 0)
+    assert c.publish("s", [1, 2, 3], [0]) is False
+    assert c.counters.skipped["unregistered"] == 1
+    assert c.register_kv_caches([torch.zeros(2, 4, 16, 1, 8)]) is False  # not shared memory
+    assert c.register_kv_caches([torch.zeros(2, 4, 8, 1, 8)]) is False  # wrong block size
+    assert c.counters.skipped["register_failed"] == 2
+
+
+def test_restore_refuses_block_ids_out_of_range(tmp_path: Path, instance: str, kv) -> None:
+    c = _client(tmp_path, instance, kv)
+    assert c.restore(list(range(20)), [0, 10**6]) == 0
+    assert c.counters.misses["bad_block"] == 1
+    c.close()
+
+
+@pytest.mark.gpu
+def test_cuda_descriptor_round_trip() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from sparkcache import kvmem
+
+    t = torch.arange(2 * 4 * 16 * 8, dtype=torch.float16, device="cuda").view(2, 4, 16, 1, 8)
+    desc = kvmem.describe([t])
+    assert desc["kind"] == "cuda" and desc["tensors"][0]["device_uuid"]
+
+
+def test_block_views_fast_and_strided_paths_agree(instance: str) -> None:
+    from sparkcache.kvmem import BlockViews
+
+    kv = SharedKVCaches.create(instance, 0, [(2, 6, 16, 2, 8)] * 2, torch.float16)
+    try:
+        for t in kv.tensors:
+            t.normal_()
+        strided = [t.transpose(3, 4) for t in kv.tensors]  # not contiguous: torch path
+        fast, slow = BlockViews(kv.tensors, 1), BlockViews(strided, 1)
+        a = np.empty(fast.page_bytes, np.uint8)
+        b = np.empty(slow.page_bytes, np.uint8)
+        fast.gather(4, a)
+        slow.gather(4, b)
+        assert a.tobytes() == np.concatenate(
+            [t[:, 4].contiguous().view(-1).view(torch.uint8).numpy() for t in kv.tensors]
+        ).tobytes()
+        many = [np.empty(fast.page_bytes, np.uint8) for _ in range(3)]
+        fast.gather_pages([4, 2, 5], many)
+        slow_many = [np.empty(fast.page_bytes, np.uint8) for _ in range(3)]
+        slow.gather_pages([4, 2, 5], slow_many)
+        assert many[0].tobytes() == a.tobytes()
+        for blk, page, spage in zip([4, 2, 5], many, slow_many, strict=True):
+            one = np.empty(fast.page_bytes, np.uint8)
+            fast.gather(blk, one)
+            assert page.tobytes() == one.tobytes()
+            slow.gather(blk, one)
+            assert spage.tobytes() == one.tobytes()
+        fast.scatter(0, a)
+        assert all(torch.equal(t[:, 0], t[:, 4]) for t in kv.tensors)
+        slow.scatter(1, b)
+        assert all(torch.equal(t[:, 1], t[:, 4]) for t in kv.tensors)
+    finally:
+        kv.close()

@@ -1,0 +1,74 @@
+"""Worker lifecycle states and their allowed transitions."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+import pytest
+
+from shm import StatsBlock
+from shm.layouts import WORKER_STATS, join_key, split_key
+from sparkcache import config, segments
+from workers.lifecycle import TRANSITIONS, BadTransition, Lifecycle, Role, State, WorkerSpec, title
+
+
+def _life(tmp_path: Path, instance: str = "x") -> Lifecycle:
+    cfg = config.load(env={}, overrides={"store_dir": str(tmp_path), "instance": instance})
+    return Lifecycle(WorkerSpec(cfg, 0, Role.COMMIT, os.getppid()))
+
+
+def test_normal_path(tmp_path: Path) -> None:
+    life = _life(tmp_path)
+    for state in (State.STARTING, State.READY, State.DRAINING, State.STOPPED):
+        life.to(state)
+    assert life.state is State.STOPPED
+
+
+def test_drain_before_ready_and_failure_anywhere(tmp_path: Path) -> None:
+    life = _life(tmp_path)
+    life.to(State.STARTING)
+    life.to(State.DRAINING)
+    life.to(State.FAILED)
+    with pytest.raises(BadTransition):
+        life.to(State.STARTING)
+
+
+@pytest.mark.parametrize("src,dst", list(itertools.product(State, State)))
+def test_every_transition_is_allowed_or_refused(tmp_path: Path, src: State, dst: State) -> None:
+    life = _life(tmp_path)
+    life.state = src
+    if dst in TRANSITIONS[src]:
+        life.to(dst)
+        assert life.state is dst
+    else:
+        with pytest.raises(BadTransition):
+            life.to(dst)
+        assert life.state is src
+
+
+def test_signal_only_sets_the_flag(tmp_path: Path) -> None:
+    life = _life(tmp_path)
+    life._on_signal(15, None)
+    assert life.stop and life.state is State.NEW
+
+
+def test_heartbeat_lands_in_the_role_slot(tmp_path: Path, instance: str) -> None:
+    cfg = config.load(env={}, overrides={"store_dir": str(tmp_path), "instance": instance})
+    block = StatsBlock.create(segments.name(instance, 0, segments.STATS), WORKER_STATS, 3)
+    try:
+        life = Lifecycle(WorkerSpec(cfg, 0, Role.MAINTENANCE, os.getppid()))
+        life._stats = StatsBlock.attach(block.name, WORKER_STATS)
+        life.to(State.STARTING)
+        rec = block.read(int(Role.MAINTENANCE))
+        assert rec[0] == os.getpid() and rec[1] == State.STARTING
+        life.close()
+    finally:
+        block.close()
+
+
+def test_title_and_key_halves() -> None:
+    assert title(Role.CAPTURE, 3) == "sparkcache::capture[r3]"
+    key = "00112233445566778899aabbccddeeff"
+    assert join_key(*split_key(key)) == key

@@ -1,0 +1,206 @@
+"""End to end through the supervisor: a synthetic engine publishes 200 sequences with
+shared and distinct prefixes; every published page restores byte-exact; shared pages are
+stored once; and SIGKILLed workers are restarted without losing an acknowledged root."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sqlite3
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pipeline_util import (
+    BLOCKS,
+    Engine,
+    make_cfg,
+    runtime,
+    sequences,
+    start_supervisor,
+    stop_supervisor,
+)
+
+from shm.segment import instance_entries
+from sparkcache import kvmem
+from sparkcache.store import PageStore
+from sparkcache.store.fsck import fsck
+from sparkcache.store.testing import page_bytes
+
+pytestmark = pytest.mark.slow
+
+
+def _wait_committed(engine: Engine, timeout: float = 60, settle: float = 2.0) -> dict:
+    """Accepted sequences not fully in the store, once commit has caught up: none are
+    missing, or the missing set has not changed for ``settle`` seconds."""
+    deadline = time.monotonic() + timeout
+    last, since = None, time.monotonic()
+    while True:
+        missing = {
+            sid: t for sid, t in engine.accepted.items() if engine.client.lookup(t) < len(t)
+        }
+        if missing.keys() != last:
+            last, since = missing.keys(), time.monotonic()
+        if not missing or time.monotonic() - since > settle or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.1)
+
+
+def _wait_touched(store: Path, roots: int, timeout: float = 10) -> None:
+    """Restores' accesses reach the index through the touch ring and the commit worker."""
+    deadline = time.monotonic() + timeout
+    while True:
+        conn = sqlite3.connect(store / "rank-0" / "index.sqlite")
+        try:
+            n = conn.execute("SELECT count(*) FROM roots WHERE last_access > created").fetchone()[0]
+        finally:
+            conn.close()
+        if n >= roots or time.monotonic() > deadline:
+            assert n >= roots, f"{n} of {roots} roots touched"
+            return
+        time.sleep(0.1)
+
+
+def _check_restores(engine: Engine, seqs: dict[str, list[int]]) -> int:
+    """Restore each sequence into zeroed blocks and compare every page byte for byte."""
+    pbytes = engine.client._reg.page_bytes
+    pages = 0
+    for sid, tokens in seqs.items():
+        for t in engine.kv.tensors:
+            t.zero_()
+        keys = engine.keys(tokens)
+        blocks = list(range(len(keys)))
+        assert engine.client.restore(tokens, blocks) == len(tokens), sid
+        out = np.empty(pbytes, np.uint8)
+        for k, b in zip(keys, blocks, strict=True):
+            engine.client._reg.views.gather(b, out)
+            assert out.tobytes() == page_bytes(k, pbytes), (sid, k)
+            pages += 1
+    return pages
+
+
+def test_publish_200_sequences_restore_byte_exact(tmp_path: Path, instance: str) -> None:
+    store = tmp_path / "store"
+    sup = start_supervisor(store, instance)
+    engine = None
+    try:
+        engine = Engine.create(make_cfg(store, instance), instance)
+        seqs = sequences(200)
+        for sid, tokens in seqs.items():
+            assert engine.publish(sid, tokens), (sid, engine.client.counters)
+        engine.drain()
+        assert engine.client.pending == 0
+        assert engine.client.counters.completed == 200, engine.client.counters
+        assert _wait_committed(engine, settle=10) == {}
+        assert _check_restores(engine, seqs) == sum(len(engine.keys(t)) for t in seqs.values())
+        unique = {k for t in seqs.values() for k in engine.keys(t)}
+        total = sum(len(engine.keys(t)) for t in seqs.values())
+        assert len(unique) < total  # the workload does share prefixes
+        with PageStore(store, 0) as ps:
+            usage = ps.usage()
+        assert usage.objects == len(unique)  # each shared page stored once
+        assert usage.entries == 200
+        assert engine.max_call_s < 0.25, engine.max_call_s
+        _wait_touched(store, 200)
+        # Capture bounds-checks block ids against the registered geometry.
+        assert engine.client.publish("bad", list(range(40)), [0, 1, BLOCKS + 5])
+        deadline = time.monotonic() + 10
+        done = []
+        while not done and time.monotonic() < deadline:
+            done = engine.poll()
+            time.sleep(0.01)
+        assert [(c.seq_id, c.status) for c in done] == [("bad", "bad_block")]
+        assert engine.client.counters.capture_failed["bad_block"] == 1
+    finally:
+        if engine is not None:
+            engine.close()
+        rc, err = stop_supervisor(sup)
+    assert rc == 0, err[-3000:]
+    report = fsck(store)
+    assert report.ok, report.problems
+    assert instance_entries(instance) == []
+
+
+def _running_pid(store: Path, role: str, not_these: list[int], timeout: float = 20) -> int:
+    """The pid of ``role``'s current process once it is a new one (restarted)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        w = next(w for w in runtime(store)["workers"] if w["role"] == role)
+        if w["pid"] and w["pid"] not in not_these:
+            return w["pid"]
+        time.sleep(0.05)
+    pytest.fail(f"{role} was not restarted within {timeout}s")
+
+
+@pytest.mark.parametrize("role", ["capture", "commit", "maintenance"])
+def test_worker_sigkilled_during_publication(tmp_path: Path, instance: str, role: str) -> None:
+    store = tmp_path / "store"
+    sup = start_supervisor(store, instance)
+    engine = None
+    rng = random.Random(role)
+    try:
+        engine = Engine.create(make_cfg(store, instance), instance, release_timeout_s=2.0)
+        seqs = sequences(60, seed=1)
+        kill_at = sorted(rng.sample(range(5, 55), 3))
+        killed = []
+        restored_while_down = 0
+        for i, (sid, tokens) in enumerate(seqs.items()):
+            if kill_at and i == kill_at[0]:
+                kill_at.pop(0)
+                pid = _running_pid(store, role, killed)
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                # Restores keep working while the worker is down.
+                stored = [t for t in engine.accepted.values() if engine.client.lookup(t) == len(t)]
+                n = len(engine.keys(stored[0])) if stored else 0
+                if stored and len(engine.free) >= n:
+                    # Into free blocks only: pending ones are still being captured.
+                    blocks = engine.free[-n:]
+                    assert engine.client.restore(stored[0], blocks) == len(stored[0])
+                    restored_while_down += 1
+            engine.publish(sid, tokens, tries=50)
+        engine.drain()
+        counters = engine.client.counters
+        assert engine.client.pending == 0
+        assert len(killed) == 3
+        assert restored_while_down >= 2
+        assert engine.acknowledged, counters
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            w = next(w for w in runtime(store)["workers"] if w["role"] == role)
+            if w["restarts"] >= 3 and w["state"] == "RUNNING":
+                break
+            time.sleep(0.1)
+        assert w["restarts"] >= 3 and w["state"] == "RUNNING", w
+        missing = _wait_committed(engine)
+        # Acknowledged (capture said "captured") publications all reach the store;
+        # others (expired while a worker was down, refused) may be missing.
+        lost = set(missing) & engine.acknowledged
+        assert not lost, (lost, counters)
+        _check_restores(engine, {s: engine.accepted[s] for s in engine.acknowledged})
+        skipped = sum(counters.skipped.values())
+        assert counters.published + skipped >= len(seqs)  # every call accounted for
+        assert engine.max_call_s < 0.25, engine.max_call_s
+    finally:
+        if engine is not None:
+            engine.close()
+        rc, err = stop_supervisor(sup)
+    assert rc == 0, err[-3000:]
+    report = fsck(store)
+    assert report.ok, report.problems
+    assert instance_entries(instance) == []
+
+
+def test_fresh_tensors_helper_is_shared_memory(instance: str) -> None:
+    kv = kvmem.SharedKVCaches.create(instance, 0, [(2, 4, 16, 1, 8)], torch.float16)
+    try:
+        desc = kvmem.describe(kv.tensors)
+        opened = kvmem.open_tensors(desc)
+        opened.tensors[0][1, 2].fill_(3.0)
+        assert float(kv.tensors[0][1, 2].sum()) == 3.0 * 16 * 8
+        opened.close()
+    finally:
+        kv.close()

@@ -1,0 +1,139 @@
+"""The supervisor: crash loops end FATAL with backoff, start-up failures fail fast, one
+supervisor per store dir, a SIGKILLed supervisor's segments are swept, pinning."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+from pipeline_util import make_cfg, runtime, start_supervisor, stop_supervisor
+
+from shm.segment import instance_entries
+from sparkcache.supervisor import Supervisor, default_cpus
+from workers.lifecycle import CRASH_EXIT, FAULT_FILE_ENV, FAULT_ROLE_ENV
+
+pytestmark = pytest.mark.slow
+
+
+def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _worker(store: Path, role: str) -> dict:
+    return next(w for w in runtime(store)["workers"] if w["role"] == role)
+
+
+def test_crash_loop_ends_fatal_and_second_supervisor_refused(
+    tmp_path: Path, instance: str
+) -> None:
+    store, fault = tmp_path / "store", tmp_path / "crash"
+    env = {FAULT_ROLE_ENV: "commit", FAULT_FILE_ENV: str(fault)}
+    sup = start_supervisor(store, instance, "--startsecs", "3", "--startretries", "2", env=env)
+    try:
+        second = subprocess.run(
+            [*_cli(), "supervise", "--store-dir", str(store), "--instance", instance + "b"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert second.returncode == 1
+        assert "another supervisor" in second.stderr
+        fault.touch()  # from now on the commit worker dies as it starts
+        os.kill(_worker(store, "commit")["pid"], signal.SIGKILL)
+        _wait(lambda: _worker(store, "commit")["state"] == "FATAL", 60, "commit FATAL")
+        w = _worker(store, "commit")
+        assert w["last_exit"] == CRASH_EXIT
+        # One restart after the kill (it had run long enough), then failed starts with
+        # backoff doubling between tries, then FATAL after startretries.
+        assert w["backoffs"] == [0.25, 0.25, 0.5]
+        assert sup.poll() is None  # the supervisor stays up
+        assert _worker(store, "maintenance")["state"] == "RUNNING"
+    finally:
+        rc, err = stop_supervisor(sup)
+    assert rc == 0
+    assert "sparkcache::commit[r0] FATAL" in err
+    assert instance_entries(instance) == []
+
+
+def _cli() -> list[str]:
+    return [sys.executable, "-m", "sparkcache"]
+
+
+def test_start_up_failure_fails_fast_naming_the_worker(tmp_path: Path, instance: str) -> None:
+    store, fault = tmp_path / "store", tmp_path / "crash"
+    fault.touch()
+    env = {FAULT_ROLE_ENV: "maintenance", FAULT_FILE_ENV: str(fault)}
+    sup = start_supervisor(store, instance, env=env, wait_ready=False)
+    try:
+        _, err = sup.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        sup.kill()
+        sup.communicate(timeout=10)
+        pytest.fail("supervisor did not fail fast")
+    rc = sup.returncode
+    assert rc == 1
+    assert f"sparkcache::maintenance[r0] died at start-up with exit code {CRASH_EXIT}" in err
+    assert instance_entries(instance) == []
+    assert not (store / "runtime.json").exists()
+
+
+def test_sigkilled_supervisor_is_swept_by_the_next(tmp_path: Path, instance: str) -> None:
+    store = tmp_path / "store"
+    sup = start_supervisor(store, instance)
+    pids = [w["pid"] for w in runtime(store)["workers"]]
+    sup.kill()
+    sup.communicate(timeout=30)
+    # Workers die with it (PR_SET_PDEATHSIG) ...
+    _wait(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                          for p in pids), 20, "workers to die with the supervisor")
+    assert instance_entries(instance)  # ... but its segments stay until the next start
+    (store / "runtime.json").unlink()  # left by the dead one; wait for the new one's
+    sup = start_supervisor(store, instance)
+    try:
+        assert len(runtime(store)["workers"]) == 3
+    finally:
+        rc, _ = stop_supervisor(sup)
+    assert rc == 0
+    assert instance_entries(instance) == []
+
+
+def test_avoid_keeps_workers_off_the_avoided_cores(tmp_path: Path, instance: str) -> None:
+    if (psutil.cpu_count() or 1) < 2:
+        pytest.skip("needs two cores")
+    store = tmp_path / "store"
+    busy = subprocess.Popen(["sleep", "120"])
+    try:
+        psutil.Process(busy.pid).cpu_affinity([0])
+        every = list(range(psutil.cpu_count()))
+        sup = start_supervisor(store, instance, "--avoid", str(busy.pid))
+        try:
+            for w in runtime(store)["workers"]:
+                p = psutil.Process(w["pid"])
+                assert p.cpu_affinity() == every[1:] == w["cpus"], w
+                assert p.nice() == (10 if w["role"] == "maintenance" else 0)
+                assert p.name().startswith("sparkcache::")
+        finally:
+            rc, _ = stop_supervisor(sup)
+        assert rc == 0
+    finally:
+        busy.kill()
+        busy.wait(10)
+
+
+def test_cpus_flag_and_default(tmp_path: Path, instance: str) -> None:
+    cfg = make_cfg(tmp_path, instance, cpus="0")
+    assert Supervisor(cfg).cpus == [0]
+    assert default_cpus([]) == list(range(psutil.cpu_count()))
+    own = psutil.Process().cpu_affinity()
+    if len(own) < psutil.cpu_count():
+        pytest.skip("this process is pinned already")
+    assert default_cpus([os.getpid()]) == list(range(psutil.cpu_count()))  # all: warned
