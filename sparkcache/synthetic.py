@@ -1,0 +1,137 @@
+"""A synthetic engine: what the demo, the benchmarks and the tests drive SparkCache with.
+
+It plays vLLM's part: KV tensors in shared memory (one per layer), a pool of free blocks,
+and a SparkCacheClient. Page contents derive from the page key, as a real engine's KV
+derives from the prefix, so any restored page can be checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from sparkcache import config
+from sparkcache.client import SparkCacheClient
+from sparkcache.identity import sequence_keys
+from sparkcache.kvmem import SharedKVCaches
+from sparkcache.store.testing import page_bytes
+
+LAYERS = 4
+BLOCKS = 256
+HEADS, HEAD_DIM = 2, 32
+
+
+def kv_shape(page_tokens: int) -> tuple[int, ...]:
+    """[K/V, blocks, block size, heads, head dim], vLLM's per-layer layout."""
+    return (2, BLOCKS, page_tokens, HEADS, HEAD_DIM)
+
+
+class EngineStalled(RuntimeError):
+    """Blocks lent to SparkCache never came back."""
+
+
+@dataclass
+class SyntheticEngine:
+    client: SparkCacheClient
+    kv: SharedKVCaches
+    free: list[int] = field(default_factory=lambda: list(range(BLOCKS)))
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    acknowledged: set[str] = field(default_factory=set)
+    max_call_s: float = 0.0
+
+    @classmethod
+    def create(
+        cls, cfg: config.Config, rank: int = 0, release_timeout_s: float = 5.0
+    ) -> SyntheticEngine:
+        kv = SharedKVCaches.create(cfg.instance, rank, [kv_shape(cfg.page_tokens)] * LAYERS,
+                                   torch.float16)
+        client = SparkCacheClient(cfg, rank, release_timeout_s=release_timeout_s)
+        if not client.register_kv_caches(kv.tensors):
+            client.close()
+            kv.close()
+            raise RuntimeError("the client refused the KV caches (see the log)")
+        return cls(client, kv)
+
+    def keys(self, tokens: list[int]) -> tuple[str, ...]:
+        return sequence_keys(self.client._reg.namespace, tokens).all()
+
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        self.max_call_s = max(self.max_call_s, time.perf_counter() - t0)
+        return out
+
+    def poll(self) -> list:
+        """Take completions: their blocks return to the pool."""
+        done = self._timed(self.client.poll_completions)
+        for c in done:
+            self.free.extend(b for b in c.blocks if 0 <= b < BLOCKS)
+            if c.status == "captured":
+                self.acknowledged.add(c.seq_id)
+        return done
+
+    def publish(self, seq_id: str, tokens: list[int], tries: int = 400) -> bool:
+        """Fill blocks with the sequence's pages and publish them, retrying a skipped
+        publication a while (a real engine would simply move on)."""
+        keys = self.keys(tokens)
+        deadline = time.monotonic() + 30
+        while len(self.free) < len(keys):
+            if time.monotonic() > deadline:
+                raise EngineStalled(f"blocks never came back: {self.client.counters}")
+            self.poll()
+            time.sleep(0.005)
+        blocks = [self.free.pop() for _ in keys]
+        pbytes = self.client._reg.page_bytes
+        for k, b in zip(keys, blocks, strict=True):
+            data = np.frombuffer(bytearray(page_bytes(k, pbytes)), np.uint8)
+            self.client._reg.views.scatter(b, data)
+        for _ in range(tries):
+            if self._timed(self.client.publish, seq_id, tokens, blocks):
+                self.accepted[seq_id] = tokens
+                return True
+            self.poll()
+            time.sleep(0.01)
+        self.free.extend(blocks)
+        return False
+
+    def drain(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while self.client.pending and time.monotonic() < deadline:
+            self.poll()
+            time.sleep(0.01)
+        self.poll()
+
+    def restore_exact(self, tokens: list[int]) -> tuple[int, int]:
+        """Restore ``tokens`` into zeroed blocks; (pages restored, pages byte-exact)."""
+        for t in self.kv.tensors:
+            t.zero_()
+        keys = self.keys(tokens)
+        blocks = list(range(len(keys)))
+        page_tokens = self.client.cfg.page_tokens
+        restored = -(-self.client.restore(tokens, blocks) // page_tokens)  # tail included
+        pbytes = self.client._reg.page_bytes
+        out = np.empty(pbytes, np.uint8)
+        exact = 0
+        for k, b in zip(keys[:restored], blocks, strict=False):
+            self.client._reg.views.gather(b, out)
+            exact += out.tobytes() == page_bytes(k, pbytes)
+        return restored, exact
+
+    def close(self) -> None:
+        self.client.close()
+        self.kv.close()
+
+
+def sequences(n: int, page_tokens: int = 16, seed: int = 0) -> dict[str, list[int]]:
+    """``n`` token sequences: groups sharing 1-4 page prefixes, distinct tails."""
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(0, 50000, page_tokens * int(rng.integers(1, 5))).tolist()
+                for _ in range(n // 10 + 1)]
+    out = {}
+    for i in range(n):
+        own = rng.integers(0, 50000, int(rng.integers(1, 3 * page_tokens))).tolist()
+        out[f"seq-{i}"] = prefixes[i % len(prefixes)] + own
+    return out
