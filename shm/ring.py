@@ -395,8 +395,9 @@ class Consumer:
         self._mm = m.mm
         self._size = m.itemsize
         self._cap = m.capacity
+        self._at = m.records_at
         self._table_at = m.base + _TABLE_AT
-        self._trywait = m.data.acquire
+        self._sem = m.data
         self._space_post = m.space.release
         self._unpack = layout.packer.unpack_from
         self._owed = 0  # posts a dead consumer took unrecorded, adopted as ours
@@ -471,8 +472,12 @@ class Consumer:
         if self._owed:
             self._owed -= 1
         else:
+            # The value is only a hint (a plain read): it saves the ~1 us of a failing
+            # trywait's exception. What is read is still decided by the trywait.
+            if not self._sem.value:
+                return False
             try:
-                self._trywait(0)
+                self._sem.acquire(0)
             except posix_ipc.BusyError:
                 return False
             self._taken += 1
@@ -551,6 +556,15 @@ class Consumer:
         if pos < len(self._buf):
             self._buf_pos = pos + self._size
             return self._unpack(self._buf, pos)
+        if self._tail >= self._end:
+            self._wait(timeout)  # now a batch is held
+        tail = self._tail
+        if tail + 1 == self._end and not self._sem.value:
+            # No backlog: read the one record in place rather than copying out a batch.
+            rec = self._unpack(self._mm, self._at + (tail % self._cap) * self._size)
+            self._tail = tail + 1
+            self._finish_batch()
+            return rec
         self._buf = self._pull(self.prefetch, timeout)
         self._buf_pos = self._size
         return self._unpack(self._buf, 0)
