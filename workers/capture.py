@@ -23,7 +23,7 @@ from sparkcache import kvmem, segments
 from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT
 from sparkcache.store import PageStore
 from workers import lifecycle, slotfmt
-from workers.lifecycle import Lifecycle, State, WorkerSpec
+from workers.lifecycle import Lifecycle, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +81,7 @@ class Capture:
     # ------------------------------------------------------------------ loop
 
     def run(self) -> None:
-        life = self.life
-        life.to(State.READY)
-        while not life.stop:
-            life.beat()
-            self._step(POLL_S)
-        life.to(State.DRAINING)
+        self.life.serve(self._step, POLL_S)
         # Publications already queued are still taken: their blocks are held meanwhile.
         while self._step(0):
             pass

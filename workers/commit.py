@@ -25,7 +25,7 @@ from sparkcache.segments import OWNER_COMMIT
 from sparkcache.store import CommitFailed, PageData, PageStore, Root
 from sparkcache.store.fileops import FileOps
 from workers import lifecycle, slotfmt
-from workers.lifecycle import Lifecycle, State, WorkerSpec
+from workers.lifecycle import Lifecycle, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +80,7 @@ class Commit:
         self.arena.close()
 
     def run(self) -> None:
-        life = self.life
-        life.to(State.READY)
-        while not life.stop:
-            life.beat()
-            self._step(POLL_S)
-        life.to(State.DRAINING)
+        self.life.serve(self._step, POLL_S)
         self._step(0)
         self._orphans(0.0)  # whatever capture handed over before we stop
 

@@ -140,6 +140,15 @@ class Lifecycle:
             ),
         )
 
+    def serve(self, step: Callable[[float], object], poll_s: float) -> None:
+        """READY: beat, then ``step(poll_s)`` (which waits at most ``poll_s`` for work),
+        until a stop signal; then DRAINING, where the caller finishes what it holds."""
+        self.to(State.READY)
+        while not self.stop:
+            self.beat()
+            step(poll_s)
+        self.to(State.DRAINING)
+
     def close(self) -> None:
         if self._stats is not None:
             self._stats.close()
