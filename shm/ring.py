@@ -25,24 +25,28 @@ semaphore, whose post is a release and whose successful wait/trywait is an acqui
   producer counts its successful waits the same way and reuses the records of exactly
   that many batches, oldest first, reading only TABLE entries it wrote itself.
 
-A spinning consumer therefore spins on ``trywait``, never on an index; x86-64's stronger
-ordering is not what makes this correct.
+A spinning consumer therefore spins on the semaphore, never on an index: it reads the
+semaphore's value as a hint (a failing ``trywait`` costs ~1 us in its exception) and
+reads records only after a successful ``trywait``. x86-64's stronger ordering is not
+what makes this correct.
 
 Batches are the unit of hand-over: space returns to the producer batch by batch, so a
 batch the consumer has half read still occupies its records.
 
 Crash windows (SIGKILL of an end; the other end keeps going and a new end re-attaches
 from the counters persisted here):
-* consumer killed between a successful wait and recording it: the new consumer sees
-  that the previous one died attached, counts posts made (``pushed``, +2 once closed)
-  against posts taken (its recorded ``taken`` plus the semaphore's value), and if one was
-  taken unrecorded it takes that batch as its own after a post-and-wait of its own (to
-  synchronise). Without this it would run a post behind, and a full ring would deadlock:
-  the producer waiting for space, the consumer for a post.
-* consumer killed after recording a finished batch but before posting space: the
-  producer never gets those records back (capacity shrinks by one batch). Posting again
-  on recovery could hand back space still being read, so the ring errs on the safe side.
-* records the consumer popped but had not processed are gone: delivery is at most once.
+* consumer killed between successful waits and recording them: the new consumer sees
+  that the previous one died attached (an idle consumer also checks every 100 ms),
+  counts posts made (``pushed``, +2 once closed) against posts taken (its recorded
+  ``taken`` plus the semaphore's value), and takes the unrecorded batches as its own
+  (their space was never handed back, so their records are intact) after a post-and-wait
+  of its own to synchronise. Without this it would run behind, and a full ring would
+  deadlock: the producer waiting for space, the consumer for a post.
+* consumer killed after recording finished batches but before posting their space: the
+  producer never gets those records back (capacity shrinks). Posting again on recovery
+  could hand back space still being read, so the ring errs on the safe side.
+* records the consumer copied out (``pop`` copies up to ``prefetch`` at once) but had
+  not returned or processed are gone: delivery is at most once.
 """
 
 from __future__ import annotations
