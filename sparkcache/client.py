@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from shm import FREE, Consumer, Producer, RingEmpty, RingFull, SlotArena, StatsBlock
-from shm.layouts import COMPLETION, PUBLISH, TOUCH, WORKER_STATS, split_key
+from shm import FREE, Producer, RingEmpty, RingFull
+from shm.layouts import PUBLISH, split_key
 from sparkcache import kvmem, segments
 from sparkcache.config import AccessMode, Config
 from sparkcache.identity import Namespace, sequence_keys
@@ -95,17 +95,14 @@ class _Connection:
     """The client's ends of the rank's segments."""
 
     def __init__(self, cfg: Config, rank: int) -> None:
-        def nm(role: str) -> str:
-            return segments.name(cfg.instance, rank, role)
-
         self.parts: list = []
         try:
-            self.stats = self._keep(StatsBlock.attach(nm(segments.STATS), WORKER_STATS))
-            self.arena = self._keep(SlotArena.attach(nm(segments.ARENA)))
-            self.publish = self._keep(Producer(nm("publish"), PUBLISH))
+            self.stats = self._keep(segments.attach_stats(cfg, rank))
+            self.arena = self._keep(segments.attach_arena(cfg, rank))
+            self.publish = self._keep(segments.producer(cfg, rank, "publish"))
             # spin_s=0: an empty poll must return at once, not spin in the engine.
-            self.completion = self._keep(Consumer(nm("completion"), COMPLETION, spin_s=0))
-            self.touch = self._keep(Producer(nm("touch"), TOUCH))
+            self.completion = self._keep(segments.consumer(cfg, rank, "completion", spin_s=0))
+            self.touch = self._keep(segments.producer(cfg, rank, "touch"))
         except BaseException:
             self.close()
             raise

@@ -212,19 +212,7 @@ class BlockViews:
 
     def gather(self, block: int, out: np.ndarray) -> None:
         """Copy block ``block`` of every tensor, in order, into the bytes ``out``."""
-        addr, off = self._check(out), 0
-        for t, run in zip(self.tensors, self._runs, strict=True):
-            if run is not None:
-                base, outer, stride, inner = run
-                src = base + block * inner
-                for o in range(outer):
-                    ctypes.memmove(addr + off, src + o * stride, inner)
-                    off += inner
-            else:
-                src = t.select(self.block_dim, block)
-                n = src.numel() * t.element_size()
-                torch.from_numpy(out[off : off + n]).view(t.dtype).view(src.shape).copy_(src)
-                off += n
+        self.gather_pages([block], [out])
 
     def gather_pages(self, blocks: list[int], outs: list[np.ndarray]) -> None:
         """``gather`` for many pages, layer by layer: consecutive blocks of one layer are

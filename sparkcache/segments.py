@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from shm import Ring, SlotArena, StatsBlock, segment_name
+from shm import Consumer, Producer, Ring, SlotArena, StatsBlock, segment_name
 from shm.layouts import COMPLETION, FILLED, FREED, PUBLISH, TOUCH, WORKER_STATS
 from shm.records import RecordLayout
 from sparkcache.config import Config
@@ -31,6 +31,24 @@ OWNER_COMMIT = 2
 
 def name(cfg_instance: str, rank: int, role: str) -> str:
     return segment_name(cfg_instance, rank, role)
+
+
+def producer(cfg: Config, rank: int, role: str) -> Producer:
+    """The writing end of ring ``role`` of ``rank``, with its layout from RINGS."""
+    return Producer(name(cfg.instance, rank, role), RINGS[role][0])
+
+
+def consumer(cfg: Config, rank: int, role: str, **options: float) -> Consumer:
+    """The reading end of ring ``role`` of ``rank``, with its layout from RINGS."""
+    return Consumer(name(cfg.instance, rank, role), RINGS[role][0], **options)
+
+
+def attach_arena(cfg: Config, rank: int) -> SlotArena:
+    return SlotArena.attach(name(cfg.instance, rank, ARENA))
+
+
+def attach_stats(cfg: Config, rank: int) -> StatsBlock:
+    return StatsBlock.attach(name(cfg.instance, rank, STATS), WORKER_STATS)
 
 
 @dataclass

@@ -11,7 +11,6 @@ import sqlite3
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from pipeline_util import (
@@ -28,7 +27,6 @@ from shm.segment import instance_entries
 from sparkcache import kvmem
 from sparkcache.store import PageStore
 from sparkcache.store.fsck import fsck
-from sparkcache.store.testing import page_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -65,21 +63,22 @@ def _wait_touched(store: Path, roots: int, timeout: float = 10) -> None:
 
 
 def _check_restores(engine: Engine, seqs: dict[str, list[int]]) -> int:
-    """Restore each sequence into zeroed blocks and compare every page byte for byte."""
-    pbytes = engine.client._reg.page_bytes
+    """Restore each sequence into zeroed blocks; every page must come back byte for byte."""
     pages = 0
     for sid, tokens in seqs.items():
-        for t in engine.kv.tensors:
-            t.zero_()
-        keys = engine.keys(tokens)
-        blocks = list(range(len(keys)))
-        assert engine.client.restore(tokens, blocks) == len(tokens), sid
-        out = np.empty(pbytes, np.uint8)
-        for k, b in zip(keys, blocks, strict=True):
-            engine.client._reg.views.gather(b, out)
-            assert out.tobytes() == page_bytes(k, pbytes), (sid, k)
-            pages += 1
+        restored, exact = engine.restore_exact(tokens)
+        assert restored == exact == len(engine.keys(tokens)), (sid, restored, exact)
+        pages += restored
     return pages
+
+
+def _check_stopped(stopped: tuple[int, str], store: Path, instance: str) -> None:
+    """The supervisor stopped cleanly, the store passes fsck, /dev/shm is empty."""
+    rc, err = stopped
+    assert rc == 0, err[-3000:]
+    report = fsck(store)
+    assert report.ok, report.problems
+    assert instance_entries(instance) == []
 
 
 def test_publish_200_sequences_restore_byte_exact(tmp_path: Path, instance: str) -> None:
@@ -117,11 +116,8 @@ def test_publish_200_sequences_restore_byte_exact(tmp_path: Path, instance: str)
     finally:
         if engine is not None:
             engine.close()
-        rc, err = stop_supervisor(sup)
-    assert rc == 0, err[-3000:]
-    report = fsck(store)
-    assert report.ok, report.problems
-    assert instance_entries(instance) == []
+        stopped = stop_supervisor(sup)
+    _check_stopped(stopped, store, instance)
 
 
 def _running_pid(store: Path, role: str, not_these: list[int], timeout: float = 20) -> int:
@@ -187,11 +183,8 @@ def test_worker_sigkilled_during_publication(tmp_path: Path, instance: str, role
     finally:
         if engine is not None:
             engine.close()
-        rc, err = stop_supervisor(sup)
-    assert rc == 0, err[-3000:]
-    report = fsck(store)
-    assert report.ok, report.problems
-    assert instance_entries(instance) == []
+        stopped = stop_supervisor(sup)
+    _check_stopped(stopped, store, instance)
 
 
 def test_fresh_tensors_helper_is_shared_memory(instance: str) -> None:

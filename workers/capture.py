@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from posix_ipc import SignalError
 
-from shm import FREE, Consumer, Producer, RingClosed, RingEmpty, RingFull, SlotArena
-from shm.layouts import COMPLETION, FILLED, FREED, PUBLISH, join_key
+from shm import FREE, RingClosed, RingEmpty, RingFull
+from shm.layouts import join_key
 from sparkcache import kvmem, segments
 from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT
 from sparkcache.store import PageStore
@@ -44,18 +44,14 @@ class Capture:
     def __init__(self, life: Lifecycle) -> None:
         spec = life.spec
         cfg = spec.cfg
-
-        def nm(role: str) -> str:
-            return segments.name(cfg.instance, spec.rank, role)
-
         self.life = life
         self.cfg = cfg
         self.rank = spec.rank
-        self.arena = SlotArena.attach(nm(segments.ARENA))
-        self.publish = Consumer(nm("publish"), PUBLISH)
-        self.completion = Producer(nm("completion"), COMPLETION)
-        self.filled = Producer(nm("filled"), FILLED)
-        self.freed = Consumer(nm("freed"), FREED)
+        self.arena = segments.attach_arena(cfg, spec.rank)
+        self.publish = segments.consumer(cfg, spec.rank, "publish")
+        self.completion = segments.producer(cfg, spec.rank, "completion")
+        self.filled = segments.producer(cfg, spec.rank, "filled")
+        self.freed = segments.consumer(cfg, spec.rank, "freed")
         self.store = PageStore(cfg.store_dir, spec.rank, lease_seconds=cfg.lease_seconds)
         self.reg: _Registered | None = None
         # Slots a dead predecessor was filling are ours to free: nobody else takes them.

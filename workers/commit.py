@@ -18,8 +18,8 @@ import time
 import numpy as np
 from posix_ipc import SignalError
 
-from shm import FREE, Consumer, Producer, RingClosed, RingEmpty, RingFull, SlotArena
-from shm.layouts import FILLED, FREED, TOUCH, join_key
+from shm import FREE, RingClosed, RingEmpty, RingFull
+from shm.layouts import join_key
 from sparkcache import segments
 from sparkcache.segments import OWNER_COMMIT
 from sparkcache.store import CommitFailed, PageData, PageStore, Root
@@ -58,15 +58,11 @@ class Commit:
     def __init__(self, life: Lifecycle) -> None:
         spec = life.spec
         cfg = spec.cfg
-
-        def nm(role: str) -> str:
-            return segments.name(cfg.instance, spec.rank, role)
-
         self.life = life
-        self.arena = SlotArena.attach(nm(segments.ARENA))
-        self.filled = Consumer(nm("filled"), FILLED)
-        self.freed = Producer(nm("freed"), FREED)
-        self.touch = Consumer(nm("touch"), TOUCH)
+        self.arena = segments.attach_arena(cfg, spec.rank)
+        self.filled = segments.consumer(cfg, spec.rank, "filled")
+        self.freed = segments.producer(cfg, spec.rank, "freed")
+        self.touch = segments.consumer(cfg, spec.rank, "touch")
         self.ops = _GuardedOps()
         self.store = PageStore(
             cfg.store_dir, spec.rank, lease_seconds=cfg.lease_seconds, fileops=self.ops

@@ -18,7 +18,6 @@ from pathlib import Path
 import setproctitle
 
 from shm import StatsBlock
-from shm.layouts import WORKER_STATS
 from sparkcache import segments
 from sparkcache.config import Config
 
@@ -116,9 +115,7 @@ class Lifecycle:
             os._exit(1)  # the supervisor died before prctl took effect
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        self._stats = StatsBlock.attach(
-            segments.name(spec.cfg.instance, spec.rank, segments.STATS), WORKER_STATS
-        )
+        self._stats = segments.attach_stats(spec.cfg, spec.rank)
         self.to(State.STARTING)
         fault = os.environ.get(FAULT_FILE_ENV)
         if (
