@@ -47,3 +47,34 @@ def join_or_kill(proc: mp.process.BaseProcess, timeout: float = 60.0) -> int | N
         proc.join(10)
         pytest.fail(f"process {proc.pid} did not finish within {timeout}s")
     return proc.exitcode
+
+
+def run_children(
+    ctx: mp.context.BaseContext, procs: list[tuple], timeout: float
+) -> tuple[list[tuple], list[int | None]]:
+    """Start every ``(target, args)`` child with the write end of a pipe as its last
+    argument; gather what they send until each closes it; join each (killed past
+    ``timeout``). Returns (messages, exit codes)."""
+    started = []
+    for target, args in procs:
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=target, args=(*args, child))
+        proc.start()
+        child.close()
+        started.append((proc, parent))
+    messages: list[tuple] = []
+    try:
+        for _proc, parent in started:
+            try:
+                while True:
+                    messages.append(parent.recv())
+            except EOFError:
+                pass
+    finally:
+        for proc, parent in started:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            parent.close()
+    return messages, [proc.exitcode for proc, _ in started]

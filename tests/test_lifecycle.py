@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from shm import StatsBlock
 from shm.layouts import WORKER_STATS, join_key, split_key
 from sparkcache import config, segments
+from tests.conftest import join_or_kill
 from workers.lifecycle import TRANSITIONS, BadTransition, Lifecycle, Role, State, WorkerSpec, title
 
 
@@ -72,3 +75,33 @@ def test_title_and_key_halves() -> None:
     assert title(Role.CAPTURE, 3) == "sparkcache::capture[r3]"
     key = "00112233445566778899aabbccddeeff"
     assert join_key(*split_key(key)) == key
+
+
+def _idle_until_stopped(cfg: config.Config, parent: int, out) -> None:
+    life = Lifecycle(WorkerSpec(cfg, 0, Role.MAINTENANCE, parent))
+    life.setup()
+    out.put("ready")
+    t0 = time.monotonic()
+    life.idle(60)
+    out.put((life.stop, time.monotonic() - t0))
+    life.close()
+
+
+def test_idle_returns_when_a_stop_signal_arrives(tmp_path: Path, instance: str, spawn) -> None:
+    cfg = config.load(env={}, overrides={"store_dir": str(tmp_path), "instance": instance})
+    block = StatsBlock.create(segments.name(instance, 0, segments.STATS), WORKER_STATS, 3)
+    out = spawn.Queue()
+    child = spawn.Process(target=_idle_until_stopped, args=(cfg, os.getpid(), out))
+    try:
+        child.start()
+        assert out.get(timeout=60) == "ready"
+        time.sleep(0.2)  # let it enter the wait
+        os.kill(child.pid, signal.SIGTERM)
+        stopped, waited = out.get(timeout=60)
+        assert stopped and waited < 30  # woken by the signal, not by the 60 s timeout
+        assert join_or_kill(child) == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+        block.close()

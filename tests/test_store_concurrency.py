@@ -14,6 +14,7 @@ import pytest
 from sparkcache.store import PageStore
 from sparkcache.store.fsck import fsck
 from sparkcache.store.testing import make_root, page_bytes
+from tests.conftest import run_children
 
 SIZE = 4096
 CHILD_TIMEOUT_S = 120
@@ -86,30 +87,9 @@ def evictor(store_dir: Path, seed: int, done: Event, conn: Connection) -> None:
 
 
 def run_all(procs: list[tuple], timeout: float) -> list[tuple]:
-    """Start every (target, args) child, gather messages, join (kill on timeout)."""
-    started = []
-    for target, args in procs:
-        parent, child = CTX.Pipe(duplex=False)
-        proc = CTX.Process(target=target, args=(*args, child))
-        proc.start()
-        child.close()
-        started.append((proc, parent))
-    messages = []
-    try:
-        for _proc, parent in started:
-            try:
-                while True:
-                    messages.append(parent.recv())
-            except EOFError:
-                pass
-    finally:
-        for proc, parent in started:
-            proc.join(timeout)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-            parent.close()
-    assert [p.exitcode for p, _ in started] == [0] * len(started)
+    """Run every (target, args) child to a clean exit; their messages."""
+    messages, codes = run_children(CTX, procs, timeout)
+    assert codes == [0] * len(procs)
     return messages
 
 

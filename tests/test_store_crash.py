@@ -22,6 +22,7 @@ from sparkcache.store import PageStore
 from sparkcache.store.fileops import COMMIT_STEPS, EVICTION_STEPS
 from sparkcache.store.fsck import fsck
 from sparkcache.store.testing import KillAt, make_root, page_bytes
+from tests.conftest import run_children
 
 SIZE = 16384
 CHILD_TIMEOUT_S = 60
@@ -80,24 +81,9 @@ def eviction_child(store_dir: Path, step: str, nth: int, seed: int, conn: Connec
 
 
 def run_child(target, *args) -> list[tuple]:
-    """Run ``target`` in a child; return its messages. The child always ends here."""
-    parent, child = CTX.Pipe(duplex=False)
-    proc = CTX.Process(target=target, args=(*args, child))
-    proc.start()
-    child.close()
-    messages = []
-    try:
-        while True:
-            messages.append(parent.recv())
-    except EOFError:
-        pass
-    finally:
-        proc.join(CHILD_TIMEOUT_S)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        parent.close()
-    assert proc.exitcode == -signal.SIGKILL, f"child was not killed at its step: {messages}"
+    """Run ``target`` in a child, which must die by SIGKILL at its step; its messages."""
+    messages, (code,) = run_children(CTX, [(target, args)], CHILD_TIMEOUT_S)
+    assert code == -signal.SIGKILL, f"child was not killed at its step: {messages}"
     return messages
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import select
 import signal
 import sys
 import time
@@ -91,6 +92,7 @@ class Lifecycle:
         self.copy_bytes = 0
         self.copy_seconds = 0.0
         self._stats: StatsBlock | None = None
+        self._wake_fd = -1  # readable once a stop signal has arrived (signal wakeup fd)
 
     def to(self, state: State) -> None:
         if state not in TRANSITIONS[self.state]:
@@ -115,6 +117,12 @@ class Lifecycle:
             os._exit(1)  # the supervisor died before prctl took effect
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        # The C-level handler writes the signal number here, so idle() wakes at once
+        # (a sleep would be resumed after the handler, PEP 475).
+        self._wake_fd, wake_w = os.pipe()
+        os.set_blocking(self._wake_fd, False)
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         self._stats = segments.attach_stats(spec.cfg, spec.rank)
         self.to(State.STARTING)
         fault = os.environ.get(FAULT_FILE_ENV)
@@ -145,6 +153,11 @@ class Lifecycle:
             self.beat()
             step(poll_s)
         self.to(State.DRAINING)
+
+    def idle(self, seconds: float) -> None:
+        """Wait up to ``seconds`` with nothing to do; return at once on a stop signal."""
+        if not self.stop and self._wake_fd >= 0:
+            select.select([self._wake_fd], [], [], seconds)
 
     def close(self) -> None:
         if self._stats is not None:

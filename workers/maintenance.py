@@ -7,7 +7,6 @@ time budget and duty cycle are the next issue's."""
 from __future__ import annotations
 
 import logging
-import time
 
 from sparkcache.store import PageStore
 from workers import lifecycle
@@ -54,9 +53,7 @@ def _body(life: Lifecycle) -> None:
             evicting, worked = _pass(store, life, evicting)
             life.beat()
             if not worked:
-                deadline = time.monotonic() + IDLE_S
-                while not life.stop and time.monotonic() < deadline:
-                    time.sleep(0.02)
+                life.idle(IDLE_S)
         life.to(State.DRAINING)
     finally:
         store.close()
