@@ -1,9 +1,11 @@
 """Slot arena: N fixed-size byte slots in one segment, each with an owner.
 
-Payload layout, ARENA_LAYOUT_VERSION 1:
+Payload layout, ARENA_LAYOUT_VERSION 2:
 
     0      META    slots u64, slot_bytes u64, data_at u64 (128-byte line)
-    128    STATE   one SLOT_STATE record (32 bytes) per slot
+    128    STATE   one SLOT_STATE record (32 bytes) per slot: owner, pid, generation,
+                   since (CLOCK_MONOTONIC of the last hand-over: one clock for every
+                   process of the host, so it orders hand-overs), used bytes
     D      DATA    slots x slot_bytes, D page-aligned (4096) so slots suit O_DIRECT/DMA
 
 Ownership passes from one process to the next along a ring: whoever holds a slot sets
@@ -23,7 +25,7 @@ import numpy as np
 
 from shm.segment import PAYLOAD_OFFSET, Segment, SegmentSpec
 
-ARENA_LAYOUT_VERSION = 1
+ARENA_LAYOUT_VERSION = 2  # 1 had "since" in wall-clock time
 ARENA_KIND = "arena"
 FREE = 0  # owner value of a slot nobody holds
 
@@ -96,7 +98,7 @@ class SlotArena:
             st["generation"] += 1
         st["used"] = used if to_owner != FREE else 0
         st["pid"] = os.getpid() if to_owner != FREE else 0
-        st["since"] = time.time()
+        st["since"] = time.monotonic()
         st["owner"] = to_owner
 
     def free_slots(self) -> list[int]:
@@ -118,7 +120,7 @@ class SlotArena:
     def reclaim(self, index: int) -> None:
         """Force slot ``index`` back to FREE (its holder is dead)."""
         st = self.state[index]
-        st["owner"], st["pid"], st["used"], st["since"] = FREE, 0, 0, time.time()
+        st["owner"], st["pid"], st["used"], st["since"] = FREE, 0, 0, time.monotonic()
 
     def close(self) -> None:
         del self.state

@@ -11,6 +11,7 @@ import sqlite3
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from sparkcache import runtime
 from sparkcache.config import GiB as GIB
 from sparkcache.store import index
 from sparkcache.store.fsck import DEFAULT_FSCK_GRACE_SECONDS, fsck
@@ -46,13 +47,46 @@ def _rank_status(store_dir: Path, rank: int, max_bytes: int) -> RankStatus:
     return RankStatus(rank, totals["roots"][0], used, used <= max_bytes)
 
 
+def _supervisor(store_dir: Path) -> dict:
+    """The supervisor as ``runtime.json`` and its pid say: running, stale or absent."""
+    rt, running = runtime.read_live(store_dir)
+    if rt is None:
+        return {"state": "absent"}
+    if not running:
+        return {"state": "stale", "pid": rt.get("pid")}
+    return {"state": "running", **rt}
+
+
+def _supervisor_lines(sup: dict) -> list[str]:
+    if sup["state"] == "absent":
+        return ["sparkcache: supervisor not running"]
+    if sup["state"] == "stale":
+        return [f"sparkcache: supervisor not running (runtime.json of pid {sup['pid']} left "
+                "by a supervisor that was killed; the next start replaces it)"]
+    workers = sup["workers"]
+    up = sum(w["state"] == "RUNNING" for w in workers)
+    lines = [f"sparkcache: supervisor pid={sup['pid']} instance={sup['instance']} "
+             f"workers={up}/{len(workers)} running cores={sup['cpus']}"]
+    for w in workers:
+        exit_code = "" if w["last_exit"] is None else f" last_exit={w['last_exit']}"
+        lines.append(f"  {w['name']:28s} {w['state']:8s} pid={w['pid']} "
+                     f"restarts={w['restarts']}{exit_code}")
+    return lines
+
+
 def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
-    """Print the capacity line operators grep (or JSON); 0 if every rank is healthy."""
+    """Print the capacity line operators grep, then the supervisor and its workers (or
+    JSON); 0 if every rank is within capacity and no worker of a running supervisor is
+    FATAL."""
     try:
         ranks = [_rank_status(store_dir, r, max_bytes) for r in list_ranks(store_dir)]
         error = None
     except (OSError, StoreError) as exc:
         ranks, error = [], str(exc)
+    sup = _supervisor(store_dir)
+    fatal = [w["name"] for w in sup.get("workers", []) if w["state"] == "FATAL"]
+    if fatal and error is None:
+        error = f"FATAL: {', '.join(fatal)}"
     entries = sum(r.entries for r in ranks)
     used = sum(r.used_bytes for r in ranks)
     capacity = max_bytes * len(ranks)
@@ -68,6 +102,7 @@ def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) 
                     "healthy": healthy,
                     "error": error,
                     "per_rank": [asdict(r) for r in ranks],
+                    "supervisor": sup,
                 }
             )
         )
@@ -76,6 +111,10 @@ def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) 
             f"sparkcache: capacity ranks={len(ranks)} entries={entries} "
             f"used={used / GIB:.1f}/{capacity / GIB:.1f}GiB healthy={'yes' if healthy else 'no'}"
         )
+        for line in _supervisor_lines(sup):
+            print(line)
+        if fatal:
+            print(f"sparkcache: {error}")
     return 0 if healthy else 1
 
 

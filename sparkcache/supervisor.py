@@ -13,28 +13,24 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import logging
 import multiprocessing as mp
 import os
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
-from pathlib import Path
 
 import psutil
 
 from shm import sweep
-from sparkcache import segments
+from sparkcache import runtime, segments
 from sparkcache.config import AccessMode, Config
-from workers import capture, commit, maintenance
-from workers.lifecycle import Role, State, WorkerSpec, title
+from sparkcache.runtime import RUNTIME_FILE
+from workers.lifecycle import Role, State, WorkerSpec, run_worker, title
 
 log = logging.getLogger(__name__)
 
-RUNTIME_FILE = "runtime.json"
 LOCK_FILE = "supervisor.lock"
 READY_TIMEOUT_S = 60.0
 STOP_DEADLINE_S = 10.0
@@ -42,11 +38,6 @@ BACKOFF_S = 0.25
 BACKOFF_MAX_S = 5.0
 MAINTENANCE_NICE = 10
 
-ENTRIES: dict[Role, Callable[[WorkerSpec], None]] = {
-    Role.CAPTURE: capture.run,
-    Role.COMMIT: commit.run,
-    Role.MAINTENANCE: maintenance.run,
-}
 
 
 class SupervisorError(RuntimeError):
@@ -131,7 +122,7 @@ class Supervisor:
 
     def _spawn(self, w: Worker) -> None:
         spec = WorkerSpec(self.cfg, w.rank, w.role, os.getpid())
-        proc = self._ctx.Process(target=ENTRIES[w.role], args=(spec,), name=w.name)
+        proc = self._ctx.Process(target=run_worker, args=(spec,), name=w.name)
         proc.start()
         w.proc, w.started, w.state = proc, time.monotonic(), "STARTING"
         try:
@@ -238,10 +229,13 @@ class Supervisor:
     # ------------------------------------------------------------------ runtime file
 
     def runtime(self) -> dict:
+        """What ``runtime.json`` says (see ``sparkcache.runtime``)."""
         return {
             "instance": self.cfg.instance,
             "ranks": self.cfg.ranks,
             "pid": os.getpid(),
+            # With the pid, tells this process from a later one that reuses the pid.
+            "started": psutil.Process().create_time(),
             "cpus": self.cpus,
             "workers": [
                 {
@@ -255,12 +249,7 @@ class Supervisor:
         }
 
     def write_runtime(self) -> None:
-        path = self.cfg.store_dir / RUNTIME_FILE
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.runtime(), f)
-        os.replace(tmp, path)
+        runtime.write(self.cfg.store_dir, self.runtime())
 
     # ------------------------------------------------------------------ shutdown
 
@@ -290,10 +279,3 @@ class Supervisor:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
-
-
-def read_runtime(store_dir: Path) -> dict | None:
-    try:
-        return json.loads((store_dir / RUNTIME_FILE).read_text())
-    except (OSError, ValueError):
-        return None

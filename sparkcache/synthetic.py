@@ -1,8 +1,9 @@
 """A synthetic engine: what the demo, the benchmarks and the tests drive SparkCache with.
 
-It plays vLLM's part: KV tensors in shared memory (one per layer), a pool of free blocks,
-and a SparkCacheClient. Page contents derive from the page key, as a real engine's KV
-derives from the prefix, so any restored page can be checked byte for byte.
+It plays vLLM's part: KV tensors (one per layer; in shared memory on the CPU, or on a CUDA
+device), a pool of free blocks, and a SparkCacheClient. Page contents derive from the page
+key, as a real engine's KV derives from the prefix, so any restored page can be checked
+byte for byte.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class EngineStalled(RuntimeError):
 @dataclass
 class SyntheticEngine:
     client: SparkCacheClient
-    kv: SharedKVCaches
+    tensors: list[torch.Tensor]
+    kv: SharedKVCaches | None  # the shared-memory segment of CPU tensors
     free: list[int] = field(default_factory=lambda: list(range(BLOCKS)))
     accepted: dict[str, list[int]] = field(default_factory=dict)
     acknowledged: set[str] = field(default_factory=set)
@@ -44,16 +46,23 @@ class SyntheticEngine:
 
     @classmethod
     def create(
-        cls, cfg: config.Config, rank: int = 0, release_timeout_s: float = 5.0
+        cls, cfg: config.Config, rank: int = 0, release_timeout_s: float = 5.0,
+        device: str = "cpu",
     ) -> SyntheticEngine:
-        kv = SharedKVCaches.create(cfg.instance, rank, [kv_shape(cfg.page_tokens)] * LAYERS,
-                                   torch.float16)
+        shapes = [kv_shape(cfg.page_tokens)] * LAYERS
+        kv = None
+        if device == "cpu":
+            kv = SharedKVCaches.create(cfg.instance, rank, shapes, torch.float16)
+            tensors = kv.tensors
+        else:
+            tensors = [torch.zeros(s, dtype=torch.float16, device=device) for s in shapes]
         client = SparkCacheClient(cfg, rank, release_timeout_s=release_timeout_s)
-        if not client.register_kv_caches(kv.tensors):
+        if not client.register_kv_caches(tensors):
             client.close()
-            kv.close()
+            if kv is not None:
+                kv.close()
             raise RuntimeError("the client refused the KV caches (see the log)")
-        return cls(client, kv)
+        return cls(client, tensors, kv)
 
     def keys(self, tokens: list[int]) -> tuple[str, ...]:
         return sequence_keys(self.client._reg.namespace, tokens).all()
@@ -106,7 +115,7 @@ class SyntheticEngine:
 
     def restore_exact(self, tokens: list[int]) -> tuple[int, int]:
         """Restore ``tokens`` into zeroed blocks; (pages restored, pages byte-exact)."""
-        for t in self.kv.tensors:
+        for t in self.tensors:
             t.zero_()
         keys = self.keys(tokens)
         blocks = list(range(len(keys)))
@@ -122,7 +131,9 @@ class SyntheticEngine:
 
     def close(self) -> None:
         self.client.close()
-        self.kv.close()
+        self.tensors = []
+        if self.kv is not None:
+            self.kv.close()
 
 
 def sequences(n: int, page_tokens: int = 16, seed: int = 0) -> dict[str, list[int]]:

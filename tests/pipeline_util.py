@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from shm.segment import instance_entries
 from sparkcache import config
+from sparkcache.store.fsck import fsck
 from sparkcache.supervisor import RUNTIME_FILE
 from sparkcache.synthetic import (  # noqa: F401  (re-exported for the tests)
     BLOCKS,
@@ -89,3 +91,41 @@ class Engine(SyntheticEngine):
     def create(cls, cfg: config.Config, instance: str, release_timeout_s: float = 5.0) -> Engine:
         assert cfg.instance == instance
         return super().create(cfg, 0, release_timeout_s=release_timeout_s)
+
+
+def wait_committed(engine: Engine, timeout: float = 60, settle: float = 2.0,
+                   seqs: dict[str, list[int]] | None = None) -> dict:
+    """Sequences of ``seqs`` (default: every accepted one) not fully in the store, once
+    commit has caught up: none are missing, or the missing set has not changed for
+    ``settle`` seconds."""
+    deadline = time.monotonic() + timeout
+    last, since = None, time.monotonic()
+    while True:
+        missing = {
+            sid: t for sid, t in (engine.accepted if seqs is None else seqs).items()
+            if engine.client.lookup(t) < len(t)
+        }
+        if missing.keys() != last:
+            last, since = missing.keys(), time.monotonic()
+        if not missing or time.monotonic() - since > settle or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.1)
+
+
+def check_restores(engine: Engine, seqs: dict[str, list[int]]) -> int:
+    """Restore each sequence into zeroed blocks; every page must come back byte for byte."""
+    pages = 0
+    for sid, tokens in seqs.items():
+        restored, exact = engine.restore_exact(tokens)
+        assert restored == exact == len(engine.keys(tokens)), (sid, restored, exact)
+        pages += restored
+    return pages
+
+
+def check_stopped(stopped: tuple[int, str], store: Path, instance: str) -> None:
+    """The supervisor stopped cleanly, the store passes fsck, /dev/shm is empty."""
+    rc, err = stopped
+    assert rc == 0, err[-3000:]
+    report = fsck(store)
+    assert report.ok, report.problems
+    assert instance_entries(instance) == []

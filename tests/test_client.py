@@ -76,6 +76,11 @@ def test_cuda_descriptor_round_trip() -> None:
     assert desc["kind"] == "cuda" and desc["tensors"][0]["device_uuid"]
 
 
+def _page(tensors: list[torch.Tensor], block: int) -> bytes:
+    return b"".join(t[:, block].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                    for t in tensors)
+
+
 def test_block_views_fast_and_strided_paths_agree(instance: str) -> None:
     from sparkcache.kvmem import BlockViews
 
@@ -85,27 +90,49 @@ def test_block_views_fast_and_strided_paths_agree(instance: str) -> None:
             t.normal_()
         strided = [t.transpose(3, 4) for t in kv.tensors]  # not contiguous: torch path
         fast, slow = BlockViews(kv.tensors, 1), BlockViews(strided, 1)
+        assert fast.run_bytes == [16 * 2 * 8 * 2] * 4 and slow.run_bytes == [2 * 16 * 2 * 8 * 2] * 2
         a = np.empty(fast.page_bytes, np.uint8)
         b = np.empty(slow.page_bytes, np.uint8)
         fast.gather(4, a)
         slow.gather(4, b)
-        assert a.tobytes() == np.concatenate(
-            [t[:, 4].contiguous().view(-1).view(torch.uint8).numpy() for t in kv.tensors]
-        ).tobytes()
-        many = [np.empty(fast.page_bytes, np.uint8) for _ in range(3)]
-        fast.gather_pages([4, 2, 5], many)
-        slow_many = [np.empty(fast.page_bytes, np.uint8) for _ in range(3)]
-        slow.gather_pages([4, 2, 5], slow_many)
-        assert many[0].tobytes() == a.tobytes()
-        for blk, page, spage in zip([4, 2, 5], many, slow_many, strict=True):
-            one = np.empty(fast.page_bytes, np.uint8)
-            fast.gather(blk, one)
-            assert page.tobytes() == one.tobytes()
-            slow.gather(blk, one)
-            assert spage.tobytes() == one.tobytes()
+        assert a.tobytes() == _page(kv.tensors, 4)
+        assert b.tobytes() == _page(strided, 4)
         fast.scatter(0, a)
         assert all(torch.equal(t[:, 0], t[:, 4]) for t in kv.tensors)
         slow.scatter(1, b)
         assert all(torch.equal(t[:, 1], t[:, 4]) for t in kv.tensors)
+    finally:
+        kv.close()
+
+
+def _run_major(views, tensors: list[torch.Tensor], blocks: list[int]) -> bytes:
+    """What ``gather_runs`` must produce, built from whole pages: run r of every block."""
+    pages = [np.frombuffer(_page(tensors, b), np.uint8) for b in blocks]
+    out, at = [], 0
+    for size in views.run_bytes:
+        out += [p[at : at + size].tobytes() for p in pages]
+        at += size
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("path", ["host", "strided", "device"])
+def test_gather_runs_is_run_major(instance: str, path: str) -> None:
+    """Every path lays out many blocks the same way; the device path (staging buffer,
+    ``index_select``, one transfer) runs here on CPU tensors."""
+    from sparkcache.kvmem import BlockViews
+
+    kv = SharedKVCaches.create(instance, 0, [(2, 9, 16, 2, 8), (2, 9, 16, 2, 8)], torch.float16)
+    try:
+        for t in kv.tensors:
+            t.normal_()
+        tensors = [t.transpose(3, 4) for t in kv.tensors] if path == "strided" else kv.tensors
+        views = BlockViews(tensors, 1)
+        views._device = path == "device"
+        blocks = [7, 0, 3, 3, 8]
+        out = np.zeros(views.page_bytes * len(blocks), np.uint8)
+        views.gather_runs(blocks, out)
+        assert out.tobytes() == _run_major(views, tensors, blocks)
+        with pytest.raises(ValueError, match="expected"):
+            views.gather_runs(blocks, out[:-1])
     finally:
         kv.close()

@@ -16,35 +16,20 @@ import torch
 from pipeline_util import (
     BLOCKS,
     Engine,
+    check_restores,
+    check_stopped,
     make_cfg,
     runtime,
     sequences,
     start_supervisor,
     stop_supervisor,
+    wait_committed,
 )
 
-from shm.segment import instance_entries
 from sparkcache import kvmem
 from sparkcache.store import PageStore
-from sparkcache.store.fsck import fsck
 
 pytestmark = pytest.mark.slow
-
-
-def _wait_committed(engine: Engine, timeout: float = 60, settle: float = 2.0) -> dict:
-    """Accepted sequences not fully in the store, once commit has caught up: none are
-    missing, or the missing set has not changed for ``settle`` seconds."""
-    deadline = time.monotonic() + timeout
-    last, since = None, time.monotonic()
-    while True:
-        missing = {
-            sid: t for sid, t in engine.accepted.items() if engine.client.lookup(t) < len(t)
-        }
-        if missing.keys() != last:
-            last, since = missing.keys(), time.monotonic()
-        if not missing or time.monotonic() - since > settle or time.monotonic() > deadline:
-            return missing
-        time.sleep(0.1)
 
 
 def _wait_touched(store: Path, roots: int, timeout: float = 10) -> None:
@@ -62,25 +47,6 @@ def _wait_touched(store: Path, roots: int, timeout: float = 10) -> None:
         time.sleep(0.1)
 
 
-def _check_restores(engine: Engine, seqs: dict[str, list[int]]) -> int:
-    """Restore each sequence into zeroed blocks; every page must come back byte for byte."""
-    pages = 0
-    for sid, tokens in seqs.items():
-        restored, exact = engine.restore_exact(tokens)
-        assert restored == exact == len(engine.keys(tokens)), (sid, restored, exact)
-        pages += restored
-    return pages
-
-
-def _check_stopped(stopped: tuple[int, str], store: Path, instance: str) -> None:
-    """The supervisor stopped cleanly, the store passes fsck, /dev/shm is empty."""
-    rc, err = stopped
-    assert rc == 0, err[-3000:]
-    report = fsck(store)
-    assert report.ok, report.problems
-    assert instance_entries(instance) == []
-
-
 def test_publish_200_sequences_restore_byte_exact(tmp_path: Path, instance: str) -> None:
     store = tmp_path / "store"
     sup = start_supervisor(store, instance)
@@ -93,8 +59,8 @@ def test_publish_200_sequences_restore_byte_exact(tmp_path: Path, instance: str)
         engine.drain()
         assert engine.client.pending == 0
         assert engine.client.counters.completed == 200, engine.client.counters
-        assert _wait_committed(engine, settle=10) == {}
-        assert _check_restores(engine, seqs) == sum(len(engine.keys(t)) for t in seqs.values())
+        assert wait_committed(engine, settle=10) == {}
+        assert check_restores(engine, seqs) == sum(len(engine.keys(t)) for t in seqs.values())
         unique = {k for t in seqs.values() for k in engine.keys(t)}
         total = sum(len(engine.keys(t)) for t in seqs.values())
         assert len(unique) < total  # the workload does share prefixes
@@ -117,7 +83,7 @@ def test_publish_200_sequences_restore_byte_exact(tmp_path: Path, instance: str)
         if engine is not None:
             engine.close()
         stopped = stop_supervisor(sup)
-    _check_stopped(stopped, store, instance)
+    check_stopped(stopped, store, instance)
 
 
 def _running_pid(store: Path, role: str, not_these: list[int], timeout: float = 20) -> int:
@@ -171,12 +137,12 @@ def test_worker_sigkilled_during_publication(tmp_path: Path, instance: str, role
                 break
             time.sleep(0.1)
         assert w["restarts"] >= 3 and w["state"] == "RUNNING", w
-        missing = _wait_committed(engine)
+        missing = wait_committed(engine)
         # Acknowledged (capture said "captured") publications all reach the store;
         # others (expired while a worker was down, refused) may be missing.
         lost = set(missing) & engine.acknowledged
         assert not lost, (lost, counters)
-        _check_restores(engine, {s: engine.accepted[s] for s in engine.acknowledged})
+        check_restores(engine, {s: engine.accepted[s] for s in engine.acknowledged})
         skipped = sum(counters.skipped.values())
         assert counters.published + skipped >= len(seqs)  # every call accounted for
         assert engine.max_call_s < 0.25, engine.max_call_s
@@ -184,7 +150,7 @@ def test_worker_sigkilled_during_publication(tmp_path: Path, instance: str, role
         if engine is not None:
             engine.close()
         stopped = stop_supervisor(sup)
-    _check_stopped(stopped, store, instance)
+    check_stopped(stopped, store, instance)
 
 
 def test_fresh_tensors_helper_is_shared_memory(instance: str) -> None:

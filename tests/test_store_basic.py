@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import sqlite3
@@ -356,3 +357,23 @@ def test_fsck_flags_planted_entries(store: PageStore, tmp_path: Path) -> None:
     report = fsck(store.layout.store_dir, grace_seconds=0)
     assert not report.ok
     assert any("unexpected entry objects/cd/" in p for p in report.problems)
+
+
+def test_a_page_given_in_pieces_is_stored_as_their_concatenation(
+    store: PageStore, tmp_path: Path
+) -> None:
+    """Capture hands commit a page as one piece per layer and K/V; the object holds the
+    concatenation, checksummed as one payload, and dedups against a page given whole."""
+    keys = keys_for(list(range(16)))
+    whole = [page_bytes(k, SIZE) for k in keys]
+    cuts = [0, 1, 1000, 1000, 4095, SIZE]  # an empty piece and a one-byte piece too
+    pieces = [
+        PageData(k, [np.frombuffer(w, np.uint8)[a:b] for a, b in itertools.pairwise(cuts)])
+        for k, w in zip(keys, whole, strict=True)
+    ]
+    result = store.commit(Root(rid(), pieces))
+    assert result.pages_written == 2
+    assert restored(store, keys) == whole
+    again = store.commit(make_root(rid(), keys, SIZE))
+    assert again.pages_deduplicated == 2
+    assert fsck(tmp_path / "store").ok

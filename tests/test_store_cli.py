@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import subprocess
+import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from typer.testing import CliRunner
 
+from sparkcache import runtime
 from sparkcache.cli import app
 from sparkcache.store import PageStore
 from sparkcache.store.testing import make_root
@@ -31,8 +35,9 @@ def store_dir(tmp_path: Path) -> Path:
 
 def test_status_line(store_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert status(store_dir, json_out=False) == 0
-    line = capsys.readouterr().out.strip()
+    line, sup = capsys.readouterr().out.strip().splitlines()
     assert line == "sparkcache: capacity ranks=2 entries=6 used=0.0/80.0GiB healthy=yes"
+    assert sup == "sparkcache: supervisor not running"
     assert re.fullmatch(
         r"sparkcache: capacity ranks=\d+ entries=\d+ used=\d+\.\d/\d+\.\dGiB healthy=(yes|no)",
         line,
@@ -50,7 +55,61 @@ def test_status_of_a_missing_store_is_unhealthy(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert status(tmp_path / "nope", json_out=False) == 1
-    assert capsys.readouterr().out.strip().endswith("healthy=no")
+    assert capsys.readouterr().out.splitlines()[0].endswith("healthy=no")
+
+
+def _runtime_file(store_dir: Path, pid: int, started: float, state: str = "RUNNING") -> None:
+    runtime.write(store_dir, {
+        "instance": "t", "ranks": 1, "pid": pid, "started": started, "cpus": [1],
+        "workers": [
+            {"name": "sparkcache::capture[r0]", "rank": 0, "role": "capture", "pid": pid,
+             "state": state, "restarts": 4, "last_exit": -9, "cpus": [1], "backoffs": []},
+            {"name": "sparkcache::commit[r0]", "rank": 0, "role": "commit", "pid": pid,
+             "state": "RUNNING", "restarts": 0, "last_exit": None, "cpus": [1], "backoffs": []},
+        ],
+    })
+
+
+def test_status_shows_a_running_supervisor_and_its_workers(
+    store_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    me = psutil.Process()
+    _runtime_file(store_dir, me.pid, me.create_time())
+    assert status(store_dir, json_out=False) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == (f"sparkcache: supervisor pid={me.pid} instance=t workers=2/2 running "
+                        "cores=[1]")
+    assert lines[2].split() == ["sparkcache::capture[r0]", "RUNNING", f"pid={me.pid}",
+                                "restarts=4", "last_exit=-9"]
+    assert status(store_dir, json_out=True) == 0
+    assert json.loads(capsys.readouterr().out)["supervisor"]["state"] == "running"
+
+
+def test_status_fails_on_a_fatal_worker(store_dir: Path, capsys: pytest.CaptureFixture[str]
+                                        ) -> None:
+    me = psutil.Process()
+    _runtime_file(store_dir, me.pid, me.create_time(), state="FATAL")
+    assert status(store_dir, json_out=False) == 1
+    out = capsys.readouterr().out
+    assert "healthy=no" in out and "workers=1/2 running" in out
+    assert out.splitlines()[-1] == "sparkcache: FATAL: sparkcache::capture[r0]"
+
+
+def test_status_sees_through_a_stale_runtime_file(
+    store_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A SIGKILLed supervisor leaves runtime.json: its pid is gone, or reused by a process
+    that started at another time."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    me = psutil.Process()
+    for pid, started in ((gone.pid, 1.0), (me.pid, me.create_time() - 100)):
+        _runtime_file(store_dir, pid, started)
+        assert status(store_dir, json_out=False) == 0
+        assert capsys.readouterr().out.splitlines()[1] == (
+            f"sparkcache: supervisor not running (runtime.json of pid {pid} left by a "
+            "supervisor that was killed; the next start replaces it)"
+        )
 
 
 def test_fsck_clean_then_finds_and_repairs_damage(

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkcache.store import CommitFailed, PageStore
-from sparkcache.store.objects import HEADER_SIZE
+from sparkcache.store import CommitFailed, PageData, PageStore, Root
+from sparkcache.store.objects import HEADER_SIZE, split_pieces
 from sparkcache.store.testing import FaultyFileOps, make_root, page_bytes
 
 SIZE = 8192
@@ -166,3 +166,39 @@ def test_a_truncated_object_is_never_restored(tmp_path: Path) -> None:
     assert bufs[1] == bytearray(b"\\xff" * SIZE)  # rejected on size, before any read
     assert store.counters.quarantined == 1
     store.close()
+
+
+def test_disk_full_inside_a_page_of_many_pieces(tmp_path: Path) -> None:
+    """ENOSPC inside the pieces of a page fails the commit and leaves no file behind; a
+    writev that writes less than asked, ending inside a piece, continues from there."""
+    ops = ShortWrites()
+    store = PageStore(tmp_path / "s", 0, fileops=ops)
+    page_keys = keys(2)
+    whole = [page_bytes(k, SIZE) for k in page_keys]
+    root = Root(secrets.token_hex(16), [
+        PageData(k, [memoryview(w)[i : i + 100] for i in range(0, SIZE, 100)])
+        for k, w in zip(page_keys, whole, strict=True)
+    ])
+    ops.space = SIZE + HEADER_SIZE + 1234  # the second page stops mid-piece
+    with pytest.raises(CommitFailed, match="No space left"):
+        store.commit(root)
+    assert files(store) == []
+    ops.space = None
+    store.commit(root)
+    assert ops.calls > 2 * SIZE // ShortWrites.MOST
+    assert restores(store, page_keys)
+    store.close()
+
+
+class ShortWrites(FaultyFileOps):
+    """Writes at most ``MOST`` bytes per call, as a writev may."""
+
+    MOST = 333
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def write(self, fd: int, pieces: list[memoryview]) -> int:
+        self.calls += 1
+        return super().write(fd, split_pieces(pieces, self.MOST)[0])

@@ -16,6 +16,7 @@ import pytest
 from pipeline_util import make_cfg, runtime, start_supervisor, stop_supervisor
 
 from shm.segment import instance_entries
+from sparkcache.runtime import read, read_live
 from sparkcache.supervisor import Supervisor, default_cpus
 from workers.lifecycle import CRASH_EXIT, FAULT_FILE_ENV, FAULT_ROLE_ENV
 
@@ -57,6 +58,10 @@ def test_crash_loop_ends_fatal_and_second_supervisor_refused(
         assert w["backoffs"] == [0.25, 0.25, 0.5]
         assert sup.poll() is None  # the supervisor stays up
         assert _worker(store, "maintenance")["state"] == "RUNNING"
+        shown = subprocess.run([*_cli(), "status", "--store-dir", str(store)],
+                               capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 1  # and reports it
+        assert shown.stdout.splitlines()[-1] == "sparkcache: FATAL: sparkcache::commit[r0]"
     finally:
         rc, err = stop_supervisor(sup)
     assert rc == 0
@@ -96,7 +101,11 @@ def test_sigkilled_supervisor_is_swept_by_the_next(tmp_path: Path, instance: str
     _wait(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
                           for p in pids), 20, "workers to die with the supervisor")
     assert instance_entries(instance)  # ... but its segments stay until the next start
-    (store / "runtime.json").unlink()  # left by the dead one; wait for the new one's
+    assert read_live(store) == (read(store), False)  # its runtime.json stays too: stale
+    out = subprocess.run([*_cli(), "status", "--store-dir", str(store)], capture_output=True,
+                         text=True, timeout=60).stdout
+    assert f"supervisor not running (runtime.json of pid {sup.pid} left" in out
+    (store / "runtime.json").unlink()  # so that start_supervisor waits for the new one's
     sup = start_supervisor(store, instance)
     try:
         assert len(runtime(store)["workers"]) == 3

@@ -127,26 +127,28 @@ class Capture:
         return self.reg
 
     def _take_slot(self, deadline: float) -> int | None:
+        timeout = 0.0
         while True:
             try:
-                for slot, _, _ in self.freed.pop_batch(256, timeout=0).tolist():
+                for slot, _, _ in self.freed.pop_batch(256, timeout=timeout).tolist():
                     # A record may be stale (a slot freed before this worker started and
                     # taken since): only a slot still FREE is free.
                     if int(self.arena.state[slot]["owner"]) == FREE:
                         self.free.add(slot)
             except (RingEmpty, RingClosed, SignalError):
-                pass
+                if timeout:
+                    self.life.beat()
+            if not self.free:
+                # A slot can be FREE without a record: commit died between handing it back
+                # and pushing the record, or the ring was full. Only capture takes FREE
+                # slots, so every FREE one is ours; without this it would be lost for good.
+                self.free.update(self.arena.free_slots())
             if self.free:
                 return self.free.pop()
             left = deadline - time.monotonic()
             if left <= 0 or self.life.stop:
                 return None
-            try:
-                for slot, _, _ in self.freed.pop_batch(256, timeout=min(left, POLL_S)).tolist():
-                    if int(self.arena.state[slot]["owner"]) == FREE:
-                        self.free.add(slot)
-            except (RingEmpty, RingClosed, SignalError):
-                self.life.beat()
+            timeout = min(left, POLL_S)
 
     def _capture(self, recs: np.ndarray) -> tuple[int, int]:
         deadline = float(recs["deadline"][0])
@@ -162,12 +164,13 @@ class Capture:
         keys = [join_key(h, lo) for h, lo in zip(recs["key_hi"], recs["key_lo"], strict=True)]
         n = len(keys)
         stored = self.store.lookup(keys)
-        if slotfmt.needed(n, n - stored, reg.page_bytes) > self.arena.slot_bytes:
+        if slotfmt.needed(n, n - stored, reg.views.run_bytes) > self.arena.slot_bytes:
             return TOO_LARGE, 0
         slot = self._take_slot(deadline)
         if slot is None:
             return NO_SLOT, 0
         self.arena.hand_over(slot, FREE, OWNER_CAPTURE)
+        lifecycle.checkpoint("capture.slot_taken")
         try:
             status = self._fill(slot, recs, reg, stored, deadline)
         except Exception:
@@ -181,32 +184,29 @@ class Capture:
 
     def _fill(self, slot: int, recs: np.ndarray, reg: _Registered, stored: int,
               deadline: float) -> int:
-        n = len(recs)
+        n, runs = len(recs), reg.views.run_bytes
         buf = self.arena.slot_array(slot)
-        offsets = slotfmt.page_offsets(n, stored, reg.page_bytes)
         # CPU time, not wall: on a host without spare cores the wall clock would also
         # count the time the scheduler gave the engine or commit.
         t0 = time.thread_time()
-        reg.views.gather_pages(
-            [int(b) for b in recs["block_id"][stored:]],
-            [buf[at : at + reg.page_bytes] for at in offsets[stored:]],
-        )
+        reg.views.gather_runs(recs["block_id"][stored:].tolist(),
+                              slotfmt.data(buf, n, n - stored, runs))
         self.life.copy_seconds += time.thread_time() - t0
         self.life.copy_bytes += (n - stored) * reg.page_bytes
         if time.monotonic() >= deadline:
             return EXPIRED  # the engine may have reused the blocks while we copied
-        head, entries = slotfmt.views(buf, n)
-        head[0] = (slotfmt.MAGIC, int(recs["pub_id"][0]), int(recs["root_hi"][0]),
-                   int(recs["root_lo"][0]), n, 0, reg.page_bytes)
-        entries["key_hi"], entries["key_lo"] = recs["key_hi"], recs["key_lo"]
-        entries["offset"] = offsets
-        used = slotfmt.needed(n, n - stored, reg.page_bytes)
+        root = (int(recs["root_hi"][0]), int(recs["root_lo"][0]))
+        slotfmt.write_header(buf, int(recs["pub_id"][0]), root, recs, stored, runs)
+        used = slotfmt.needed(n, n - stored, runs)
+        lifecycle.checkpoint("capture.copied")
         self.arena.hand_over(slot, OWNER_CAPTURE, OWNER_COMMIT, used)
+        lifecycle.checkpoint("capture.handed")
         generation = int(self.arena.state[slot]["generation"])
         try:
             self.filled.try_push((slot, 0, generation))
         except RingFull:
             log.warning("filled ring full; commit finds slot %d by its owner", slot)
+        lifecycle.checkpoint("capture.filled")
         self.life.processed += 1
         return OK
 

@@ -45,13 +45,13 @@ class _GuardedOps(FileOps):
             self.guard = np.zeros(size, np.uint8)
         return self.guard[:size]
 
-    def write(self, fd: int, data: memoryview) -> int:
-        if len(data):
-            lo = self.guard.ctypes.data
-            addr = np.frombuffer(data, np.uint8).ctypes.data
+    def write(self, fd: int, pieces: list[memoryview]) -> int:
+        lo = self.guard.ctypes.data
+        for p in pieces:
+            addr = np.frombuffer(p, np.uint8).ctypes.data if p.nbytes else 0
             if lo <= addr < lo + self.guard.size:
                 raise OSError(errno.ENODATA, "page was not captured (collected meanwhile)")
-        return super().write(fd, data)
+        return super().write(fd, pieces)
 
 
 class Commit:
@@ -65,7 +65,8 @@ class Commit:
         self.touch = segments.consumer(cfg, spec.rank, "touch")
         self.ops = _GuardedOps()
         self.store = PageStore(
-            cfg.store_dir, spec.rank, lease_seconds=cfg.lease_seconds, fileops=self.ops
+            cfg.store_dir, spec.rank, lease_seconds=cfg.lease_seconds, fileops=self.ops,
+            hook=lifecycle.checkpoint,
         )
 
     def close(self) -> None:
@@ -76,62 +77,75 @@ class Commit:
         self.arena.close()
 
     def run(self) -> None:
+        # Recovery before READY: slots a dead predecessor held (committed or not) go first.
+        # Records behind them in the ring are newer publications, maybe later turns of the
+        # same sequence, which a redo after them would replace with the older turn.
+        self._commit_held(time.monotonic())
         self.life.serve(self._step, POLL_S)
         self._step(0)
-        self._orphans(0.0)  # whatever capture handed over before we stop
+        self._commit_held(time.monotonic())  # whatever capture handed over before we stop
 
     def _step(self, timeout: float) -> None:
         try:
             for slot, _, generation in self.filled.pop_batch(256, timeout=timeout).tolist():
+                lifecycle.checkpoint("commit.popped")
                 st = self.arena.state[slot]
                 if int(st["owner"]) == OWNER_COMMIT and int(st["generation"]) == generation:
-                    self._commit_slot(slot)
+                    # Held slots handed over before this one go first: one whose record a
+                    # dead capture never pushed may hold an earlier turn of the same root.
+                    # Its bytes are visible here: the same capture wrote them before this
+                    # record's post, or a dead one before its successor was started.
+                    self._commit_held(float(st["since"]))
         except (RingEmpty, RingClosed, SignalError):
             pass
-        self._orphans(ORPHAN_AFTER_S)
+        self._commit_held(time.monotonic() - ORPHAN_AFTER_S)
         self._touches()
 
-    def _orphans(self, older_than: float) -> None:
-        now = time.time()
-        for i in range(self.arena.slots):
-            st = self.arena.state[i]
-            if int(st["owner"]) == OWNER_COMMIT and now - float(st["since"]) >= older_than:
-                self._commit_slot(i)
+    def _commit_held(self, until: float) -> None:
+        """Commit every slot this role holds that was handed over at ``until`` or before,
+        in hand-over order: two turns of a sequence share a root, and the later turn must
+        be committed last. (``since`` is CLOCK_MONOTONIC, one clock for every process.)"""
+        held = [
+            i for i in range(self.arena.slots)
+            if int(self.arena.state[i]["owner"]) == OWNER_COMMIT
+            and float(self.arena.state[i]["since"]) <= until
+        ]
+        for slot in sorted(held, key=lambda j: float(self.arena.state[j]["since"])):
+            self._commit_slot(slot)
 
     def _commit_slot(self, slot: int) -> None:
         buf = self.arena.slot_array(slot)
-        head = buf[: slotfmt.HEAD.itemsize].view(slotfmt.HEAD)[0]
         try:
-            if int(head["magic"]) != slotfmt.MAGIC:
-                raise ValueError(f"slot {slot} has no publication header")
-            n, pbytes = int(head["npages"]), int(head["page_bytes"])
-            _, entries = slotfmt.views(buf, n)
-            guard = self.ops.ensure(pbytes)
+            contents = slotfmt.read(buf)
+            guard = self.ops.ensure(contents.page_bytes)
             pages = [
                 PageData(
-                    join_key(e["key_hi"], e["key_lo"]),
-                    guard if e["offset"] < 0 else buf[e["offset"] : e["offset"] + pbytes],
+                    join_key(hi, lo),
+                    guard if copied < 0 else contents.pieces(buf, copied),
                 )
-                for e in entries
+                for hi, lo, copied in contents.entries.tolist()
             ]
-            root_id = join_key(head["root_hi"], head["root_lo"])
+            root_id = join_key(*contents.root)
             result = self.store.commit(Root(root_id, pages))
             self.life.processed += 1
             log.debug("committed %s: %s", root_id, result)
         except (CommitFailed, ValueError) as exc:
             self.life.failed += 1
             log.warning("slot %d not committed: %s", slot, exc)
+        lifecycle.checkpoint("commit.committed")
         self.arena.hand_over(slot, OWNER_COMMIT, FREE)
+        lifecycle.checkpoint("commit.slot_freed")
         try:
             self.freed.try_push((slot, 0, int(self.arena.state[slot]["generation"])))
         except RingFull:
-            log.warning("freed ring full; capture rescans free slots when it restarts")
+            log.warning("freed ring full; capture finds slot %d by its owner", slot)
 
     def _touches(self) -> None:
         try:
             batch = self.touch.pop_batch(4096, timeout=0)
         except (RingEmpty, RingClosed, SignalError):
             return
+        lifecycle.checkpoint("commit.touches")
         for hi, lo, pos, when in batch.tolist():
             self.store.record_access(join_key(hi, lo), int(pos), when)
         self.store.flush_touches()  # one transaction per popped batch

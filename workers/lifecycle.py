@@ -5,6 +5,7 @@ the process title, and signal handlers that only set a flag."""
 from __future__ import annotations
 
 import ctypes
+import importlib
 import logging
 import os
 import select
@@ -30,6 +31,28 @@ _PR_SET_PDEATHSIG = 1
 FAULT_ROLE_ENV = "SPARKCACHE_FAULT_ROLE"
 FAULT_FILE_ENV = "SPARKCACHE_FAULT_FILE"
 CRASH_EXIT = 3
+# Test hook: a worker SIGKILLs itself at the checkpoint named $SPARKCACHE_KILL_AT while the
+# file $SPARKCACHE_KILL_FILE exists (crash tests that kill at every step of the protocol).
+KILL_AT_ENV = "SPARKCACHE_KILL_AT"
+KILL_FILE_ENV = "SPARKCACHE_KILL_FILE"
+# Read once: a checkpoint sits on every publication's path and must cost one compare.
+_KILL_AT = os.environ.get(KILL_AT_ENV) if os.environ.get(KILL_FILE_ENV) else None
+
+
+def checkpoint(step: str) -> None:
+    """A step boundary of the pipeline protocol (also the workers' PageStore ``hook``).
+
+    Why SIGKILL and not an exception: a crash test must see exactly what a power cut or
+    OOM kill leaves behind (no ``finally``, no slot handed back, no ring record). Unlinking
+    the file first makes the kill happen once, so the restarted worker runs on.
+    """
+    if step != _KILL_AT:
+        return
+    try:
+        os.unlink(os.environ[KILL_FILE_ENV])
+    except FileNotFoundError:
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Role(IntEnum):
@@ -71,6 +94,22 @@ class WorkerSpec:
     rank: int
     role: Role
     supervisor_pid: int
+
+
+# Each role's module, imported in its worker process only: the supervisor, and every
+# worker (spawn re-imports the CLI as __mp_main__), would otherwise load torch, which only
+# capture needs and which takes ~2.5 s to import on a small host: every restart of commit
+# or maintenance would pay it.
+ROLE_MODULES = {
+    Role.CAPTURE: "workers.capture",
+    Role.COMMIT: "workers.commit",
+    Role.MAINTENANCE: "workers.maintenance",
+}
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    """A worker process's entry point (the supervisor's ``Process`` target)."""
+    importlib.import_module(ROLE_MODULES[spec.role]).run(spec)
 
 
 def title(role: Role, rank: int) -> str:

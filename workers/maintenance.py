@@ -44,7 +44,9 @@ def _pass(store: PageStore, life: Lifecycle, evicting: bool) -> tuple[bool, bool
 
 def _body(life: Lifecycle) -> None:
     cfg = life.spec.cfg
-    store = PageStore(cfg.store_dir, life.spec.rank, lease_seconds=cfg.lease_seconds)
+    store = PageStore(
+        cfg.store_dir, life.spec.rank, lease_seconds=cfg.lease_seconds, hook=lifecycle.checkpoint
+    )
     try:
         store.reconcile()
         life.to(State.READY)

@@ -40,8 +40,9 @@ class FileOps:
     def open(self, name: str, flags: int, mode: int, dir_fd: int) -> int:
         return os.open(name, flags, mode, dir_fd=dir_fd)
 
-    def write(self, fd: int, data: memoryview) -> int:
-        return os.write(fd, data)
+    def write(self, fd: int, pieces: list[memoryview]) -> int:
+        """Write the concatenation of ``pieces`` (one ``writev``); bytes written."""
+        return os.writev(fd, pieces)
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)

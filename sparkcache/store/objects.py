@@ -37,6 +37,7 @@ _HEADER = struct.Struct("<8sHHI16s8sQ12sI")
 HEADER_SIZE = _HEADER.size
 _CHECKED = HEADER_SIZE - 4
 _RESERVED = bytes(12)
+_IOV_MAX = os.sysconf("SC_IOV_MAX")
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -47,7 +48,20 @@ class ObjectCorrupt(Exception):
     """An object file failed verification; the message says which check."""
 
 
-def build_header(key: str, generation: str, payload: memoryview) -> bytes:
+def split_pieces(
+    pieces: list[memoryview], at: int
+) -> tuple[list[memoryview], list[memoryview]]:
+    """The first ``at`` bytes of the concatenation of ``pieces``, and the rest."""
+    head: list[memoryview] = []
+    for i, p in enumerate(pieces):
+        if at < p.nbytes:
+            return head + ([p[:at]] if at else []), [p[at:], *pieces[i + 1 :]]
+        head.append(p)
+        at -= p.nbytes
+    return head, []
+
+
+def build_header(key: str, generation: str, payload: list[memoryview]) -> bytes:
     head = _HEADER.pack(
         MAGIC,
         OBJECT_FORMAT_VERSION,
@@ -55,24 +69,28 @@ def build_header(key: str, generation: str, payload: memoryview) -> bytes:
         0,
         bytes.fromhex(key),
         bytes.fromhex(generation),
-        payload.nbytes,
+        sum(p.nbytes for p in payload),
         _RESERVED,
         0,
     )[:_CHECKED]
-    crc = zlib.crc32(payload, zlib.crc32(head))
+    crc = zlib.crc32(head)
+    for p in payload:
+        crc = zlib.crc32(p, crc)
     return head + struct.pack("<I", crc)
 
 
-def _write_all(ops: FileOps, fd: int, data: memoryview) -> None:
-    while data.nbytes:
-        n = ops.write(fd, data)
+def _write_all(ops: FileOps, fd: int, pieces: list[memoryview]) -> None:
+    # writev takes at most IOV_MAX pieces and may write fewer bytes than asked.
+    while pieces:
+        n = ops.write(fd, pieces[:_IOV_MAX])
         if n <= 0:  # a regular file that accepts nothing is full; never spin
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        data = data[n:]
+        pieces = split_pieces(pieces, n)[1]
 
 
 def write_temp(
-    ops: FileOps, dir_fd: int, key: str, generation: str, payload: memoryview, hook: StepHook
+    ops: FileOps, dir_fd: int, key: str, generation: str, payload: list[memoryview],
+    hook: StepHook,
 ) -> int:
     """Write ``<key>.<generation>.tmp`` under ``dir_fd`` and return its open descriptor.
 
@@ -84,11 +102,10 @@ def write_temp(
     header = build_header(key, generation, payload)
     fd = ops.open(name, _WRITE_FLAGS, FILE_MODE, dir_fd)
     try:
-        _write_all(ops, fd, memoryview(header))
-        half = payload.nbytes // 2
-        _write_all(ops, fd, payload[:half])
+        first, rest = split_pieces(payload, sum(p.nbytes for p in payload) // 2)
+        _write_all(ops, fd, [memoryview(header), *first])
         hook("commit.temp_write")
-        _write_all(ops, fd, payload[half:])
+        _write_all(ops, fd, rest)
     except BaseException:
         ops.close(fd)
         try:

@@ -26,13 +26,20 @@ class CommitFailed(StoreError):
 
 @dataclass(frozen=True)
 class PageData:
-    """One page to store: its hex key and its bytes."""
+    """One page to store: its hex key and its bytes, whole or as the pieces they are made
+    of, in order (a capture slot holds a page as one piece per layer and K/V; the pieces
+    are checksummed and written with one ``writev``, never joined)."""
 
     key: str
-    data: Buffer
+    data: Buffer | list[Buffer] | tuple[Buffer, ...]
 
     def __post_init__(self) -> None:
         require_hex(self.key, "page key")
+
+    def pieces(self) -> list[memoryview]:
+        if isinstance(self.data, list | tuple):
+            return [memoryview(d).cast("B") for d in self.data]
+        return [memoryview(self.data).cast("B")]
 
 
 @dataclass(frozen=True)

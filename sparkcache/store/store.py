@@ -155,7 +155,7 @@ class PageStore:
 
     def commit(self, root: Root) -> CommitResult:
         """Store ``root``'s page delta and publish the root with a lease; see module doc."""
-        views = [memoryview(p.data).cast("B") for p in root.pages]
+        views = [p.pieces() for p in root.pages]
         keys = [p.key for p in root.pages]
         data = dict(zip(keys, views, strict=True))
         written: dict[str, WrittenFile] = {}
@@ -204,7 +204,7 @@ class PageStore:
             pages=len(keys),
             pages_written=pages_written,
             pages_deduplicated=len(keys) - pages_written,
-            bytes_written=sum(data[k].nbytes for k in written),
+            bytes_written=sum(p.nbytes for k in written for p in data[k]),
             retries=retries,
         )
 
@@ -216,7 +216,7 @@ class PageStore:
         self,
         root_id: str,
         keys: list[str],
-        views: list[memoryview],
+        views: list[list[memoryview]],
         written: dict[str, WrittenFile],
         surplus: list[WrittenFile],
     ) -> set[str]:
@@ -225,7 +225,7 @@ class PageStore:
         Fills ``surplus`` with files we wrote whose key another committer stored first.
         """
         now = self._clock()
-        sizes = {k: v.nbytes for k, v in zip(keys, views, strict=True)}
+        sizes = {k: sum(p.nbytes for p in v) for k, v in zip(keys, views, strict=True)}
         surplus.clear()
         try:
             with index.write_txn(self._wconn) as conn:

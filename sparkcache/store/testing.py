@@ -10,6 +10,7 @@ import signal
 import numpy as np
 
 from sparkcache.store.fileops import FileOps
+from sparkcache.store.objects import split_pieces
 from sparkcache.store.records import PageData, Root
 
 
@@ -35,12 +36,12 @@ class FaultyFileOps(FileOps):
         self.fail_fsync = fail_fsync
         self.fsyncs = 0
 
-    def write(self, fd: int, data: memoryview) -> int:
+    def write(self, fd: int, pieces: list[memoryview]) -> int:
         if self.space is not None:
             if self.space <= 0:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            data = data[: self.space]
-        n = super().write(fd, data)
+            pieces = split_pieces(pieces, self.space)[0]
+        n = super().write(fd, pieces)
         if self.space is not None:
             self.space -= n
         return n

@@ -48,7 +48,8 @@ class ObjectWriter:
             self._pool = None
 
     def write(
-        self, keys: list[str], data: dict[str, memoryview], written: dict[str, WrittenFile]
+        self, keys: list[str], data: dict[str, list[memoryview]],
+        written: dict[str, WrittenFile],
     ) -> None:
         """Write, fsync, rename and directory-fsync the pages of ``keys``.
 

@@ -1,0 +1,196 @@
+"""SIGKILL each worker at every step of the pipeline protocol, one step per case, and check
+the invariants after it restarts.
+
+The kill is deterministic: the supervisor's workers run with $SPARKCACHE_KILL_AT=<step>,
+and the worker that reaches that checkpoint while the kill file exists unlinks it and
+SIGKILLs itself (``workers.lifecycle.checkpoint``). Steps: capture's four hand-offs,
+commit's own four plus the store's commit steps (through the ``PageStore`` hook), and the
+store's eviction and collection steps in maintenance.
+
+Each case publishes a first batch (the kill happens there: capture and commit steps at
+the first publication, ``commit.touches`` when the batch is restored, maintenance steps at
+the first eviction pass), then a second batch once the killed worker is back, and checks:
+the step was reached (kill file gone), that worker restarted and runs, no other did;
+every second-batch publication is acknowledged (a worker that came back short of slots
+would refuse them: one capture slot makes a lost slot visible); every acknowledged
+publication is in the store and restores byte for byte; every slot ends FREE; the
+engine got every block back; no engine call took 0.25 s; the supervisor stops with 0,
+fsck is clean and nothing is left in /dev/shm.
+
+Maintenance cases evict with a zero lease, so an acknowledged root may be evicted (or
+its commit refused, when a page capture skipped as stored was collected meanwhile):
+there "in the store" weakens to "whatever the store holds restores byte for byte", and
+eviction must bring used bytes back under ``max_bytes`` with no collectable object left.
+
+Every step is reached deterministically (each case checks it). One more case kills commit
+after committing a sequence's first turn while its second turn is captured meanwhile: the
+restarted commit must not redo the old turn over the acknowledged new one.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from pipeline_util import (
+    Engine,
+    check_restores,
+    check_stopped,
+    make_cfg,
+    runtime,
+    sequences,
+    start_supervisor,
+    stop_supervisor,
+    wait_committed,
+)
+
+from shm import FREE, StatsBlock
+from sparkcache import config, segments
+from sparkcache.store import PageStore
+from sparkcache.store.fileops import COMMIT_STEPS, EVICTION_STEPS
+from workers.lifecycle import KILL_AT_ENV, KILL_FILE_ENV, Role, State
+
+pytestmark = pytest.mark.slow
+
+CAPTURE_STEPS = ("capture.slot_taken", "capture.copied", "capture.handed", "capture.filled")
+COMMIT_WORKER_STEPS = ("commit.popped", *COMMIT_STEPS, "commit.committed", "commit.slot_freed",
+                       "commit.touches")
+STEPS = (*CAPTURE_STEPS, *COMMIT_WORKER_STEPS, *EVICTION_STEPS)
+
+FIRST, SECOND = 12, 8
+RELEASE_S = 2.0
+# One slot: a slot the pipeline loses stalls everything after it instead of hiding.
+PIPELINE = {"capture_slots": "1"}
+# Pages are 16 KiB: the first batch alone crosses max_bytes; a zero lease makes every
+# root a victim at once.
+EVICTING = {"max_bytes": "192KiB", "low_watermark_bytes": "96KiB", "lease_seconds": "0"}
+
+
+def _role(step: str) -> str:
+    return step.split(".")[0] if step.startswith(("capture.", "commit.")) else "maintenance"
+
+
+def _flags(settings: dict[str, str]) -> list[str]:
+    return [a for k, v in settings.items() for a in (config.flag_name(k), v)]
+
+
+def _publish(engine: Engine, seqs: dict[str, list[int]]) -> None:
+    for sid, tokens in seqs.items():
+        engine.publish(sid, tokens)
+    engine.drain(timeout=RELEASE_S + 5)
+    assert engine.client.pending == 0, engine.client.counters
+
+
+def _wait(what: str, cond, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not (got := cond()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} not within {timeout}s")
+        time.sleep(0.05)
+    return got
+
+
+def _restarted(store: Path, stats: StatsBlock, role: str) -> dict:
+    """Every worker's runtime entry once ``role``'s was restarted, runs, and its new
+    process is READY (a restarted maintenance reports its used bytes only from then on,
+    and publications wait on that)."""
+    workers = {w["role"]: w for w in runtime(store)["workers"]}
+    w = workers[role]
+    rec = stats.read(int(Role[role.upper()]))
+    if w["restarts"] >= 1 and w["state"] == "RUNNING" and rec is not None \
+            and rec[0] == w["pid"] and rec[1] == State.READY:
+        return workers
+    return {}
+
+
+def _stored_exact(engine: Engine, seqs: dict[str, list[int]]) -> None:
+    """Restore what the store holds of each sequence: every restored page byte-exact."""
+    for sid, tokens in seqs.items():
+        restored, exact = engine.restore_exact(tokens)
+        assert restored == exact, (sid, restored, exact)
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_worker_killed_at_step(tmp_path: Path, instance: str, step: str) -> None:
+    role = _role(step)
+    evicting = role == "maintenance"
+    settings = {**PIPELINE, **(EVICTING if evicting else {})}
+    store = tmp_path / "store"
+    kill = tmp_path / "kill"
+    kill.touch()
+    sup = start_supervisor(store, instance, *_flags(settings),
+                           env={KILL_AT_ENV: step, KILL_FILE_ENV: str(kill)})
+    engine = None
+    try:
+        cfg = make_cfg(store, instance, **settings)
+        engine = Engine.create(cfg, instance, release_timeout_s=RELEASE_S)
+        seqs = sequences(FIRST + SECOND, seed=3)
+        first = dict(list(seqs.items())[:FIRST])
+        second = dict(list(seqs.items())[FIRST:])
+
+        _publish(engine, first)
+        # Restores send touches to commit (and reach commit.touches).
+        done = {s: engine.accepted[s] for s in engine.acknowledged}
+        if not evicting:
+            wait_committed(engine, timeout=10, settle=0.5, seqs=done)
+        _stored_exact(engine, done)
+        _wait(f"{step} reached", lambda: not kill.exists())
+        with segments.attach_stats(cfg, 0) as stats:
+            workers = _wait(f"{role} restarted", lambda: _restarted(store, stats, role))
+        assert [w for r, w in workers.items() if r != role and w["restarts"]] == []
+
+        _publish(engine, second)
+        assert set(second) <= engine.acknowledged, engine.client.counters
+        acked = {s: engine.accepted[s] for s in engine.acknowledged}
+        if evicting:
+            _stored_exact(engine, acked)
+            with PageStore(store, 0) as ps:
+                _wait("eviction and collection", lambda: (
+                    (u := ps.usage()).used_bytes <= cfg.max_bytes and not u.collectable_objects))
+        else:
+            assert wait_committed(engine, timeout=10, settle=2.0, seqs=acked) == {}
+            check_restores(engine, acked)
+        arena = segments.attach_arena(cfg, 0)
+        try:
+            _wait("every slot FREE", lambda: (arena.state["owner"] == FREE).all(), timeout=5)
+        finally:
+            arena.close()
+        assert engine.max_call_s < 0.25, engine.max_call_s
+    finally:
+        if engine is not None:
+            engine.close()
+        stopped = stop_supervisor(sup)
+    check_stopped(stopped, store, instance)
+
+
+def test_commit_redo_keeps_the_newest_turn(tmp_path: Path, instance: str) -> None:
+    """Commit dies holding a committed slot of a sequence's first turn; the second turn is
+    captured meanwhile (a second slot). The restarted commit must not redo the old turn
+    over the new one: the acknowledged second turn stays in the store."""
+    settings = {"capture_slots": "2"}
+    store = tmp_path / "store"
+    kill = tmp_path / "kill"
+    kill.touch()
+    sup = start_supervisor(store, instance, *_flags(settings),
+                           env={KILL_AT_ENV: "commit.committed", KILL_FILE_ENV: str(kill)})
+    engine = None
+    try:
+        cfg = make_cfg(store, instance, **settings)
+        engine = Engine.create(cfg, instance, release_timeout_s=RELEASE_S)
+        tokens = next(iter(sequences(1, seed=5).values()))
+        turn1, turn2 = tokens[:40], tokens[:40] + list(range(1000, 1040))
+        _publish(engine, {"x": turn1})
+        _wait("commit.committed reached", lambda: not kill.exists())
+        _publish(engine, {"x": turn2})
+        assert "x" in engine.acknowledged, engine.client.counters
+        with segments.attach_stats(cfg, 0) as stats:
+            _wait("commit restarted", lambda: _restarted(store, stats, "commit"))
+        assert wait_committed(engine, timeout=10, settle=2.0) == {}
+        check_restores(engine, {"x": turn2})
+        assert engine.max_call_s < 0.25, engine.max_call_s
+    finally:
+        if engine is not None:
+            engine.close()
+        stopped = stop_supervisor(sup)
+    check_stopped(stopped, store, instance)
