@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -86,14 +88,7 @@ def worker_pid(store: Path, role: str) -> int | None:
     return None
 
 
-class Engine(SyntheticEngine):
-    @classmethod
-    def create(cls, cfg: config.Config, instance: str, release_timeout_s: float = 5.0) -> Engine:
-        assert cfg.instance == instance
-        return super().create(cfg, 0, release_timeout_s=release_timeout_s)
-
-
-def wait_committed(engine: Engine, timeout: float = 60, settle: float = 2.0,
+def wait_committed(engine: SyntheticEngine, timeout: float = 60, settle: float = 2.0,
                    seqs: dict[str, list[int]] | None = None) -> dict:
     """Sequences of ``seqs`` (default: every accepted one) not fully in the store, once
     commit has caught up: none are missing, or the missing set has not changed for
@@ -112,7 +107,7 @@ def wait_committed(engine: Engine, timeout: float = 60, settle: float = 2.0,
         time.sleep(0.1)
 
 
-def check_restores(engine: Engine, seqs: dict[str, list[int]]) -> int:
+def check_restores(engine: SyntheticEngine, seqs: dict[str, list[int]]) -> int:
     """Restore each sequence into zeroed blocks; every page must come back byte for byte."""
     pages = 0
     for sid, tokens in seqs.items():
@@ -129,3 +124,26 @@ def check_stopped(stopped: tuple[int, str], store: Path, instance: str) -> None:
     report = fsck(store)
     assert report.ok, report.problems
     assert instance_entries(instance) == []
+
+
+@contextlib.contextmanager
+def pipeline(store: Path, instance: str, settings: dict[str, str] | None = None,
+             env: dict | None = None, release_timeout_s: float = 5.0,
+             device: str = "cpu") -> Iterator[SyntheticEngine]:
+    """A supervisor (with ``settings`` on top of SETTINGS) and a synthetic engine on
+    ``store``. On leaving, the engine closes and the supervisor stops; unless the body
+    failed, it must have stopped cleanly (``check_stopped``)."""
+    settings = settings or {}
+    flags = [a for k, v in settings.items() for a in (config.flag_name(k), v)]
+    sup = start_supervisor(store, instance, *flags, env=env)
+    engine = None
+    try:
+        cfg = make_cfg(store, instance, **settings)
+        engine = SyntheticEngine.create(cfg, 0, release_timeout_s=release_timeout_s,
+                                        device=device)
+        yield engine
+    finally:
+        if engine is not None:
+            engine.close()
+        stopped = stop_supervisor(sup)
+    check_stopped(stopped, store, instance)

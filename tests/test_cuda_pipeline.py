@@ -5,16 +5,11 @@ Skipped without a CUDA device."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from pipeline_util import make_cfg, sequences, start_supervisor, stop_supervisor
-
-from shm.segment import instance_entries
-from sparkcache.store.fsck import fsck
-from sparkcache.synthetic import SyntheticEngine
+from pipeline_util import check_restores, pipeline, sequences, wait_committed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,30 +18,13 @@ pytestmark = [
 
 
 def test_cuda_publish_and_restore_byte_exact(tmp_path: Path, instance: str) -> None:
-    store = tmp_path / "store"
-    sup = start_supervisor(store, instance)
-    engine = None
-    try:
-        engine = SyntheticEngine.create(make_cfg(store, instance), 0, device="cuda")
-        assert engine.client._reg is not None
+    with pipeline(tmp_path / "store", instance, device="cuda") as engine:
         seqs = sequences(40, seed=3)
         for sid, tokens in seqs.items():
             assert engine.publish(sid, tokens), (sid, engine.client.counters)
         engine.drain()
         assert engine.client.counters.completed == 40, engine.client.counters
         assert engine.acknowledged == set(seqs)
-        deadline = time.monotonic() + 60
-        while any(engine.client.lookup(t) < len(t) for t in seqs.values()):
-            assert time.monotonic() < deadline, "commit did not catch up"
-            time.sleep(0.1)
-        for sid, tokens in seqs.items():
-            restored, exact = engine.restore_exact(tokens)
-            assert restored == exact == len(engine.keys(tokens)), sid
+        assert wait_committed(engine, settle=10) == {}
+        assert check_restores(engine, seqs) == sum(len(engine.keys(t)) for t in seqs.values())
         assert engine.max_call_s < 0.25, engine.max_call_s
-    finally:
-        if engine is not None:
-            engine.close()
-        rc, err = stop_supervisor(sup)
-    assert rc == 0, err[-3000:]
-    assert fsck(store).ok
-    assert instance_entries(instance) == []

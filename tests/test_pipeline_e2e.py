@@ -15,14 +15,10 @@ import pytest
 import torch
 from pipeline_util import (
     BLOCKS,
-    Engine,
     check_restores,
-    check_stopped,
-    make_cfg,
+    pipeline,
     runtime,
     sequences,
-    start_supervisor,
-    stop_supervisor,
     wait_committed,
 )
 
@@ -49,10 +45,7 @@ def _wait_touched(store: Path, roots: int, timeout: float = 10) -> None:
 
 def test_publish_200_sequences_restore_byte_exact(tmp_path: Path, instance: str) -> None:
     store = tmp_path / "store"
-    sup = start_supervisor(store, instance)
-    engine = None
-    try:
-        engine = Engine.create(make_cfg(store, instance), instance)
+    with pipeline(store, instance) as engine:
         seqs = sequences(200)
         for sid, tokens in seqs.items():
             assert engine.publish(sid, tokens), (sid, engine.client.counters)
@@ -79,11 +72,6 @@ def test_publish_200_sequences_restore_byte_exact(tmp_path: Path, instance: str)
             time.sleep(0.01)
         assert [(c.seq_id, c.status) for c in done] == [("bad", "bad_block")]
         assert engine.client.counters.capture_failed["bad_block"] == 1
-    finally:
-        if engine is not None:
-            engine.close()
-        stopped = stop_supervisor(sup)
-    check_stopped(stopped, store, instance)
 
 
 def _running_pid(store: Path, role: str, not_these: list[int], timeout: float = 20) -> int:
@@ -100,11 +88,8 @@ def _running_pid(store: Path, role: str, not_these: list[int], timeout: float = 
 @pytest.mark.parametrize("role", ["capture", "commit", "maintenance"])
 def test_worker_sigkilled_during_publication(tmp_path: Path, instance: str, role: str) -> None:
     store = tmp_path / "store"
-    sup = start_supervisor(store, instance)
-    engine = None
     rng = random.Random(role)
-    try:
-        engine = Engine.create(make_cfg(store, instance), instance, release_timeout_s=2.0)
+    with pipeline(store, instance, release_timeout_s=2.0) as engine:
         seqs = sequences(60, seed=1)
         kill_at = sorted(rng.sample(range(5, 55), 3))
         killed = []
@@ -146,11 +131,6 @@ def test_worker_sigkilled_during_publication(tmp_path: Path, instance: str, role
         skipped = sum(counters.skipped.values())
         assert counters.published + skipped >= len(seqs)  # every call accounted for
         assert engine.max_call_s < 0.25, engine.max_call_s
-    finally:
-        if engine is not None:
-            engine.close()
-        stopped = stop_supervisor(sup)
-    check_stopped(stopped, store, instance)
 
 
 def test_fresh_tensors_helper_is_shared_memory(instance: str) -> None:

@@ -34,19 +34,16 @@ from pathlib import Path
 
 import pytest
 from pipeline_util import (
-    Engine,
+    SyntheticEngine,
     check_restores,
-    check_stopped,
-    make_cfg,
+    pipeline,
     runtime,
     sequences,
-    start_supervisor,
-    stop_supervisor,
     wait_committed,
 )
 
 from shm import FREE, StatsBlock
-from sparkcache import config, segments
+from sparkcache import segments
 from sparkcache.store import PageStore
 from sparkcache.store.fileops import COMMIT_STEPS, EVICTION_STEPS
 from workers.lifecycle import KILL_AT_ENV, KILL_FILE_ENV, Role, State
@@ -71,11 +68,7 @@ def _role(step: str) -> str:
     return step.split(".")[0] if step.startswith(("capture.", "commit.")) else "maintenance"
 
 
-def _flags(settings: dict[str, str]) -> list[str]:
-    return [a for k, v in settings.items() for a in (config.flag_name(k), v)]
-
-
-def _publish(engine: Engine, seqs: dict[str, list[int]]) -> None:
+def _publish(engine: SyntheticEngine, seqs: dict[str, list[int]]) -> None:
     for sid, tokens in seqs.items():
         engine.publish(sid, tokens)
     engine.drain(timeout=RELEASE_S + 5)
@@ -104,7 +97,7 @@ def _restarted(store: Path, stats: StatsBlock, role: str) -> dict:
     return {}
 
 
-def _stored_exact(engine: Engine, seqs: dict[str, list[int]]) -> None:
+def _stored_exact(engine: SyntheticEngine, seqs: dict[str, list[int]]) -> None:
     """Restore what the store holds of each sequence: every restored page byte-exact."""
     for sid, tokens in seqs.items():
         restored, exact = engine.restore_exact(tokens)
@@ -119,12 +112,9 @@ def test_worker_killed_at_step(tmp_path: Path, instance: str, step: str) -> None
     store = tmp_path / "store"
     kill = tmp_path / "kill"
     kill.touch()
-    sup = start_supervisor(store, instance, *_flags(settings),
-                           env={KILL_AT_ENV: step, KILL_FILE_ENV: str(kill)})
-    engine = None
-    try:
-        cfg = make_cfg(store, instance, **settings)
-        engine = Engine.create(cfg, instance, release_timeout_s=RELEASE_S)
+    env = {KILL_AT_ENV: step, KILL_FILE_ENV: str(kill)}
+    with pipeline(store, instance, settings, env, RELEASE_S) as engine:
+        cfg = engine.client.cfg
         seqs = sequences(FIRST + SECOND, seed=3)
         first = dict(list(seqs.items())[:FIRST])
         second = dict(list(seqs.items())[FIRST:])
@@ -157,11 +147,6 @@ def test_worker_killed_at_step(tmp_path: Path, instance: str, step: str) -> None
         finally:
             arena.close()
         assert engine.max_call_s < 0.25, engine.max_call_s
-    finally:
-        if engine is not None:
-            engine.close()
-        stopped = stop_supervisor(sup)
-    check_stopped(stopped, store, instance)
 
 
 def test_commit_redo_keeps_the_newest_turn(tmp_path: Path, instance: str) -> None:
@@ -172,12 +157,9 @@ def test_commit_redo_keeps_the_newest_turn(tmp_path: Path, instance: str) -> Non
     store = tmp_path / "store"
     kill = tmp_path / "kill"
     kill.touch()
-    sup = start_supervisor(store, instance, *_flags(settings),
-                           env={KILL_AT_ENV: "commit.committed", KILL_FILE_ENV: str(kill)})
-    engine = None
-    try:
-        cfg = make_cfg(store, instance, **settings)
-        engine = Engine.create(cfg, instance, release_timeout_s=RELEASE_S)
+    env = {KILL_AT_ENV: "commit.committed", KILL_FILE_ENV: str(kill)}
+    with pipeline(store, instance, settings, env, RELEASE_S) as engine:
+        cfg = engine.client.cfg
         tokens = next(iter(sequences(1, seed=5).values()))
         turn1, turn2 = tokens[:40], tokens[:40] + list(range(1000, 1040))
         _publish(engine, {"x": turn1})
@@ -189,8 +171,3 @@ def test_commit_redo_keeps_the_newest_turn(tmp_path: Path, instance: str) -> Non
         assert wait_committed(engine, timeout=10, settle=2.0) == {}
         check_restores(engine, {"x": turn2})
         assert engine.max_call_s < 0.25, engine.max_call_s
-    finally:
-        if engine is not None:
-            engine.close()
-        stopped = stop_supervisor(sup)
-    check_stopped(stopped, store, instance)
