@@ -11,8 +11,9 @@
   one of ``capture_slots`` slot-sized buffers in turn, as capture fills slots. A slot
   bounds every copy capture can make, so the baseline copies slot by slot too.
   ``memcpy_one_call_gib_s`` is the same byte count in one call, for reference: past
-  glibc's non-temporal threshold (a fraction of the last-level cache) memcpy switches to
-  streaming stores and runs about twice as fast, which no copy of one slot reaches.
+  glibc's non-temporal threshold (3/4 of the shared cache the CPU reports; 192 MiB on
+  the CI-sized guest) memcpy switches to streaming stores and runs about twice as fast,
+  which no copy of one slot reaches.
 * pipeline_mib_s: page bytes published over the time from the first publish to the last
   root committed (capture, commit with fsync, index transaction).
 * cuda: the same run with the KV tensors on a CUDA device (capture opens them through
