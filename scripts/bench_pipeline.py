@@ -133,7 +133,7 @@ def run(pubs: int, pages: int, work: Path, device: str) -> dict:
             t.normal_()
         client = SparkCacheClient(cfg, 0, release_timeout_s=30.0)
         assert client.register_kv_caches(tensors)
-        page_bytes = client._reg.page_bytes
+        page_bytes = client._reg.views.page_bytes
         rng = np.random.default_rng(1)
         seqs = [rng.integers(0, 50000, pages * PAGE_TOKENS).tolist() for _ in range(pubs)]
         stats = StatsBlock.attach(segments.name(instance, 0, segments.STATS), WORKER_STATS)

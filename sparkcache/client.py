@@ -87,8 +87,6 @@ class _Registration:
     reg_gen: int
     namespace: Namespace
     seed: bytes
-    page_bytes: int
-    num_blocks: int
 
 
 class _Connection:
@@ -177,8 +175,8 @@ class SparkCacheClient:
                 raise ValueError(
                     f"block size {shape[block_dim + 1]} != page_tokens {self.cfg.page_tokens}"
                 )
-            pbytes = kvmem.page_bytes(tensors, block_dim)
-            self.cfg.check_page_fits(pbytes)
+            views = kvmem.BlockViews(tensors, block_dim)
+            self.cfg.check_page_fits(views.page_bytes)
             reg_gen = int.from_bytes(os.urandom(4), "little") or 1
             kvmem.write_registry(
                 self.cfg.store_dir, self.rank, reg_gen, block_dim, kvmem.describe(tensors)
@@ -187,9 +185,7 @@ class SparkCacheClient:
                 self.model_id, str(tensors[0].dtype), f"blockdim{block_dim}:{list(shape)}",
                 self.tp_size, self.rank, self.cfg.page_tokens,
             )
-            nblocks = min(t.shape[block_dim] for t in tensors)
-            views = kvmem.BlockViews(tensors, block_dim)
-            self._reg = _Registration(views, reg_gen, ns, ns.seed(), pbytes, nblocks)
+            self._reg = _Registration(views, reg_gen, ns, ns.seed())
             return True
         except Exception:
             log.exception("register_kv_caches refused")
@@ -382,15 +378,16 @@ class SparkCacheClient:
         if self.cfg.access_mode is AccessMode.OFF or reg is None:
             return 0
         keys = self._keys(token_ids)[: len(block_ids)]
-        if any(not 0 <= b < reg.num_blocks for b in block_ids[: len(keys)]):
+        if any(not 0 <= b < reg.views.num_blocks for b in block_ids[: len(keys)]):
             self.counters.misses["bad_block"] += 1
             return 0
         store = self._open_store()
         if store is None or not keys:
             return 0
-        if self._scratch.size < len(keys) * reg.page_bytes:
-            self._scratch = np.empty(len(keys) * reg.page_bytes, np.uint8)
-        rows = self._scratch[: len(keys) * reg.page_bytes].reshape(len(keys), reg.page_bytes)
+        pbytes = reg.views.page_bytes
+        if self._scratch.size < len(keys) * pbytes:
+            self._scratch = np.empty(len(keys) * pbytes, np.uint8)
+        rows = self._scratch[: len(keys) * pbytes].reshape(len(keys), pbytes)
         got = store.restore(keys, list(rows))
         for i in range(got):
             reg.views.scatter(int(block_ids[i]), rows[i])

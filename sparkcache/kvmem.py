@@ -178,11 +178,6 @@ def read_registry(store_dir: Path, rank: int) -> dict[str, Any] | None:
         return None
 
 
-def page_bytes(tensors: list[torch.Tensor], block_dim: int) -> int:
-    """Bytes of one page: block ``b`` of every layer tensor."""
-    return sum(t.select(block_dim, 0).numel() * t.element_size() for t in tensors)
-
-
 class BlockViews:
     """Block ``b`` of every layer tensor, as one page of bytes: for each tensor in turn,
     its ``outer`` runs of ``inner`` bytes (``outer`` = the product of the dimensions
@@ -199,7 +194,7 @@ class BlockViews:
     def __init__(self, tensors: list[torch.Tensor], block_dim: int) -> None:
         self.tensors = tensors
         self.block_dim = block_dim
-        self.page_bytes = page_bytes(tensors, block_dim)
+        self.num_blocks = min(t.shape[block_dim] for t in tensors)
         # Per tensor: a uint8 (outer, blocks, inner) view, or None where the tensor is not
         # contiguous; for a CPU tensor also as numpy (np.take, np.copyto).
         self._grids: list[torch.Tensor | None] = []
@@ -217,13 +212,13 @@ class BlockViews:
             self._grids.append(grid)
             self._host.append(None if t.is_cuda else grid.numpy())
             self.run_bytes += [per_block // outer] * outer
+        self.page_bytes = sum(self.run_bytes)
         self._device = all(t.is_cuda for t in tensors) and all(g is not None for g in self._grids)
         self._staging: torch.Tensor | None = None
 
-    def _check(self, buf: np.ndarray, nbytes: int) -> int:
+    def _check(self, buf: np.ndarray, nbytes: int) -> None:
         if buf.dtype != np.uint8 or not buf.flags.c_contiguous or buf.size < nbytes:
             raise ValueError(f"page buffer: expected {nbytes} contiguous bytes")
-        return buf.ctypes.data
 
     def gather(self, block: int, out: np.ndarray) -> None:
         """Copy block ``block`` of every tensor, in order, into the bytes ``out``."""

@@ -93,7 +93,7 @@ class SyntheticEngine:
             self.poll()
             time.sleep(0.005)
         blocks = [self.free.pop() for _ in keys]
-        pbytes = self.client._reg.page_bytes
+        pbytes = self.client._reg.views.page_bytes
         for k, b in zip(keys, blocks, strict=True):
             data = np.frombuffer(bytearray(page_bytes(k, pbytes)), np.uint8)
             self.client._reg.views.scatter(b, data)
@@ -121,7 +121,7 @@ class SyntheticEngine:
         blocks = list(range(len(keys)))
         page_tokens = self.client.cfg.page_tokens
         restored = -(-self.client.restore(tokens, blocks) // page_tokens)  # tail included
-        pbytes = self.client._reg.page_bytes
+        pbytes = self.client._reg.views.page_bytes
         out = np.empty(pbytes, np.uint8)
         exact = 0
         for k, b in zip(keys[:restored], blocks, strict=False):

@@ -81,13 +81,6 @@ def runtime(store: Path) -> dict:
     return json.loads((store / RUNTIME_FILE).read_text())
 
 
-def worker_pid(store: Path, role: str) -> int | None:
-    for w in runtime(store)["workers"]:
-        if w["role"] == role:
-            return w["pid"]
-    return None
-
-
 def wait_committed(engine: SyntheticEngine, timeout: float = 60, settle: float = 2.0,
                    seqs: dict[str, list[int]] | None = None) -> dict:
     """Sequences of ``seqs`` (default: every accepted one) not fully in the store, once

@@ -36,8 +36,6 @@ class _Registered:
     reg_gen: int
     opened: kvmem.OpenedTensors
     views: kvmem.BlockViews
-    page_bytes: int
-    num_blocks: int
 
 
 class Capture:
@@ -119,10 +117,8 @@ class Capture:
             self.reg.opened.close()
             self.reg = None
         opened = kvmem.open_tensors(desc)
-        dim = int(desc["block_dim"])
-        views = kvmem.BlockViews(opened.tensors, dim)
         self.reg = _Registered(
-            reg_gen, opened, views, views.page_bytes, min(t.shape[dim] for t in opened.tensors)
+            reg_gen, opened, kvmem.BlockViews(opened.tensors, int(desc["block_dim"]))
         )
         return self.reg
 
@@ -158,8 +154,9 @@ class Capture:
         if reg is None:
             return UNREGISTERED, 0
         blocks = recs["block_id"]
-        if (blocks < 0).any() or (blocks >= reg.num_blocks).any():
-            log.warning("publication with block ids outside 0-%d refused", reg.num_blocks - 1)
+        if (blocks < 0).any() or (blocks >= reg.views.num_blocks).any():
+            log.warning("publication with block ids outside 0-%d refused",
+                        reg.views.num_blocks - 1)
             return BAD_BLOCK, 0
         keys = [join_key(h, lo) for h, lo in zip(recs["key_hi"], recs["key_lo"], strict=True)]
         n = len(keys)
@@ -192,7 +189,7 @@ class Capture:
         reg.views.gather_runs(recs["block_id"][stored:].tolist(),
                               slotfmt.data(buf, n, n - stored, runs))
         self.life.copy_seconds += time.thread_time() - t0
-        self.life.copy_bytes += (n - stored) * reg.page_bytes
+        self.life.copy_bytes += (n - stored) * reg.views.page_bytes
         if time.monotonic() >= deadline:
             return EXPIRED  # the engine may have reused the blocks while we copied
         root = (int(recs["root_hi"][0]), int(recs["root_lo"][0]))

@@ -155,9 +155,9 @@ class PageStore:
 
     def commit(self, root: Root) -> CommitResult:
         """Store ``root``'s page delta and publish the root with a lease; see module doc."""
-        views = [p.pieces() for p in root.pages]
+        pieces = [p.pieces() for p in root.pages]
         keys = [p.key for p in root.pages]
-        data = dict(zip(keys, views, strict=True))
+        data = dict(zip(keys, pieces, strict=True))
         written: dict[str, WrittenFile] = {}
         retries = 0
         surplus: list[WrittenFile] = []
@@ -166,7 +166,7 @@ class PageStore:
                 live = self._live_keys(list(data.keys() - written.keys()))
                 delta = [k for k in data if k not in live and k not in written]
                 self._writer.write(delta, data, written)
-                conflict = self._publish(root.root_id, keys, views, written, surplus)
+                conflict = self._publish(root.root_id, keys, pieces, written, surplus)
                 if not conflict:
                     break
                 for key in conflict:
@@ -216,7 +216,7 @@ class PageStore:
         self,
         root_id: str,
         keys: list[str],
-        views: list[list[memoryview]],
+        pieces: list[list[memoryview]],
         written: dict[str, WrittenFile],
         surplus: list[WrittenFile],
     ) -> set[str]:
@@ -225,7 +225,7 @@ class PageStore:
         Fills ``surplus`` with files we wrote whose key another committer stored first.
         """
         now = self._clock()
-        sizes = {k: sum(p.nbytes for p in v) for k, v in zip(keys, views, strict=True)}
+        sizes = {k: sum(p.nbytes for p in v) for k, v in zip(keys, pieces, strict=True)}
         surplus.clear()
         try:
             with index.write_txn(self._wconn) as conn:
