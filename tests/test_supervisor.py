@@ -49,7 +49,12 @@ def test_crash_loop_ends_fatal_and_second_supervisor_refused(
         assert second.returncode == 1
         assert "another supervisor" in second.stderr
         fault.touch()  # from now on the commit worker dies as it starts
-        os.kill(_worker(store, "commit")["pid"], signal.SIGKILL)
+        commit_pid = _worker(store, "commit")["pid"]
+        # Killed once it has run past --startsecs (3 s): a crash of a running worker, not a
+        # failed start. Commit is READY well before the supervisor, so without the wait the
+        # kill can land inside startsecs.
+        time.sleep(3.5)
+        os.kill(commit_pid, signal.SIGKILL)
         _wait(lambda: _worker(store, "commit")["state"] == "FATAL", 60, "commit FATAL")
         w = _worker(store, "commit")
         assert w["last_exit"] == CRASH_EXIT
