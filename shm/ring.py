@@ -437,8 +437,15 @@ class Producer:
         head = self._head
         if head + n > self._limit:
             self._reserve(n, timeout)
-        if not records.flags.c_contiguous:
-            records = np.ascontiguousarray(records)
+        try:
+            self._copy_in(head, records)
+        except ValueError:  # not contiguous (checking first costs as much as the copy)
+            self._copy_in(head, np.ascontiguousarray(records))
+        self._publish(head + n)
+
+    def _copy_in(self, head: int, records: np.ndarray) -> None:
+        """Copy a contiguous structured array's bytes to ring position ``head``."""
+        n = len(records)
         pos = head % self.capacity
         at = self._records_at + pos * self._size
         if pos + n <= self.capacity:
@@ -449,7 +456,6 @@ class Producer:
             self._mm[self._records_at : self._records_at + (n - first) * self._size] = (
                 records[first:]
             )
-        self._publish(head + n)
 
     def close(self) -> None:
         """Tell the consumer no more records come, then detach."""

@@ -82,6 +82,13 @@ def test_a_half_read_batch_keeps_its_space(ring):
     p.try_push((8, 0, 0))
 
 
+def test_a_strided_batch_is_copied_whole(ring):
+    _, p, c = ring
+    rows = LAYOUT.array([(i, -i, 3) for i in range(8)])[::2]  # not contiguous
+    p.push_batch(rows)
+    assert c.pop_batch(10).tolist() == rows.tolist()
+
+
 def test_batch_larger_than_ring_is_refused(ring):
     _, p, _ = ring
     with pytest.raises(ValueError, match="cannot fit a ring of 8"):
