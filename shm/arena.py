@@ -3,9 +3,12 @@
 Payload layout, ARENA_LAYOUT_VERSION 2:
 
     0      META    slots u64, slot_bytes u64, data_at u64 (128-byte line)
-    128    STATE   one SLOT_STATE record (32 bytes) per slot: owner, pid, generation,
-                   since (CLOCK_MONOTONIC of the last hand-over: one clock for every
-                   process of the host, so it orders hand-overs), used bytes
+    128    STATE   one SLOT_STATE record (40 bytes) per slot: owner, pid (of the process
+                   that made the last hand-over: the writer of the slot's bytes when it
+                   holds a filled publication), generation, since (CLOCK_MONOTONIC of the
+                   last hand-over: one clock for every process of the host, so it orders
+                   hand-overs), used bytes, pid_start (that process's start time, so a
+                   reused pid is not taken for it)
     D      DATA    slots x slot_bytes, D page-aligned (4096) so slots suit O_DIRECT/DMA
 
 Ownership passes from one process to the next along a ring: whoever holds a slot sets
@@ -23,14 +26,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-from shm.segment import PAYLOAD_OFFSET, Segment, SegmentSpec
+from shm.segment import PAYLOAD_OFFSET, Segment, SegmentSpec, creator_alive, process_start
 
-ARENA_LAYOUT_VERSION = 2  # 1 had "since" in wall-clock time
+ARENA_LAYOUT_VERSION = 3  # 1 had "since" in wall-clock time; 2 had no pid_start
 ARENA_KIND = "arena"
 FREE = 0  # owner value of a slot nobody holds
 
 SLOT_STATE = np.dtype(
-    [("owner", "<u4"), ("pid", "<u4"), ("generation", "<u8"), ("since", "<f8"), ("used", "<u8")]
+    [("owner", "<u4"), ("pid", "<u4"), ("generation", "<u8"), ("since", "<f8"), ("used", "<u8"),
+     ("pid_start", "<f8")]
 )
 _META = np.dtype([("slots", "<u8"), ("slot_bytes", "<u8"), ("data_at", "<u8")])
 _STATE_AT = 128
@@ -39,6 +43,16 @@ _PAGE = 4096
 
 class SlotOwnershipError(RuntimeError):
     """A slot was handed over by a process that did not hold it."""
+
+
+_START: tuple[int, float] = (0, 0.0)  # (pid, its start time), cached per process
+
+
+def _own_start() -> float:
+    global _START
+    if _START[0] != os.getpid():
+        _START = (os.getpid(), process_start(os.getpid()))
+    return _START[1]
 
 
 def _spec() -> SegmentSpec:
@@ -98,8 +112,17 @@ class SlotArena:
             st["generation"] += 1
         st["used"] = used if to_owner != FREE else 0
         st["pid"] = os.getpid() if to_owner != FREE else 0
+        st["pid_start"] = _own_start() if to_owner != FREE else 0.0
         st["since"] = time.monotonic()
         st["owner"] = to_owner
+
+    def holder_dead(self, index: int) -> bool:
+        """True if the process that made slot ``index``'s last hand-over is known dead (its
+        pid gone, or reused by a process started at another time). Its writes to the slot
+        are then complete: a reader may use them without a covering semaphore operation."""
+        st = self.state[index]
+        pid = int(st["pid"])
+        return pid != 0 and not creator_alive(pid, float(st["pid_start"]))
 
     def free_slots(self) -> list[int]:
         return [i for i in range(self.slots) if int(self.state[i]["owner"]) == FREE]

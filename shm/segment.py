@@ -88,7 +88,8 @@ def segment_name(instance: str, rank: int, role: str) -> str:
     return f"/{NAME_PREFIX}{instance}.r{rank}.{role}"
 
 
-def _process_start(pid: int) -> float:
+def process_start(pid: int) -> float:
+    """The start time of ``pid`` (psutil's create_time), 0.0 if it cannot be read."""
     try:
         return psutil.Process(pid).create_time()
     except psutil.Error:
@@ -145,7 +146,7 @@ class Segment:
         h["fingerprint"] = spec.fingerprint
         h["total_size"] = total
         h["creator_pid"] = os.getpid()
-        h["creator_start"] = _process_start(os.getpid())
+        h["creator_start"] = process_start(os.getpid())
         h["magic"] = MAGIC  # last: a header with magic is complete
         return seg
 
@@ -236,7 +237,7 @@ def read_creator(path: Path) -> tuple[int, float] | None:
 def creator_alive(pid: int, start: float) -> bool:
     if not psutil.pid_exists(pid):
         return False
-    actual = _process_start(pid)
+    actual = process_start(pid)
     # A different start time means the pid was reused by an unrelated process.
     return actual == 0.0 or start == 0.0 or abs(actual - start) < 1.0
 

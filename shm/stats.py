@@ -93,7 +93,7 @@ class StatsBlock:
             if seq1 == 0:
                 return None
             if seq1 == seq2 and not seq1 & 1 and crc == crc2 == zlib.crc32(raw):
-                return self.layout.packer.unpack(raw)
+                return self.layout.named(*self.layout.packer.unpack(raw))
             if attempt > 16:
                 time.sleep(0)  # let a descheduled writer finish
         raise TornRead(f"stats slot {slot} of {self.name}: no consistent read in {retries} tries")

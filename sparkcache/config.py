@@ -86,6 +86,20 @@ class Config:
         default=300.0,
         metadata=_help("Seconds a new or restoring root is protected from eviction, >= 0."),
     )
+    lookup_lease_seconds: float = field(
+        default=30.0,
+        metadata=_help(
+            "Seconds a lookup protects the prefix it counted, so the restore that follows "
+            "finds it, > 0."
+        ),
+    )
+    release_timeout_seconds: float = field(
+        default=5.0,
+        metadata=_help(
+            "Seconds the engine lends blocks to capture before taking them back, > 0; "
+            "capture refuses publications whose deadline lies further ahead."
+        ),
+    )
     page_tokens: int = field(default=16, metadata=_help("Tokens per page, >= 1."))
     cpus: tuple[int, ...] | None = field(
         default=None,
@@ -179,7 +193,7 @@ def _parse_field(name: str, text: str) -> Any:
             return int(text)
         except ValueError:
             raise ValueError("a whole number") from None
-    if name == "lease_seconds":
+    if name in ("lease_seconds", "lookup_lease_seconds", "release_timeout_seconds"):
         try:
             return float(text)
         except ValueError:
@@ -266,6 +280,10 @@ def validate(
         bad("capture_slot_bytes", f"at least one page (>= {cfg.page_tokens} bytes)")
     if cfg.lease_seconds < 0:
         bad("lease_seconds", "zero or more seconds")
+    for name in ("lookup_lease_seconds", "release_timeout_seconds"):
+        value = getattr(cfg, name)
+        if not 0 < value <= 3600:
+            bad(name, "more than 0 and at most 3600 seconds")
     if not 0 <= cfg.metrics_port <= 65535:
         bad("metrics_port", "a port from 0 to 65535")
     if cfg.cpus is not None:

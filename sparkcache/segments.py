@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from shm import Consumer, Producer, Ring, SlotArena, StatsBlock, segment_name
-from shm.layouts import COMPLETION, FILLED, FREED, PUBLISH, TOUCH, WORKER_STATS
+from shm.layouts import COMPLETION, DURABLE, FILLED, FREED, PUBLISH, REQUEST, WORKER_STATS
 from shm.records import RecordLayout
 from sparkcache.config import Config
 
@@ -20,7 +20,8 @@ RINGS: dict[str, tuple[RecordLayout, int]] = {
     "completion": (COMPLETION, 1024),
     "filled": (FILLED, 256),
     "freed": (FREED, 256),
-    "touch": (TOUCH, 4096),
+    "durable": (DURABLE, 1024),
+    "request": (REQUEST, 4096),
 }
 ARENA = "arena"
 STATS = "stats"

@@ -41,13 +41,13 @@ class SyntheticEngine:
     kv: SharedKVCaches | None  # the shared-memory segment of CPU tensors
     free: list[int] = field(default_factory=lambda: list(range(BLOCKS)))
     accepted: dict[str, list[int]] = field(default_factory=dict)
-    acknowledged: set[str] = field(default_factory=set)
+    captured: set[str] = field(default_factory=set)  # copied: blocks came back
+    acknowledged: set[str] = field(default_factory=set)  # durable: the store holds the root
     max_call_s: float = 0.0
 
     @classmethod
     def create(
-        cls, cfg: config.Config, rank: int = 0, release_timeout_s: float = 5.0,
-        device: str = "cpu",
+        cls, cfg: config.Config, rank: int = 0, device: str = "cpu",
     ) -> SyntheticEngine:
         shapes = [kv_shape(cfg.page_tokens)] * LAYERS
         kv = None
@@ -56,7 +56,7 @@ class SyntheticEngine:
             tensors = kv.tensors
         else:
             tensors = [torch.zeros(s, dtype=torch.float16, device=device) for s in shapes]
-        client = SparkCacheClient(cfg, rank, release_timeout_s=release_timeout_s)
+        client = SparkCacheClient(cfg, rank)
         if not client.register_kv_caches(tensors):
             client.close()
             if kv is not None:
@@ -74,12 +74,17 @@ class SyntheticEngine:
         return out
 
     def poll(self) -> list:
-        """Take completions: their blocks return to the pool."""
+        """Take completions (their blocks return to the pool) and durability reports."""
         done = self._timed(self.client.poll_completions)
         for c in done:
             self.free.extend(b for b in c.blocks if 0 <= b < BLOCKS)
             if c.status == "captured":
-                self.acknowledged.add(c.seq_id)
+                self.captured.add(c.seq_id)
+        for d in self._timed(self.client.poll_durable):
+            if d.durable:
+                self.acknowledged.add(d.seq_id)
+            else:
+                self.acknowledged.discard(d.seq_id)
         return done
 
     def publish(self, seq_id: str, tokens: list[int], tries: int = 400) -> bool:
@@ -107,8 +112,11 @@ class SyntheticEngine:
         return False
 
     def drain(self, timeout: float = 60) -> None:
+        """Wait until every publication's blocks came back and its durability is known."""
         deadline = time.monotonic() + timeout
-        while self.client.pending and time.monotonic() < deadline:
+        while (self.client.pending or self.client.awaiting_durable) and (
+            time.monotonic() < deadline
+        ):
             self.poll()
             time.sleep(0.01)
         self.poll()

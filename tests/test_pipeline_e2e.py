@@ -89,7 +89,7 @@ def _running_pid(store: Path, role: str, not_these: list[int], timeout: float = 
 def test_worker_sigkilled_during_publication(tmp_path: Path, instance: str, role: str) -> None:
     store = tmp_path / "store"
     rng = random.Random(role)
-    with pipeline(store, instance, release_timeout_s=2.0) as engine:
+    with pipeline(store, instance, {"release_timeout_seconds": "2"}) as engine:
         seqs = sequences(60, seed=1)
         kill_at = sorted(rng.sample(range(5, 55), 3))
         killed = []

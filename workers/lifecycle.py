@@ -17,11 +17,15 @@ from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
+import posix_ipc
 import setproctitle
 
-from shm import StatsBlock
+from shm import SegmentError, StatsBlock
+from shm.layouts import DROP_REASONS, WORKER_STATS
 from sparkcache import segments
 from sparkcache.config import Config
+from sparkcache.ratelog import RateLimitedLog
+from sparkcache.store import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +35,13 @@ _PR_SET_PDEATHSIG = 1
 FAULT_ROLE_ENV = "SPARKCACHE_FAULT_ROLE"
 FAULT_FILE_ENV = "SPARKCACHE_FAULT_FILE"
 CRASH_EXIT = 3
+# A fault of the worker's environment, not of one item: its segments cannot be attached or
+# its store directory is unusable. Restarting cannot help, so the supervisor marks the
+# worker FATAL at once instead of crash-looping it; the worker says why in one line.
+ENV_FAULT_EXIT = 4
+ENVIRONMENT_FAULTS: tuple[type[BaseException], ...] = (
+    SegmentError, posix_ipc.ExistentialError, StoreError,
+)
 # Test hook: a worker SIGKILLs itself at the checkpoint named $SPARKCACHE_KILL_AT while the
 # file $SPARKCACHE_KILL_FILE exists (crash tests that kill at every step of the protocol).
 KILL_AT_ENV = "SPARKCACHE_KILL_AT"
@@ -130,8 +141,11 @@ class Lifecycle:
         self.used_bytes = 0
         self.copy_bytes = 0
         self.copy_seconds = 0.0
+        self.item_errors = 0
+        self.drops = dict.fromkeys(DROP_REASONS, 0)
         self._stats: StatsBlock | None = None
         self._wake_fd = -1  # readable once a stop signal has arrived (signal wakeup fd)
+        self._rare = RateLimitedLog(log)
 
     def to(self, state: State) -> None:
         if state not in TRANSITIONS[self.state]:
@@ -178,11 +192,26 @@ class Lifecycle:
             return
         self._stats.write(
             int(self.spec.role),
-            (
+            WORKER_STATS.named(
                 os.getpid(), int(self.state), time.time(), self.started, self.processed,
-                self.failed, self.backlog, self.used_bytes, self.copy_bytes, self.copy_seconds,
+                self.failed, self.item_errors, self.backlog, self.used_bytes, self.copy_bytes,
+                self.copy_seconds, *self.drops.values(),
             ),
         )
+
+    def drop(self, reason: str, what: str) -> None:
+        """Count a malformed record dropped for ``reason`` (one of DROP_REASONS)."""
+        self.drops[reason] += 1
+        self._rare.warning(reason, "%s: dropped %s (%s)", title(self.spec.role, self.spec.rank),
+                           what, reason)
+
+    def item_error(self, what: str) -> None:
+        """Count and log (with its traceback, at most once a minute) an unexpected error
+        while handling one item; the caller goes on with the next item. Call from an
+        ``except`` block."""
+        self.item_errors += 1
+        self._rare.warning(f"error:{what}", "%s: error while handling %s; going on",
+                           title(self.spec.role, self.spec.rank), what, exc_info=True)
 
     def serve(self, step: Callable[[float], object], poll_s: float) -> None:
         """READY: beat, then ``step(poll_s)`` (which waits at most ``poll_s`` for work),
@@ -217,6 +246,12 @@ def main(spec: WorkerSpec, body: Callable[[Lifecycle], None]) -> None:
         if life.state != State.DRAINING:
             life.to(State.DRAINING)
         life.to(State.STOPPED)
+    except ENVIRONMENT_FAULTS as exc:
+        log.error("%s cannot run: %s", title(spec.role, spec.rank), exc)
+        life.state = State.FAILED
+        life.beat()
+        life.close()
+        sys.exit(ENV_FAULT_EXIT)
     except Exception:
         log.exception("%s failed", title(spec.role, spec.rank))
         life.state = State.FAILED
