@@ -132,7 +132,7 @@ def run(pubs: int, pages: int, work: Path, device: str) -> dict:
                        for _ in range(LAYERS)]
         for t in tensors:
             t.normal_()
-        client = SparkCacheClient(cfg, 0)
+        client = SparkCacheClient(cfg, 0, model_id="bench-pipeline-8l")
         assert client.register_kv_caches(tensors)
         page_bytes = client._reg.views.page_bytes
         rng = np.random.default_rng(1)

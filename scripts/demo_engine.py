@@ -13,19 +13,21 @@ import sys
 import time
 
 from sparkcache import config
-from sparkcache.synthetic import SyntheticEngine, sequences
+from sparkcache.synthetic import MODEL_ID, SyntheticEngine, sequences
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sequences", type=int, default=200)
+    ap.add_argument("--model-id", default=MODEL_ID,
+                    help="the model identity page keys are namespaced by")
     args = ap.parse_args()
     try:
         cfg = config.load()
     except config.ConfigError as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2
-    engine = SyntheticEngine.create(cfg)
+    engine = SyntheticEngine.create(cfg, model_id=args.model_id)
     try:
         seqs = sequences(args.sequences, cfg.page_tokens)
         t0 = time.monotonic()

@@ -14,19 +14,23 @@ Payload layout, ARENA_LAYOUT_VERSION 2:
 Ownership passes from one process to the next along a ring: whoever holds a slot sets
 its new owner *before* pushing the slot's id, and the receiver reads the slot only after
 popping that id, so the ring's semaphore orders the slot's bytes and its state. The
-state is therefore written by one process at a time and needs no lock; the counts by
-owner are derived from it when read, never stored twice.
+state is therefore written by one process at a time and needs no lock; whoever needs
+counts by owner derives them from it when read (they are never stored twice).
+
+A holder that dies leaves its slots owned by its role, not by a pid: the next process of
+that role recovers them (a new capture frees the slots capture held, a new commit commits
+the slots commit holds; see docs/pipeline.md). Nothing else, the supervisor included,
+changes a slot's owner.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 
 import numpy as np
 
-from shm.segment import PAYLOAD_OFFSET, Segment, SegmentSpec, creator_alive, process_start
+from shm.segment import Segment, SegmentSpec, creator_alive, process_start
 
 ARENA_LAYOUT_VERSION = 3  # 1 had "since" in wall-clock time; 2 had no pid_start
 ARENA_KIND = "arena"
@@ -84,12 +88,6 @@ class SlotArena:
     def attach(cls, name: str) -> SlotArena:
         return cls(Segment.attach(name, _spec()))
 
-    def slot(self, index: int) -> memoryview:
-        """The bytes of slot ``index`` (a view into shared memory)."""
-        self._check_index(index)
-        start = PAYLOAD_OFFSET + self._data_at + index * self.slot_bytes
-        return memoryview(self._seg.mm)[start : start + self.slot_bytes]
-
     def slot_array(self, index: int, dtype: np.dtype | str = np.uint8) -> np.ndarray:
         self._check_index(index)
         count = self.slot_bytes // np.dtype(dtype).itemsize
@@ -126,24 +124,6 @@ class SlotArena:
 
     def free_slots(self) -> list[int]:
         return [i for i in range(self.slots) if int(self.state[i]["owner"]) == FREE]
-
-    def counts_by_owner(self) -> dict[int, int]:
-        """Owner -> number of slots (a racy read, for gauges)."""
-        owners, counts = np.unique(self.state["owner"], return_counts=True)
-        return {int(o): int(c) for o, c in zip(owners, counts, strict=True)}
-
-    def held_by_dead(self, alive: Callable[[int], bool]) -> list[int]:
-        """Slots held (not FREE) by a pid for which ``alive(pid)`` is false: what a
-        supervisor reclaims after a worker crash."""
-        return [
-            i for i in range(self.slots)
-            if int(self.state[i]["owner"]) != FREE and not alive(int(self.state[i]["pid"]))
-        ]
-
-    def reclaim(self, index: int) -> None:
-        """Force slot ``index`` back to FREE (its holder is dead)."""
-        st = self.state[index]
-        st["owner"], st["pid"], st["used"], st["since"] = FREE, 0, 0, time.monotonic()
 
     def close(self) -> None:
         del self.state

@@ -38,7 +38,7 @@ from shm import FREE, Producer, RingEmpty, RingFull
 from shm.layouts import PUBLISH, split_key
 from sparkcache import kvmem, segments
 from sparkcache.config import AccessMode, Config
-from sparkcache.identity import Namespace, sequence_keys
+from sparkcache.identity import KeyExtras, Namespace, sequence_keys
 from sparkcache.protocol import (
     CaptureStatus,
     DurableStatus,
@@ -158,9 +158,16 @@ class SparkCacheClient:
         cfg: Config,
         rank: int = 0,
         *,
-        model_id: str = "model",
+        model_id: str,
         tp_size: int = 1,
     ) -> None:
+        """``model_id`` names the model's weights (e.g. name and revision): part of every
+        page key, so it must be given, and be the same after a restart."""
+        if not isinstance(model_id, str) or not model_id.strip():
+            raise ValueError(
+                f"model_id {model_id!r}: give the model's identity (e.g. its name and "
+                f"revision); pages are keyed by it"
+            )
         self.cfg = cfg
         self.rank = rank
         self.model_id = model_id
@@ -190,7 +197,9 @@ class SparkCacheClient:
 
     def register_kv_caches(self, tensors: Sequence[torch.Tensor], block_dim: int = 1) -> bool:
         """Register the layer tensors (block ``b`` of a page is ``t.select(block_dim, b)``
-        of each; its next dimension is ``page_tokens`` long). False if refused (logged)."""
+        of each; its next dimension is ``page_tokens`` long). False if refused (logged).
+        The namespace takes the per-page layout only (``kvmem.page_layout``), not the
+        number of blocks: re-registering after a restart finds the pages stored before."""
         try:
             tensors = list(tensors)
             shape = tensors[0].shape
@@ -205,7 +214,7 @@ class SparkCacheClient:
                 self.cfg.store_dir, self.rank, reg_gen, block_dim, kvmem.describe(tensors)
             )
             ns = Namespace(
-                self.model_id, str(tensors[0].dtype), f"blockdim{block_dim}:{list(shape)}",
+                self.model_id, str(tensors[0].dtype), views.page_layout(),
                 self.tp_size, self.rank, self.cfg.page_tokens,
             )
             self._reg = _Registration(views, reg_gen, ns, ns.seed())
@@ -268,13 +277,14 @@ class SparkCacheClient:
         return None
 
     def publish(self, seq_id: str | int, token_ids: Sequence[int] | np.ndarray,
-                block_ids: Sequence[int]) -> bool:
-        """Queue the pages of ``token_ids`` (held in ``block_ids``) for capture. True if
-        taken: its blocks then stay in use until ``poll_completions`` releases them."""
+                block_ids: Sequence[int], *, extra: KeyExtras | None = None) -> bool:
+        """Queue the pages of ``token_ids`` (held in ``block_ids``) for capture, keyed with
+        the request's ``extra`` (adapter, multimodal hashes, cache salt). True if taken:
+        its blocks then stay in use until ``poll_completions`` releases them."""
         try:
             reason = self._admission()
             if reason is None:
-                reason = self._push(seq_id, token_ids, block_ids)
+                reason = self._push(seq_id, token_ids, block_ids, extra)
         except Exception:
             self._ring_fault("publish")
             reason = "error"
@@ -284,10 +294,10 @@ class SparkCacheClient:
         return True
 
     def _push(self, seq_id: str | int, token_ids: Sequence[int] | np.ndarray,
-              block_ids: Sequence[int]) -> str | None:
+              block_ids: Sequence[int], extra: KeyExtras | None = None) -> str | None:
         reg, conn = self._reg, self._conn
         assert reg is not None and conn is not None
-        keys = sequence_keys(reg.namespace, token_ids).all()
+        keys = self._keys(token_ids, extra)
         n = len(keys)
         if n == 0 or len(block_ids) < n:
             return "bad_request"
@@ -410,9 +420,12 @@ class SparkCacheClient:
             self._reader = StoreReader(self.cfg.store_dir, self.rank)
         return self._reader
 
-    def _keys(self, token_ids: Sequence[int] | np.ndarray) -> list[str]:
+    def _keys(self, token_ids: Sequence[int] | np.ndarray,
+              extra: KeyExtras | None = None) -> list[str]:
         assert self._reg is not None
-        return list(sequence_keys(self._reg.namespace, token_ids).all())
+        if extra is not None and not isinstance(extra, KeyExtras):
+            raise TypeError(f"extra must be a KeyExtras or None, not {type(extra).__name__}")
+        return list(sequence_keys(self._reg.namespace, token_ids, extra).all())
 
     def _request(self, kind: RequestKind, key: str, arg: int, seconds: float = 0.0) -> bool:
         """Send maintenance a request; False if it could not be sent."""
@@ -429,15 +442,17 @@ class SparkCacheClient:
             self._ring_fault("request")
         return False
 
-    def lookup(self, token_ids: Sequence[int] | np.ndarray) -> int:
-        """Tokens of ``token_ids`` whose pages the store holds (a prefix), leased for
+    def lookup(self, token_ids: Sequence[int] | np.ndarray, *,
+               extra: KeyExtras | None = None) -> int:
+        """Tokens of ``token_ids`` (with the request's ``extra``) whose pages the store
+        holds (a prefix), leased for
         ``lookup_lease_seconds`` so the restore that follows finds them; 0 on any fault,
         or when the lease cannot be taken at once (a miss, counted)."""
         try:
             if self.cfg.access_mode is AccessMode.OFF or self._reg is None:
                 return 0
             self.counters.lookups += 1
-            keys = self._keys(token_ids)
+            keys = self._keys(token_ids, extra)
             reader = self._open_reader()
             if not reader.gate.try_shared():
                 self.counters.misses["evicting"] += 1
@@ -456,21 +471,24 @@ class SparkCacheClient:
             self.counters.misses["error"] += 1
             return 0
 
-    def restore(self, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int]) -> int:
-        """Read the stored prefix of ``token_ids`` into ``block_ids`` of the registered
-        tensors; the number of tokens restored (0 on any fault)."""
+    def restore(self, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int], *,
+                extra: KeyExtras | None = None) -> int:
+        """Read the stored prefix of ``token_ids`` (with the request's ``extra``) into
+        ``block_ids`` of the registered tensors; the number of tokens restored (0 on any
+        fault)."""
         try:
-            return self._restore(token_ids, block_ids)
+            return self._restore(token_ids, block_ids, extra)
         except Exception:
             log.warning("restore failed; a miss", exc_info=True)
             self.counters.misses["error"] += 1
             return 0
 
-    def _restore(self, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int]) -> int:
+    def _restore(self, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int],
+                 extra: KeyExtras | None = None) -> int:
         reg = self._reg
         if self.cfg.access_mode is AccessMode.OFF or reg is None:
             return 0
-        keys = self._keys(token_ids)[: len(block_ids)]
+        keys = self._keys(token_ids, extra)[: len(block_ids)]
         if any(not 0 <= b < reg.views.num_blocks for b in block_ids[: len(keys)]):
             self.counters.misses["bad_block"] += 1
             return 0

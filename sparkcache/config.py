@@ -106,10 +106,12 @@ class Config:
         metadata=_help("Cores for SparkCache workers, e.g. 6-7 or 2,3; default: any."),
     )
     metrics_host: str = field(
-        default="127.0.0.1", metadata=_help("Address the /metrics endpoint binds.")
+        default="127.0.0.1",
+        metadata=_help("Address reserved for the /metrics endpoint (not served yet)."),
     )
     metrics_port: int = field(
-        default=9464, metadata=_help("Port of the /metrics endpoint; 0 disables it.")
+        default=9464,
+        metadata=_help("Port reserved for the /metrics endpoint (not served yet); 0: none."),
     )
 
     def check_page_fits(self, page_bytes: int) -> None:

@@ -178,6 +178,24 @@ def read_registry(store_dir: Path, rank: int) -> dict[str, Any] | None:
         return None
 
 
+def page_layout(tensors: list[torch.Tensor], block_dim: int) -> str:
+    """What fixes the bytes of one page, and nothing else: per layer tensor in order, its
+    dtype and its shape without the block dimension (K/V, block size = page tokens, heads,
+    head size). A page's bytes are each tensor's block in logical order (``BlockViews``),
+    so neither the number of blocks (sized by vLLM at every start) nor the strides (the
+    attention backend's physical order) change them and neither is part of the layout.
+    The one place a namespace's ``kv_layout`` comes from."""
+    if not tensors:
+        raise ValueError("no KV tensors")
+    parts = []
+    for t in tensors:
+        if not 0 <= block_dim < t.dim():
+            raise ValueError(f"block_dim {block_dim} out of range for shape {list(t.shape)}")
+        per_page = [int(n) for i, n in enumerate(t.shape) if i != block_dim]
+        parts.append(f"{str(t.dtype).removeprefix('torch.')}{per_page}")
+    return f"pages/v1:{len(tensors)}:" + ";".join(parts)
+
+
 class BlockViews:
     """Block ``b`` of every layer tensor, as one page of bytes: for each tensor in turn,
     its ``outer`` runs of ``inner`` bytes (``outer`` = the product of the dimensions
@@ -215,6 +233,10 @@ class BlockViews:
         self.page_bytes = sum(self.run_bytes)
         self._device = all(t.is_cuda for t in tensors) and all(g is not None for g in self._grids)
         self._staging: torch.Tensor | None = None
+
+    def page_layout(self) -> str:
+        """``page_layout`` of the registered tensors: the namespace's ``kv_layout``."""
+        return page_layout(self.tensors, self.block_dim)
 
     def _check(self, buf: np.ndarray, nbytes: int) -> None:
         if buf.dtype != np.uint8 or not buf.flags.c_contiguous or buf.size < nbytes:

@@ -1,4 +1,4 @@
-"""``<store>/runtime.json``: how clients, ``status`` and ``top`` find a running
+"""``<store>/runtime.json``: how ``status`` (and later tools) find a running
 supervisor and its workers. The supervisor rewrites it (0600, atomically) whenever a
 worker changes state and removes it when it stops. Kept apart from the supervisor so
 readers need not import the workers (and torch).

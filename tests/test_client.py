@@ -9,10 +9,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from pipeline_util import LAYERS, SHAPE, make_cfg
+from pipeline_util import (
+    BLOCKS,
+    LAYERS,
+    PAGE_TOKENS,
+    SHAPE,
+    SyntheticEngine,
+    make_cfg,
+    pipeline,
+    sequences,
+    wait_committed,
+)
 
 from sparkcache.client import SparkCacheClient
+from sparkcache.identity import KeyExtras
 from sparkcache.kvmem import SharedKVCaches
+from sparkcache.synthetic import MODEL_ID
 
 
 @pytest.fixture
@@ -23,7 +35,7 @@ def kv(instance: str):
 
 
 def _client(tmp_path: Path, instance: str, kv: SharedKVCaches, **more: str) -> SparkCacheClient:
-    c = SparkCacheClient(make_cfg(tmp_path / "store", instance, **more), 0)
+    c = SparkCacheClient(make_cfg(tmp_path / "store", instance, **more), 0, model_id="m")
     assert c.register_kv_caches(kv.tensors)
     return c
 
@@ -50,7 +62,7 @@ def test_access_modes(tmp_path: Path, instance: str, kv, mode: str, reason: str)
 
 
 def test_unregistered_and_bad_registration(tmp_path: Path, instance: str) -> None:
-    c = SparkCacheClient(make_cfg(tmp_path / "store", instance), 0)
+    c = SparkCacheClient(make_cfg(tmp_path / "store", instance), 0, model_id="m")
     assert c.publish("s", [1, 2, 3], [0]) is False
     assert c.counters.skipped["unregistered"] == 1
     assert c.register_kv_caches([torch.zeros(2, 4, 16, 1, 8)]) is False  # not shared memory
@@ -63,6 +75,61 @@ def test_restore_refuses_block_ids_out_of_range(tmp_path: Path, instance: str, k
     assert c.restore(list(range(20)), [0, 10**6]) == 0
     assert c.counters.misses["bad_block"] == 1
     c.close()
+
+
+def test_model_id_is_required(tmp_path: Path, instance: str) -> None:
+    cfg = make_cfg(tmp_path / "store", instance)
+    with pytest.raises(TypeError, match="model_id"):
+        SparkCacheClient(cfg, 0)  # type: ignore[call-arg]
+    for bad in ("", " ", None):
+        with pytest.raises(ValueError, match="give the model's identity"):
+            SparkCacheClient(cfg, 0, model_id=bad)  # type: ignore[arg-type]
+
+
+def test_pages_survive_a_restart_with_another_block_count(tmp_path: Path, instance: str) -> None:
+    """vLLM sizes its KV blocks by profiling at every start: the same model registered
+    again with more or fewer blocks finds (and restores) what it stored; the same tokens
+    with another salt or adapter find nothing, and a salted request finds only its own."""
+    store = tmp_path / "store"
+    seqs = sequences(6, PAGE_TOKENS, seed=3)
+    salted = list(range(7, 7 + 3 * PAGE_TOKENS + 5))  # published with a salt only
+    tenant = KeyExtras(cache_salt="tenant-a")
+    with pipeline(store, instance) as engine:
+        for sid, tokens in seqs.items():
+            assert engine.publish(sid, tokens)
+        assert engine.publish("salted", salted, extra=tenant)
+        engine.drain()
+        assert engine.acknowledged == {*seqs, "salted"}
+        assert wait_committed(engine, seqs=seqs) == {}
+        deadline = time.monotonic() + 60
+        while engine.client.lookup(salted, extra=tenant) < len(salted):
+            assert time.monotonic() < deadline, "the salted publication never committed"
+            time.sleep(0.1)
+    cfg = make_cfg(store, instance)
+    for blocks in (BLOCKS // 2, BLOCKS * 3):  # the store stays; its supervisor is gone
+        engine = SyntheticEngine.create(cfg, blocks=blocks, model_id=MODEL_ID)
+        try:
+            assert engine.client._reg.views.num_blocks == blocks
+            for sid, tokens in seqs.items():
+                assert engine.client.lookup(tokens) == len(tokens), (blocks, sid)
+                restored, exact = engine.restore_exact(tokens)
+                assert restored == exact == len(engine.keys(tokens)), (blocks, sid)
+                for other in (KeyExtras(cache_salt="tenant-b"), KeyExtras(adapter="lora-1"),
+                              KeyExtras(mm_hashes=("img-0",))):
+                    assert engine.client.lookup(tokens, extra=other) == 0, (sid, other)
+                    assert engine.client.restore(tokens, [0, 1], extra=other) == 0
+            assert engine.client.lookup(salted, extra=tenant) == len(salted)
+            assert engine.restore_exact(salted, extra=tenant) == (4, 4)
+            # Neither the plain request nor another kind of extra with the same text hits.
+            assert engine.client.lookup(salted) == 0
+            assert engine.client.lookup(salted, extra=KeyExtras(adapter="tenant-a")) == 0
+        finally:
+            engine.close()
+    other_model = SyntheticEngine.create(cfg, model_id="another-model")
+    try:
+        assert all(other_model.client.lookup(t) == 0 for t in seqs.values())
+    finally:
+        other_model.close()
 
 
 @pytest.mark.gpu
