@@ -76,7 +76,7 @@ class RecordLayout:
         packer = struct.Struct(_struct_format(dt))
         assert packer.size == dt.itemsize
         object.__setattr__(self, "packer", packer)
-        object.__setattr__(self, "named", namedtuple(self.name, dt.names))
+        object.__setattr__(self, "named", namedtuple(self.name.replace("-", "_"), dt.names))
 
     @property
     def itemsize(self) -> int:

@@ -74,6 +74,7 @@ class ClientCounters:
     not_durable: Counter = field(default_factory=Counter)
     skipped: Counter = field(default_factory=Counter)
     lookups: int = 0
+    unleased_lookups: int = 0  # counted with no supervisor running (nothing evicts then)
     restored_pages: int = 0
     misses: Counter = field(default_factory=Counter)
     requests_dropped: int = 0
@@ -87,6 +88,7 @@ class Completion:
     seq_id: str | int
     blocks: list[int]
     status: str  # "captured" (on to commit), "expired", or why capture refused it
+    pages_copied: int = 0  # captured: pages copied (the rest the store held, leased)
 
 
 @dataclass(frozen=True)
@@ -335,12 +337,12 @@ class SparkCacheClient:
     def _poll(self, conn: _Connection) -> None:
         """Move completions to ``_released`` and durability reports to ``_settled``."""
         now = time.monotonic()
-        for pub_id, status, _ in self._drain(conn.completion):
+        for pub_id, status, copied in self._drain(conn.completion):
             entry = self._pending.pop(pub_id, None)
             if entry is None:
                 continue  # released by its deadline already, or not ours
             what = status_name(CaptureStatus, status)
-            self._released.append(Completion(entry.seq_id, entry.blocks, what))
+            self._released.append(Completion(entry.seq_id, entry.blocks, what, copied))
             if status == CaptureStatus.CAPTURED:
                 self.counters.completed += 1
                 self._awaiting[pub_id] = (entry.seq_id, now)
@@ -459,8 +461,12 @@ class SparkCacheClient:
                 return 0
             try:
                 pages = reader.lookup(keys)
-                if pages and not self._request(RequestKind.LEASE, keys[pages - 1], pages - 1,
-                                               self.cfg.lookup_lease_seconds):
+                if pages and self._connection() is None:
+                    # No supervisor, so no maintenance evicts: what was counted stays
+                    # until one starts. Restoring from disk then still works.
+                    self.counters.unleased_lookups += 1
+                elif pages and not self._request(RequestKind.LEASE, keys[pages - 1],
+                                                 pages - 1, self.cfg.lookup_lease_seconds):
                     self.counters.misses["no_lease"] += 1
                     return 0
             finally:

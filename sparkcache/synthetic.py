@@ -46,6 +46,9 @@ class SyntheticEngine:
     accepted: dict[str, list[int]] = field(default_factory=dict)
     captured: set[str] = field(default_factory=set)  # copied: blocks came back
     acknowledged: set[str] = field(default_factory=set)  # durable: the store holds the root
+    not_durable: dict[str, str] = field(default_factory=dict)  # seq id -> why not
+    # Captured with only part of their pages copied: the rest the store held (and leased).
+    relied_on_store: set[str] = field(default_factory=set)
     max_call_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -90,11 +93,15 @@ class SyntheticEngine:
             self.free.extend(b for b in c.blocks if 0 <= b < self.blocks)
             if c.status == "captured":
                 self.captured.add(c.seq_id)
+                if c.pages_copied < len(c.blocks):
+                    self.relied_on_store.add(c.seq_id)
         for d in self._timed(self.client.poll_durable):
             if d.durable:
                 self.acknowledged.add(d.seq_id)
+                self.not_durable.pop(d.seq_id, None)
             else:
                 self.acknowledged.discard(d.seq_id)
+                self.not_durable[d.seq_id] = d.reason
         return done
 
     def publish(self, seq_id: str, tokens: list[int], tries: int = 400,

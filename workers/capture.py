@@ -57,7 +57,7 @@ def split_publications(batch: np.ndarray, capacity: int, latest_deadline: float,
     out: list[tuple[np.ndarray, str | None]] = []
     if not starts or starts[0] > 0:
         out.append((batch[: starts[0] if starts else len(batch)], "framing"))
-    for s, e in zip(starts, [*starts[1:], len(batch)], strict=True):
+    for s, e in zip(starts, [*starts[1:], len(batch)][: len(starts)], strict=True):
         recs = batch[s:e]
         n = int(recs["npages"][0])
         reason = None
