@@ -1,14 +1,14 @@
 """Slot arena: N fixed-size byte slots in one segment, each with an owner.
 
-Payload layout, ARENA_LAYOUT_VERSION 2:
+Payload layout, ARENA_LAYOUT_VERSION 3:
 
     0      META    slots u64, slot_bytes u64, data_at u64 (128-byte line)
-    128    STATE   one SLOT_STATE record (40 bytes) per slot: owner, pid (of the process
-                   that made the last hand-over: the writer of the slot's bytes when it
-                   holds a filled publication), generation, since (CLOCK_MONOTONIC of the
-                   last hand-over: one clock for every process of the host, so it orders
-                   hand-overs), used bytes, pid_start (that process's start time, so a
-                   reused pid is not taken for it)
+    128    STATE   one SLOT_STATE record (40 bytes) per slot: owner; pid of the process
+                   that made the last hand-over (0 before the first): the writer of the
+                   slot's bytes when it holds a filled publication; generation; since
+                   (CLOCK_MONOTONIC of the last hand-over: one clock for every process of
+                   the host, so it orders hand-overs); used bytes; pid_start (that
+                   process's start time, so a reused pid is not taken for it)
     D      DATA    slots x slot_bytes, D page-aligned (4096) so slots suit O_DIRECT/DMA
 
 Ownership passes from one process to the next along a ring: whoever holds a slot sets
@@ -109,18 +109,20 @@ class SlotArena:
         if from_owner == FREE:
             st["generation"] += 1
         st["used"] = used if to_owner != FREE else 0
-        st["pid"] = os.getpid() if to_owner != FREE else 0
-        st["pid_start"] = _own_start() if to_owner != FREE else 0.0
+        st["pid"] = os.getpid()
+        st["pid_start"] = _own_start()
         st["since"] = time.monotonic()
         st["owner"] = to_owner
 
-    def holder_dead(self, index: int) -> bool:
+    def writer_dead(self, index: int) -> bool:
         """True if the process that made slot ``index``'s last hand-over is known dead (its
-        pid gone, or reused by a process started at another time). Its writes to the slot
-        are then complete: a reader may use them without a covering semaphore operation."""
+        pid gone, or reused by a process started at another time), or there was none (the
+        arena's creator wrote the slot before any other process attached). Its writes to
+        the slot are then complete: a reader may use them without a covering semaphore
+        operation."""
         st = self.state[index]
         pid = int(st["pid"])
-        return pid != 0 and not creator_alive(pid, float(st["pid_start"]))
+        return pid == 0 or not creator_alive(pid, float(st["pid_start"]))
 
     def free_slots(self) -> list[int]:
         return [i for i in range(self.slots) if int(self.state[i]["owner"]) == FREE]

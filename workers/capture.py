@@ -17,7 +17,7 @@ record finds the slot through the repeat (workers/commit.py says why it needs on
 from __future__ import annotations
 
 import logging
-import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -63,12 +63,13 @@ def split_publications(batch: np.ndarray, capacity: int, latest_deadline: float,
         reason = None
         if not 0 < n <= capacity or len(recs) != n:
             reason = "framing"
+        elif not (np.isfinite(recs["deadline"]).all()
+                  and (recs["deadline"] <= latest_deadline).all()):
+            reason = "deadline"
         elif any((recs[f] != recs[f][0]).any() for f in _UNIFORM):
             reason = "mixed"
         elif (recs["page_index"] != np.arange(n)).any():
             reason = "page_index"
-        elif not (math.isfinite(recs["deadline"][0]) and recs["deadline"][0] <= latest_deadline):
-            reason = "deadline"
         out.append((recs, reason))
     return out
 
@@ -102,7 +103,11 @@ class Capture:
         for i in range(self.arena.slots):
             if int(self.arena.state[i]["owner"]) == OWNER_CAPTURE:
                 self.arena.hand_over(i, OWNER_CAPTURE, FREE)
-        self.free = set(self.arena.free_slots())
+        # Other FREE slots come with their freed record (commit repeats it while the slot
+        # stays FREE): reading them before that could overwrite bytes commit still reads.
+        mine = os.getpid()
+        self.free = {i for i in self.arena.free_slots()
+                     if self.arena.writer_dead(i) or int(self.arena.state[i]["pid"]) == mine}
         # Fault the free slots in now (tmpfs allocates a page on first write), so the
         # first publications do not pay for it inside their deadline.
         for i in self.free:
@@ -129,6 +134,7 @@ class Capture:
     def _step(self, timeout: float) -> bool:
         """Handle the publications waiting in the ring; False when there were none."""
         self._announce()
+        self._take_freed(0)  # commit repeats its records: keep the ring from filling
         try:
             batch = self.publish.pop_batch(PUBLISH_CAPACITY, timeout=timeout)
         except (RingEmpty, RingClosed, SignalError):
@@ -202,25 +208,33 @@ class Capture:
         self.reg = _Registered(reg_gen, opened, views)
         return self.reg
 
+    def _take_freed(self, timeout: float) -> None:
+        """Move the slots of the freed records in the ring (waiting up to ``timeout`` for
+        one) into the free set."""
+        try:
+            records = self.freed.pop_batch(256, timeout=timeout).tolist()
+        except (RingEmpty, RingClosed, SignalError):
+            if timeout:
+                self.life.beat()
+            return
+        for slot, _, generation in records:
+            if not 0 <= slot < self.arena.slots:
+                self.life.drop("slot", f"freed record for slot {slot}")
+                continue
+            # A record may be stale (repeated, or from before this worker started, the
+            # slot taken since): only the generation commit freed is free.
+            st = self.arena.state[slot]
+            if int(st["owner"]) == FREE and int(st["generation"]) == generation:
+                self.free.add(slot)
+
     def _take_slot(self, deadline: float) -> int | None:
         timeout = 0.0
         while True:
-            try:
-                for slot, _, _ in self.freed.pop_batch(256, timeout=timeout).tolist():
-                    if not 0 <= slot < self.arena.slots:
-                        self.life.drop("slot", f"freed record for slot {slot}")
-                    # A record may be stale (a slot freed before this worker started and
-                    # taken since): only a slot still FREE is free.
-                    elif int(self.arena.state[slot]["owner"]) == FREE:
-                        self.free.add(slot)
-            except (RingEmpty, RingClosed, SignalError):
-                if timeout:
-                    self.life.beat()
+            self._take_freed(timeout)
             if not self.free:
-                # A slot can be FREE without a record: commit died between handing it back
-                # and pushing the record, or the ring was full. Only capture takes FREE
-                # slots, so every FREE one is ours; without this it would be lost for good.
-                self.free.update(self.arena.free_slots())
+                # A slot can be FREE without a record when commit died between handing it
+                # back and pushing the record: its writer is dead, so it may be taken.
+                self.free.update(i for i in self.arena.free_slots() if self.arena.writer_dead(i))
             if self.free:
                 return self.free.pop()
             left = deadline - time.monotonic()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
+from collections import deque
 
 import numpy as np
 from posix_ipc import SignalError
@@ -47,6 +48,8 @@ from workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, WorkerSpec
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1
+# A FREE slot's record is pushed again this long after its last push (see _freed_at).
+REMIND_AFTER_S = 1.0
 # Hand-over records the ring may hold: a batch larger than this is taken in several pops.
 _POP = 256
 
@@ -88,6 +91,13 @@ class Commit:
         # Per capture process (pid, start time): the latest hand-over a popped record
         # covers. Every slot that process handed over no later than that may be read.
         self._covered: dict[tuple[int, float], float] = {}
+        # Slots this process freed: their ``freed`` records, in order, and when each was
+        # last pushed. Capture takes a FREE slot only on a record (which orders commit's
+        # reads of the slot before capture's writes), so a record the full ring refused
+        # is pushed later, and every record is repeated while the slot stays FREE: a
+        # capture that restarts learns of the slots its predecessor had been told about.
+        self._unfreed: deque[tuple[int, int]] = deque()
+        self._freed_at: dict[int, tuple[int, float]] = {}
 
     def close(self) -> None:
         self.store.close()
@@ -111,6 +121,24 @@ class Commit:
     def _step(self, timeout: float) -> None:
         self._pop(timeout)
         self._commit_readable()
+        self._announce_freed()
+
+    def _announce_freed(self) -> None:
+        now = time.monotonic()
+        for slot, (generation, pushed) in list(self._freed_at.items()):
+            st = self.arena.state[slot]
+            if int(st["owner"]) != FREE or int(st["generation"]) != generation:
+                del self._freed_at[slot]  # capture took it (a stale read only delays this)
+            elif now - pushed >= REMIND_AFTER_S and (slot, generation) not in self._unfreed:
+                self._unfreed.append((slot, generation))
+        while self._unfreed:
+            slot, generation = self._unfreed[0]
+            try:
+                self.freed.try_push((slot, 0, generation))
+            except RingFull:
+                return
+            self._unfreed.popleft()
+            self._freed_at[slot] = (generation, now)
 
     def _pop(self, timeout: float) -> bool:
         """Take the records in the ring and commit what they cover; False if there were
@@ -143,7 +171,7 @@ class Commit:
                 continue
             since = float(st["since"])
             covered = self._covered.get((int(st["pid"]), float(st["pid_start"])))
-            if (covered is not None and since <= covered) or self.arena.holder_dead(i):
+            if (covered is not None and since <= covered) or self.arena.writer_dead(i):
                 readable.append((since, i))
         for _, slot in sorted(readable):
             self._commit_slot(slot)
@@ -191,10 +219,8 @@ class Commit:
         lifecycle.checkpoint("commit.committed")
         self.arena.hand_over(slot, OWNER_COMMIT, FREE)
         lifecycle.checkpoint("commit.slot_freed")
-        try:
-            self.freed.try_push((slot, 0, int(self.arena.state[slot]["generation"])))
-        except RingFull:
-            log.warning("freed ring full; capture finds slot %d by its owner", slot)
+        self._unfreed.append((slot, int(self.arena.state[slot]["generation"])))
+        self._announce_freed()
         if pub_id is not None:
             try:
                 self.durable.try_push((pub_id, int(status), 0))
