@@ -18,9 +18,14 @@ from pipeline_util import (
     make_cfg,
     pipeline,
     sequences,
+    start_supervisor,
+    stop_supervisor,
     wait_committed,
 )
 
+from shm import Ring
+from shm.layouts import FREED
+from sparkcache import segments
 from sparkcache.client import SparkCacheClient
 from sparkcache.identity import KeyExtras
 from sparkcache.kvmem import SharedKVCaches
@@ -203,3 +208,40 @@ def test_gather_runs_is_run_major(instance: str, path: str) -> None:
             views.gather_runs(blocks, out[:-1])
     finally:
         kv.close()
+
+
+
+def test_ring_faults_are_skips_and_misses_never_exceptions(tmp_path: Path, instance: str) -> None:
+    """The supervisor goes away under a connected client (its rings closed and unlinked),
+    then a segment of another layout takes a ring's name: every call still returns, and
+    the faults are counted."""
+    store = tmp_path / "store"
+    seqs = sequences(4, PAGE_TOKENS, seed=6)
+    sup = start_supervisor(store, instance)
+    engine = SyntheticEngine.create(make_cfg(store, instance))
+    try:
+        for sid, tokens in seqs.items():
+            assert engine.publish(sid, tokens)
+        engine.drain()
+        assert engine.acknowledged == set(seqs)
+        rc, err = stop_supervisor(sup)
+        assert rc == 0, err[-2000:]
+        client = engine.client
+        for tokens in seqs.values():  # connected to rings nobody serves any more
+            assert client.publish("after", tokens, list(range(8))) is False
+            client.poll_completions()
+            client.poll_durable()
+            assert client.lookup(tokens) == len(tokens)  # the store is still on disk
+        assert client.counters.skipped["capture_down"] >= 1
+        impostor = Ring.create(segments.name(instance, 0, "completion"), FREED, 8)
+        try:  # a segment of another layout under a ring's name
+            client._next_connect = 0.0
+            assert client.publish("again", seqs["seq-0"], list(range(8))) is False
+            assert client.poll_completions() == [] and client.poll_durable() == []
+            assert client.counters.skipped["supervisor_absent"] >= 1
+        finally:
+            impostor.close()
+    finally:
+        engine.close()
+        if sup.poll() is None:
+            stop_supervisor(sup)
