@@ -1,5 +1,6 @@
 """The supervisor: crash loops end FATAL with backoff, start-up failures fail fast, one
-supervisor per store dir, a SIGKILLed supervisor's segments are swept, pinning."""
+supervisor per store dir, a SIGKILLed supervisor's segments are swept, pinning, a hung
+(SIGSTOPped) worker is killed and restarted, a restart is RUNNING only once READY."""
 
 from __future__ import annotations
 
@@ -16,9 +17,17 @@ import pytest
 from pipeline_util import make_cfg, runtime, start_supervisor, stop_supervisor
 
 from shm.segment import instance_entries
+from sparkcache import segments
 from sparkcache.runtime import read, read_live
 from sparkcache.supervisor import Supervisor, default_cpus
-from workers.lifecycle import CRASH_EXIT, FAULT_FILE_ENV, FAULT_ROLE_ENV
+from workers.lifecycle import (
+    CRASH_EXIT,
+    FAULT_FILE_ENV,
+    FAULT_ROLE_ENV,
+    STALL_FILE_ENV,
+    Role,
+    State,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -151,3 +160,68 @@ def test_cpus_flag_and_default(tmp_path: Path, instance: str) -> None:
     if len(own) < psutil.cpu_count():
         pytest.skip("this process is pinned already")
     assert default_cpus([os.getpid()]) == list(range(psutil.cpu_count()))  # all: warned
+
+
+def _pids(store: Path) -> dict[str, int]:
+    return {w["role"]: w["pid"] for w in runtime(store)["workers"]}
+
+
+def test_sigstopped_worker_is_killed_and_restarted(tmp_path: Path, instance: str) -> None:
+    store = tmp_path / "store"
+    sup = start_supervisor(store, instance, "--heartbeat-timeout-s", "3")
+    try:
+        before = _pids(store)
+        time.sleep(1.5)  # past --startsecs: a hang of a running worker, not a failed start
+        stopped_at = time.monotonic()
+        os.kill(before["commit"], signal.SIGSTOP)
+
+        def restarted() -> bool:
+            w = _worker(store, "commit")
+            return w["restarts"] == 1 and w["state"] == "RUNNING"
+
+        _wait(restarted, 60, "the stopped commit to be killed, restarted and RUNNING")
+        took = time.monotonic() - stopped_at
+        w = _worker(store, "commit")
+        assert w["last_exit"] == -signal.SIGKILL and w["pid"] != before["commit"]
+        assert not psutil.pid_exists(before["commit"])
+        assert 3 <= took < 9, took  # after the limit given, well before the default 10 s
+        # READY again: its stats slot says so with the new pid (what RUNNING waits for).
+        with segments.attach_stats(make_cfg(store, instance), 0) as stats:
+            rec = stats.read(int(Role.COMMIT))
+        assert rec[0] == w["pid"] and rec[1] == State.READY
+        # The others were left alone.
+        for role in ("capture", "maintenance"):
+            other = _worker(store, role)
+            assert (other["pid"], other["restarts"], other["state"]) == (
+                before[role], 0, "RUNNING")
+    finally:
+        rc, err = stop_supervisor(sup)
+    assert rc == 0, err[-3000:]
+    assert "sparkcache::commit[r0] no heartbeat for" in err
+    assert instance_entries(instance) == []
+
+
+def test_restart_is_running_only_once_ready(tmp_path: Path, instance: str) -> None:
+    store, stall = tmp_path / "store", tmp_path / "stall"
+    env = {FAULT_ROLE_ENV: "commit", STALL_FILE_ENV: str(stall)}
+    sup = start_supervisor(store, instance, "--startsecs", "0.5", env=env)
+    try:
+        first = _worker(store, "commit")["pid"]
+        time.sleep(1.0)  # past --startsecs
+        stall.touch()  # from now on a new commit stays STARTING
+        os.kill(first, signal.SIGKILL)
+        _wait(lambda: _worker(store, "commit")["restarts"] == 1, 30, "commit restarted")
+        # Up for four times --startsecs, beating, but never READY: not RUNNING.
+        time.sleep(2.0)
+        w = _worker(store, "commit")
+        assert w["state"] == "STARTING" and psutil.pid_exists(w["pid"]), w
+        shown = subprocess.run([*_cli(), "status", "--store-dir", str(store)],
+                               capture_output=True, text=True, timeout=60).stdout
+        assert "workers=2/3 running" in shown
+        stall.unlink()  # now it reports READY
+        _wait(lambda: _worker(store, "commit")["state"] == "RUNNING", 30, "commit RUNNING")
+        assert _worker(store, "commit")["pid"] == w["pid"]
+    finally:
+        rc, err = stop_supervisor(sup)
+    assert rc == 0, err[-3000:]
+    assert instance_entries(instance) == []
