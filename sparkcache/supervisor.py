@@ -11,21 +11,26 @@ feeds ``tick`` and carries out what it returns (spawn, kill).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import multiprocessing as mp
 import os
 import signal
+import stat
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
+import posix_ipc
 import psutil
 
-from shm import TornRead, sweep
+from shm import SegmentError, TornRead, sweep
+from shm.segment import SHM_DIR, foreign_entries, instance_entries, read_creator, user
 from sparkcache import runtime, segments
 from sparkcache.config import AccessMode, Config
 from sparkcache.runtime import RUNTIME_FILE
+from sparkcache.store import UnsafeStoreDir, layout
 from sparkcache.supervisor_states import (
     Action,
     Observation,
@@ -105,16 +110,63 @@ class Supervisor:
     # ------------------------------------------------------------------ start-up
 
     def _lock(self) -> None:
-        self.cfg.store_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(self.cfg.store_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        """Check (and create) the store dir, then take ``supervisor.lock`` in it: opened
+        relative to the checked dir, never through a link. Any problem is one line."""
+        store, path = self.cfg.store_dir, self.cfg.store_dir / LOCK_FILE
         try:
+            dir_fd = layout.open_store_dir(store, create=True)
+        except UnsafeStoreDir as exc:
+            raise SupervisorError(str(exc)) from None
+        except OSError as exc:
+            raise SupervisorError(f"store dir {store}: {exc.strerror}") from None
+        try:
+            fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | layout.FILE_FLAGS, 0o600,
+                         dir_fd=dir_fd)
+        except OSError as exc:
+            what = "a symlink" if exc.errno == errno.ELOOP else exc.strerror
+            raise SupervisorError(f"{path} is {what}; refusing to use it") from None
+        finally:
+            os.close(dir_fd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise SupervisorError(
+                    f"{path} is not a plain file of this user's (owner {user(st.st_uid)}); "
+                    "refusing to use it"
+                )
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise SupervisorError(
-                f"another supervisor holds {self.cfg.store_dir / LOCK_FILE}; refusing to start"
+                f"another supervisor holds {path}; refusing to start"
             ) from None
+        except BaseException:
+            os.close(fd)
+            raise
         self._lock_fd = fd
+
+    def _check_shm(self) -> None:
+        """After the sweep, nothing of this instance may be left in /dev/shm: what is left
+        belongs to another user (refused: never attach to it, and O_CREX would fail) or to
+        a live supervisor of the same instance on another store dir."""
+        inst = self.cfg.instance
+        foreign = foreign_entries(inst)
+        if foreign:
+            more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+            raise SupervisorError(
+                f"/dev/shm holds {foreign[0]}{more} under the names of instance {inst}, "
+                "not a segment of this user's; refusing to use it: remove it (as its owner "
+                "or root) or choose another --instance"
+            )
+        left = instance_entries(inst)
+        if left:
+            creator = read_creator(SHM_DIR / left[0])
+            who = f" of pid {creator[0]}" if creator else ""
+            raise SupervisorError(
+                f"/dev/shm already holds {len(left)} entries of instance {inst} (e.g. "
+                f"{SHM_DIR / left[0]}{who}, still running): another supervisor of this "
+                "instance runs; stop it or choose another --instance"
+            )
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stop = True  # only a flag (and a wake-up byte); the loop does the work
@@ -191,8 +243,19 @@ class Supervisor:
         self._lock()
         try:
             sweep(self.cfg.instance)
-            for rank in range(self.cfg.ranks):
-                self.segments.append(segments.RankSegments.create(self.cfg, rank, len(Role)))
+            self._check_shm()
+            try:
+                for rank in range(self.cfg.ranks):
+                    self.segments.append(
+                        segments.RankSegments.create(self.cfg, rank, len(Role))
+                    )
+            except SegmentError as exc:  # a name taken since _check_shm: one line too
+                raise SupervisorError(str(exc)) from None
+            except posix_ipc.ExistentialError:  # the same, for a ring's semaphore
+                what = "; ".join(foreign_entries(self.cfg.instance)) or "made since the sweep"
+                raise SupervisorError(
+                    f"a semaphore of instance {self.cfg.instance} already exists: {what}"
+                ) from None
             for w in self.workers:
                 self._tick(w)  # STOPPED -> STARTING: spawned
             # Unlike a restart, a worker that fails to start now fails the whole start:

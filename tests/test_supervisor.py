@@ -16,7 +16,7 @@ import psutil
 import pytest
 from pipeline_util import make_cfg, runtime, start_supervisor, stop_supervisor
 
-from shm.segment import instance_entries
+from shm.segment import Segment, SegmentSpec, instance_entries, user
 from sparkcache import segments
 from sparkcache.runtime import read, read_live
 from sparkcache.supervisor import Supervisor, default_cpus
@@ -224,4 +224,83 @@ def test_restart_is_running_only_once_ready(tmp_path: Path, instance: str) -> No
     finally:
         rc, err = stop_supervisor(sup)
     assert rc == 0, err[-3000:]
+    assert instance_entries(instance) == []
+
+
+# ------------------------------------------------------------------ refusals at start-up
+
+def _refused(store: Path, instance: str, *extra: str) -> str:
+    """Run ``supervise``; it must exit 1 within 60 s with one line and no traceback,
+    having started no worker (nothing of the instance in /dev/shm, no runtime.json).
+    Returns that line."""
+    sup = start_supervisor(store, instance, *extra, wait_ready=False)
+    try:
+        _, err = sup.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        sup.kill()
+        sup.communicate(timeout=10)
+        pytest.fail("supervisor did not refuse promptly")
+    lines = err.strip().splitlines()
+    assert sup.returncode == 1 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert not (store / "runtime.json").exists()
+    return lines[0]
+
+
+@pytest.mark.parametrize("kind", ["owner", "fifo"])
+def test_foreign_segment_of_the_instance_refused_in_one_line(
+    tmp_path: Path, instance: str, kind: str
+) -> None:
+    name = segments.name(instance, 0, segments.STATS)
+    path = "/dev/shm" + name
+    if kind == "owner":  # another user's segment, with a header naming a live creator
+        with Segment.create(name, SegmentSpec("stats", 1), 64) as seg:
+            seg.owner = False  # keep the name when this mapping closes
+        os.chown(path, 65534, -1)
+        what = f"{path} (owner {user(65534)}, mode 0600)"
+    else:  # a FIFO: the old sweep waited on it forever
+        os.mkfifo(path, 0o600)
+        what = f"{path} (a FIFO, owner {user(0)})"
+    try:
+        line = _refused(tmp_path / "store", instance)
+        assert line == (
+            f"sparkcache: /dev/shm holds {what} under the names of instance {instance}, not "
+            "a segment of this user's; refusing to use it: remove it (as its owner or root) "
+            "or choose another --instance"
+        )
+        assert instance_entries(instance) == [name[1:]]  # left alone, nothing else made
+    finally:
+        os.unlink(path)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "mode", "owner"])
+def test_unsafe_store_dir_refused_before_any_worker(
+    tmp_path: Path, instance: str, kind: str
+) -> None:
+    real, store = tmp_path / "real", tmp_path / "store"
+    real.mkdir(mode=0o700)
+    if kind == "symlink":
+        store.symlink_to(real)
+        reason = "is a symlink; refusing to follow it"
+    elif kind == "mode":
+        store.mkdir()
+        store.chmod(0o777)
+        reason = "has mode 0777: writable by group or others; expected 0700"
+    else:
+        store.mkdir(mode=0o700)
+        os.chown(store, 65534, -1)
+        reason = f"is owned by uid 65534, not by this user (uid {os.geteuid()})"
+    line = _refused(store, instance)
+    assert line == f"sparkcache: store dir {store} {reason}"
+    assert instance_entries(instance) == []
+    assert not (real / "supervisor.lock").exists()
+
+
+def test_lock_file_link_is_not_followed(tmp_path: Path, instance: str) -> None:
+    store, victim = tmp_path / "store", tmp_path / "elsewhere" / "created"
+    store.mkdir(mode=0o700)
+    victim.parent.mkdir()
+    (store / "supervisor.lock").symlink_to(victim)
+    line = _refused(store, instance)
+    assert line == f"sparkcache: {store / 'supervisor.lock'} is a symlink; refusing to use it"
+    assert not victim.exists()
     assert instance_entries(instance) == []
