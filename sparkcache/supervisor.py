@@ -245,6 +245,10 @@ class Supervisor:
             sweep(self.cfg.instance)
             self._check_shm()
             try:
+                segments.check_shm_space(self.cfg)
+            except segments.ShmSpaceError as exc:
+                raise SupervisorError(str(exc)) from None
+            try:
                 for rank in range(self.cfg.ranks):
                     self.segments.append(
                         segments.RankSegments.create(self.cfg, rank, len(Role))

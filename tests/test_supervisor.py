@@ -16,6 +16,7 @@ import psutil
 import pytest
 from pipeline_util import make_cfg, runtime, start_supervisor, stop_supervisor
 
+from shm.layouts import WORKER_STATS
 from shm.segment import Segment, SegmentSpec, instance_entries, user
 from sparkcache import segments
 from sparkcache.runtime import read, read_live
@@ -233,7 +234,11 @@ def _refused(store: Path, instance: str, *extra: str) -> str:
     """Run ``supervise``; it must exit 1 within 60 s with one line and no traceback,
     having started no worker (nothing of the instance in /dev/shm, no runtime.json).
     Returns that line."""
-    sup = start_supervisor(store, instance, *extra, wait_ready=False)
+    return _refused_env(store, instance, None, *extra)
+
+
+def _refused_env(store: Path, instance: str, env: dict | None, *extra: str) -> str:
+    sup = start_supervisor(store, instance, *extra, env=env, wait_ready=False)
     try:
         _, err = sup.communicate(timeout=60)
     except subprocess.TimeoutExpired:
@@ -303,4 +308,47 @@ def test_lock_file_link_is_not_followed(tmp_path: Path, instance: str) -> None:
     line = _refused(store, instance)
     assert line == f"sparkcache: {store / 'supervisor.lock'} is a symlink; refusing to use it"
     assert not victim.exists()
+    assert instance_entries(instance) == []
+
+
+# ------------------------------------------------------------------ memory at start-up
+
+def test_ready_fast_with_gib_slots_prefaulted_behind_ready(tmp_path: Path, instance: str) -> None:
+    """Capture reports READY before its slots are resident (it used to fault 2 x 1 GiB in
+    first, which put the arena in its RSS before READY) and faults them in afterwards,
+    reporting progress in its stats."""
+    store, arena = tmp_path / "store", 2 * 1024**3
+    t0 = time.monotonic()
+    sup = start_supervisor(store, instance, "--capture-slots", "2",
+                           "--capture-slot-bytes", "1GiB")
+    try:
+        ready_s = time.monotonic() - t0
+        rss = psutil.Process(_worker(store, "capture")["pid"]).memory_info().rss
+        assert rss < arena / 2, rss
+        assert ready_s < 30, ready_s
+        field = WORKER_STATS.dtype.names.index("prefaulted_bytes")
+        with segments.attach_stats(make_cfg(store, instance), 0) as stats:
+            _wait(lambda: stats.read(int(Role.CAPTURE))[field] == arena, 120,
+                  "the slots to be prefaulted")
+        rss = psutil.Process(_worker(store, "capture")["pid"]).memory_info().rss
+        assert rss > arena  # resident now: counted in capture's RSS (shared memory)
+    finally:
+        rc, err = stop_supervisor(sup)
+    assert rc == 0, err[-3000:]
+    assert instance_entries(instance) == []
+
+
+def test_dev_shm_too_small_refused_in_one_line(tmp_path: Path, instance: str) -> None:
+    vfs = os.statvfs("/dev/shm")
+    free = vfs.f_bavail * vfs.f_frsize
+    # Safety net for code without the check: capture exits at once instead of faulting in
+    # more than /dev/shm holds.
+    fault = tmp_path / "crash"
+    fault.touch()
+    line = _refused_env(tmp_path / "store", instance,
+                        {FAULT_ROLE_ENV: "capture", FAULT_FILE_ENV: str(fault)},
+                        "--capture-slots", "2", "--capture-slot-bytes", str(free))
+    assert line.startswith("sparkcache: /dev/shm has "), line
+    assert f"(1 rank x (2 slots x {free / 1024**3:.1f}GiB + " in line
+    assert line.endswith("or a larger /dev/shm (docker run --shm-size)")
     assert instance_entries(instance) == []

@@ -24,6 +24,7 @@ from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT
 from sparkcache.store import PageStore
 from workers import lifecycle, slotfmt
 from workers.lifecycle import Lifecycle, WorkerSpec
+from workers.prefault import Prefaulter
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +58,12 @@ class Capture:
             if int(self.arena.state[i]["owner"]) == OWNER_CAPTURE:
                 self.arena.hand_over(i, OWNER_CAPTURE, FREE)
         self.free = set(self.arena.free_slots())
-        # Fault the free slots in now (tmpfs allocates a page on first write), so the
-        # first publications do not pay for it inside their deadline.
-        for i in self.free:
-            self.arena.slot_array(i)[::4096] = 0
+        # Fault the slots in behind READY (tmpfs allocates a page on first touch), so the
+        # first publications need not pay for it inside their deadline.
+        self.prefault = Prefaulter(self.arena, lambda n: setattr(life, "prefaulted_bytes", n))
 
     def close(self) -> None:
+        self.prefault.stop()
         if self.reg is not None:
             self.reg.opened.close()
         self.store.close()

@@ -144,6 +144,7 @@ class Lifecycle:
         self.used_bytes = 0
         self.copy_bytes = 0
         self.copy_seconds = 0.0
+        self.prefaulted_bytes = 0  # set by capture's prefault thread (an int store)
         self._stats: StatsBlock | None = None
         self._wake_fd = -1  # readable once a stop signal has arrived (signal wakeup fd)
         self._beat_due = 0.0  # time.monotonic() after which progress() beats
@@ -204,6 +205,7 @@ class Lifecycle:
             (
                 os.getpid(), int(self.state), time.time(), self.started, self.processed,
                 self.failed, self.backlog, self.used_bytes, self.copy_bytes, self.copy_seconds,
+                self.prefaulted_bytes,
             ),
         )
 
