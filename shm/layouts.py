@@ -105,6 +105,9 @@ WORKER_STATS = RecordLayout(
             ("used_bytes", "<u8"),  # store bytes (maintenance)
             ("copy_bytes", "<u8"),  # capture: bytes copied into slots
             ("copy_seconds", "<f8"),  # capture: time spent copying them
+            # capture: bytes of its slots faulted in so far, by the background prefault
+            # (workers/prefault.py); slots x slot bytes once done.
+            ("prefaulted_bytes", "<u8"),
             *[(f"drop_{reason}", "<u8") for reason in DROP_REASONS],
         ]
     ),

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from shm.segment import Segment, SegmentSpec, segment_name
+from sparkcache.store import layout
 
 KV_SPEC = SegmentSpec("kvcache", 1)
 _ALIGN = 4096
@@ -161,19 +162,19 @@ def registry_path(store_dir: Path, rank: int) -> Path:
 
 def write_registry(store_dir: Path, rank: int, reg_gen: int, block_dim: int,
                    desc: dict[str, Any]) -> None:
-    """Atomically write the descriptor capture reads (0600)."""
-    store_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = registry_path(store_dir, rank)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"reg_gen": reg_gen, "block_dim": block_dim, **desc}, f)
-    os.replace(tmp, path)
+    """Atomically write the descriptor capture reads (0600), inside the store dir once it
+    is checked, never through a link (UnsafeStoreDir if the dir is not safe)."""
+    dir_fd = layout.open_store_dir(store_dir, create=True)
+    try:
+        data = {"reg_gen": reg_gen, "block_dim": block_dim, **desc}
+        layout.write_file(dir_fd, registry_path(store_dir, rank).name, json.dumps(data).encode())
+    finally:
+        os.close(dir_fd)
 
 
 def read_registry(store_dir: Path, rank: int) -> dict[str, Any] | None:
     try:
-        return json.loads(registry_path(store_dir, rank).read_text())
+        return json.loads(layout.read_file(registry_path(store_dir, rank)))
     except (OSError, ValueError):
         return None
 

@@ -4,23 +4,28 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 
 import numpy as np
+import posix_ipc
 import pytest
 
 from shm import (
     FREE,
+    ForeignSegment,
     LayoutMismatch,
     RecordLayout,
     Ring,
     Segment,
+    SegmentError,
     SlotArena,
     SlotOwnershipError,
     StatsBlock,
+    open_semaphore,
     segment_name,
     sweep,
 )
-from shm.segment import SegmentSpec, instance_entries
+from shm.segment import SegmentSpec, foreign_entries, instance_entries, user
 from tests.conftest import join_or_kill
 
 SPEC = SegmentSpec("test", 1)
@@ -140,3 +145,104 @@ def test_stats_reader_never_sees_a_torn_record(instance, spawn):
         assert join_or_kill(writer) == 0
         assert block.read(0)[0] == 200_000
         assert seen > 100
+
+
+# ------------------------------------------------------------------ ownership (as root here)
+
+NOBODY = 65534
+
+
+def _shm(name: str) -> str:
+    return "/dev/shm/" + name.lstrip("/")
+
+
+def test_attach_refuses_a_segment_of_another_user_or_mode(instance):
+    name = segment_name(instance, 0, "seg")
+    with Segment.create(name, SPEC, 100):
+        os.chown(_shm(name), NOBODY, -1)
+        with pytest.raises(ForeignSegment) as e:
+            Segment.attach(name, SPEC)
+        assert str(e.value) == (
+            f"shared-memory segment {name} is owned by {user(NOBODY)}, not by this user "
+            f"({user(os.geteuid())}); refusing to use it"
+        )
+        assert f"uid {NOBODY}" in str(e.value)
+        os.chown(_shm(name), os.geteuid(), -1)
+        os.chmod(_shm(name), 0o644)
+        with pytest.raises(ForeignSegment, match=rf"{name} has mode 0644 \(owner uid 0"):
+            Segment.attach(name, SPEC)
+        os.chmod(_shm(name), 0o600)
+        Segment.attach(name, SPEC).close()  # its own again: fine
+        link = segment_name(instance, 0, "link")
+        os.symlink(_shm(name), _shm(link))
+        try:
+            with pytest.raises(ForeignSegment, match=rf"{link} is .*a symlink"):
+                Segment.attach(link, SPEC)
+        finally:
+            os.unlink(_shm(link))
+
+
+def test_open_semaphore_checks_owner_and_mode(instance):
+    name = segment_name(instance, 0, "sem")
+    path = "/dev/shm/sem." + name[1:]
+    with pytest.raises(posix_ipc.ExistentialError):
+        open_semaphore(name)
+    posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600).close()
+    try:
+        sem = open_semaphore(name)
+        sem.release()
+        sem.close()
+        os.chown(path, NOBODY, -1)
+        with pytest.raises(ForeignSegment, match=rf"semaphore {name} is owned by uid {NOBODY}"):
+            open_semaphore(name)
+        os.chown(path, os.geteuid(), -1)
+        os.chmod(path, 0o666)
+        with pytest.raises(ForeignSegment, match=rf"semaphore {name} has mode 0666"):
+            open_semaphore(name)
+    finally:
+        posix_ipc.unlink_semaphore(name)
+    os.symlink("/etc/hostname", path)
+    try:
+        with pytest.raises(ForeignSegment, match=rf"semaphore {name} is a symlink"):
+            open_semaphore(name)
+    finally:
+        os.unlink(path)
+
+
+def test_create_names_the_owner_of_a_name_taken_already(instance):
+    name = segment_name(instance, 0, "seg")
+    taken = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o644, size=4096)
+    taken.close_fd()
+    os.chown(_shm(name), NOBODY, -1)
+    try:
+        with pytest.raises(SegmentError) as e:
+            Segment.create(name, SPEC, 100)
+        assert str(e.value) == (
+            f"shared-memory segment {name} already exists: {_shm(name)} "
+            f"(owner {user(NOBODY)}, mode 0644)"
+        )
+        # The sweep leaves another user's entry alone (it cannot judge its header) and
+        # foreign_entries reports it, for the supervisor's one-line refusal.
+        assert sweep(instance) == []
+        assert foreign_entries(instance) == [f"{_shm(name)} (owner {user(NOBODY)}, mode 0644)"]
+    finally:
+        posix_ipc.unlink_shared_memory(name)
+
+
+def test_sweep_never_waits_on_a_fifo(instance):
+    """A FIFO planted under the instance's prefix used to block the sweep (and so the
+    supervisor's start) forever in open()."""
+    fifo = _shm(segment_name(instance, 0, "stats"))
+    os.mkfifo(fifo, 0o600)
+    try:
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (sweep(instance), done.set()), daemon=True)
+        t.start()
+        finished = done.wait(10)
+        if not finished:  # unblock the old code's open() so the thread ends
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(10)
+        assert finished, "sweep blocked on a FIFO"
+        assert foreign_entries(instance) == [f"{fifo} (a FIFO, owner {user(0)})"]
+    finally:
+        os.unlink(fifo)

@@ -34,6 +34,7 @@ from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT
 from sparkcache.store import PageStore
 from workers import lifecycle, slotfmt
 from workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, WorkerSpec
+from workers.prefault import Prefaulter
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +109,12 @@ class Capture:
         mine = os.getpid()
         self.free = {i for i in self.arena.free_slots()
                      if self.arena.writer_dead(i) or int(self.arena.state[i]["pid"]) == mine}
-        # Fault the free slots in now (tmpfs allocates a page on first write), so the
-        # first publications do not pay for it inside their deadline.
-        for i in self.free:
-            self.arena.slot_array(i)[::4096] = 0
+        # Fault the slots in behind READY (tmpfs allocates a page on first touch), so the
+        # first publications need not pay for it inside their deadline.
+        self.prefault = Prefaulter(self.arena, lambda n: setattr(life, "prefaulted_bytes", n))
 
     def close(self) -> None:
+        self.prefault.stop()
         if self.reg is not None:
             self.reg.opened.close()
         self.store.close()
