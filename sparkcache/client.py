@@ -51,8 +51,6 @@ from workers.lifecycle import Role
 
 log = logging.getLogger(__name__)
 
-# A worker whose heartbeat is older than this counts as down: publications are skipped.
-HEARTBEAT_STALE_S = 3.0
 RECONNECT_INTERVAL_S = 1.0
 HEALTH_CACHE_S = 0.05
 # A captured publication whose durability commit has not reported after this long is
@@ -120,6 +118,9 @@ class _Connection:
 
     def __init__(self, cfg: Config, rank: int) -> None:
         self.parts: list = []
+        # A worker silent this long is down (the supervisor kills it at the same age):
+        # publications are skipped meanwhile.
+        self.stale_after_s = cfg.heartbeat_timeout_s
         try:
             self.stats = self._keep(segments.attach_stats(cfg, rank))
             self.arena = self._keep(segments.attach_arena(cfg, rank))
@@ -137,7 +138,7 @@ class _Connection:
         return part
 
     def worker_alive(self, role: Role) -> bool:
-        return worker_alive(self.stats.read(int(role)), HEARTBEAT_STALE_S)
+        return worker_alive(self.stats.read(int(role)), self.stale_after_s)
 
     def store_used(self) -> int:
         report = self.stats.read(int(Role.MAINTENANCE))

@@ -46,7 +46,6 @@ from workers.lifecycle import Role, WorkerSpec, run_worker, title
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "supervisor.lock"
-STOP_DEADLINE_S = 10.0
 MAINTENANCE_NICE = 10
 WATCH_S = 0.5  # longest wait between looks at the workers (heartbeats, READY)
 STARTING_WATCH_S = 0.1  # ... while one is starting, so READY shows soon
@@ -344,24 +343,50 @@ class Supervisor:
 
     # ------------------------------------------------------------------ shutdown
 
-    def shutdown(self) -> None:
-        """SIGTERM every worker (they drain), kill what outlives the deadline, unlink
-        every segment, remove the runtime file, release the lock. Idempotent."""
-        self.stop = True
-        procs = [w.proc for w in self.workers if w.proc is not None]
-        for p in procs:
+    def _stop_role(self, role: Role) -> None:
+        workers = [w for w in self.workers if w.role is role and w.proc is not None]
+        for w in workers:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGTERM)
+                os.kill(w.proc.pid, signal.SIGTERM)
                 # A stopped (SIGSTOP) worker acts on SIGTERM only once continued: let it
-                # drain now rather than be killed at the deadline.
-                os.kill(p.pid, signal.SIGCONT)
-        deadline = time.monotonic() + STOP_DEADLINE_S
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                log.warning("%s outlived the stop deadline; killed", p.name)
-                p.kill()
-                p.join(5)
+                # drain now rather than be killed.
+                os.kill(w.proc.pid, signal.SIGCONT)
+        beats: dict[int, tuple[float | None, float]] = {}  # pid -> (heartbeat, seen at)
+        while True:
+            left = [w for w in workers if w.proc.is_alive()]
+            if not left:
+                return
+            now = time.monotonic()
+            for w in left:
+                beat = self._heartbeat(w)
+                last = beats.get(w.proc.pid)
+                if last is None or beat != last[0]:
+                    beats[w.proc.pid] = (beat, now)
+                elif now - last[1] > self.policy.heartbeat_timeout_s:
+                    log.warning("%s stopped making progress while draining (no heartbeat "
+                                "for %.1fs); killed", w.name, now - last[1])
+                    w.proc.kill()
+                    w.proc.join(5)
+            time.sleep(0.05)
+
+    def _heartbeat(self, w: Worker) -> float | None:
+        if w.rank >= len(self.segments):
+            return None
+        try:
+            rec = self.segments[w.rank].stats.read(int(w.role))
+        except TornRead:
+            return None
+        return None if rec is None else float(rec.heartbeat)
+
+    def shutdown(self) -> None:
+        """Stop the workers role by role (capture, then commit, then maintenance: what
+        capture hands over while it drains is still committed), each drained until it
+        exits; a worker is killed only once its heartbeat has not advanced for the
+        heartbeat limit (it beats while it makes progress). Then unlink every segment,
+        remove the runtime file, release the lock. Idempotent."""
+        self.stop = True
+        for role in (Role.CAPTURE, Role.COMMIT, Role.MAINTENANCE):
+            self._stop_role(role)
         for w in self.workers:
             if w.proc is None or w.proc.exitcode is not None:
                 self._tick(w)  # exited, or in BACKOFF: STOPPED

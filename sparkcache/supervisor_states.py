@@ -14,7 +14,9 @@ a heartbeat limit.
   ``ready_timeout_s`` is killed.
 * A failed start is an exit (or that kill) before READY, or an exit within ``startsecs`` of
   the spawn: a worker that reports READY and dies at once is crash-looping all the same.
-  After ``startretries`` failed starts in a row the worker is FATAL and left down. Backoff
+  After ``startretries`` failed starts in a row the worker is FATAL and left down; so is
+  one that exits with ``ENV_FAULT_EXIT`` (its segments or store directory are unusable),
+  at once. Backoff
   before a restart doubles from ``backoff_s`` per failed start, capped at ``backoff_max_s``;
   an exit after a good start restarts after ``backoff_s`` with the count reset.
 * A RUNNING worker whose heartbeat has not advanced for ``heartbeat_timeout_s`` (hung, or
@@ -30,6 +32,7 @@ import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 
+from workers.lifecycle import ENV_FAULT_EXIT
 from workers.lifecycle import State as WorkerLifecycle
 
 
@@ -189,6 +192,13 @@ def _exited(view: WorkerView, now: float, obs: Observation, policy: Policy) -> S
     code = obs.exit_code
     if obs.stopping:
         return Step(view.to(S.STOPPED, last_exit=code))
+    if code == ENV_FAULT_EXIT:
+        return Step(
+            view.to(S.FATAL, last_exit=code),
+            (),
+            f"FATAL: its environment is unusable (exit code {code}; its last log line says "
+            "why): a restart cannot help",
+        )
     failed_start = view.ready_at is None or now - view.started < policy.startsecs
     failed = view.failed_starts + 1 if failed_start else 0
     if failed_start and failed > policy.startretries:

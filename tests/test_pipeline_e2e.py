@@ -16,15 +16,20 @@ import pytest
 import torch
 from pipeline_util import (
     BLOCKS,
+    SyntheticEngine,
     check_restores,
+    check_stopped,
+    make_cfg,
     pipeline,
     runtime,
     sequences,
+    start_supervisor,
+    stop_supervisor,
     wait_committed,
 )
 
 from shm.layouts import PUBLISH, REQUEST
-from sparkcache import kvmem, segments
+from sparkcache import config, kvmem, segments
 from sparkcache.store import PageStore
 from workers.lifecycle import Role
 
@@ -209,3 +214,33 @@ def test_a_running_instance_survives_malformed_records(tmp_path: Path, instance:
         assert capture.drop_page_index and capture.drop_block
         assert maintenance.drop_request > 0
         assert [w["name"] for w in runtime(store)["workers"] if w["restarts"]] == []
+
+
+def test_a_stop_commits_everything_captured(tmp_path: Path, instance: str) -> None:
+    """SIGTERM right after a burst of publications, with commit behind: the supervisor
+    stops capture first and lets commit drain, so every publication capture copied is
+    reported durable (the client still holds the unlinked rings' mappings) and is in the
+    store afterwards."""
+    store = tmp_path / "store"
+    settings = {"capture_slots": "8"}
+    flags = [a for k, v in settings.items() for a in (config.flag_name(k), v)]
+    sup = start_supervisor(store, instance, *flags)
+    engine = SyntheticEngine.create(make_cfg(store, instance, **settings))
+    try:
+        seqs = sequences(60, engine.client.cfg.page_tokens, seed=13)
+        for sid, tokens in seqs.items():
+            engine.publish(sid, tokens)
+            engine.poll()
+        behind = engine.client.awaiting_durable
+        stopped = stop_supervisor(sup)
+        engine.drain(timeout=5)
+        assert engine.captured, engine.client.counters
+        assert engine.acknowledged == engine.captured, (behind, engine.client.counters)
+        with PageStore(store, 0, create=False) as ps:
+            assert all(ps.lookup(engine.keys(seqs[s])) == len(engine.keys(seqs[s]))
+                       for s in engine.acknowledged)
+    finally:
+        engine.close()
+        if sup.poll() is None:
+            stop_supervisor(sup)
+    check_stopped(stopped, store, instance)

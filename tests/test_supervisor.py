@@ -23,6 +23,7 @@ from sparkcache.runtime import read, read_live
 from sparkcache.supervisor import Supervisor, default_cpus
 from workers.lifecycle import (
     CRASH_EXIT,
+    ENV_FAULT_EXIT,
     FAULT_FILE_ENV,
     FAULT_ROLE_ENV,
     STALL_FILE_ENV,
@@ -352,3 +353,31 @@ def test_dev_shm_too_small_refused_in_one_line(tmp_path: Path, instance: str) ->
     assert f"(1 rank x (2 slots x {free / 1024**3:.1f}GiB + " in line
     assert line.endswith("or a larger /dev/shm (docker run --shm-size)")
     assert instance_entries(instance) == []
+
+
+def test_environment_fault_is_fatal_at_once_not_a_crash_loop(
+        tmp_path: Path, instance: str) -> None:
+    """A worker whose store directory has become unsafe (here: the rank's directory
+    replaced by a link) exits with one line and code 4, and is FATAL at once: no restart
+    could help. The other workers run on."""
+    store = tmp_path / "store"
+    sup = start_supervisor(store, instance)
+    try:
+        before = _pids(store)
+        time.sleep(1.5)  # past --startsecs
+        rank = store / "rank-0"
+        rank.rename(store / "elsewhere")
+        rank.symlink_to(store / "elsewhere")
+        os.kill(before["commit"], signal.SIGKILL)
+        _wait(lambda: _worker(store, "commit")["state"] == "FATAL", 30, "commit FATAL")
+        w = _worker(store, "commit")
+        assert w["restarts"] == 1 and w["last_exit"] == ENV_FAULT_EXIT, w
+        for role in ("capture", "maintenance"):
+            assert _worker(store, role)["state"] == "RUNNING"
+    finally:
+        rc, err = stop_supervisor(sup)
+    assert rc == 0, err[-3000:]
+    lines = [ln for ln in err.splitlines() if "sparkcache::commit[r0] cannot run" in ln]
+    assert len(lines) == 1 and "symlink" in lines[0], err[-3000:]
+    assert "Traceback" not in err
+    assert "FATAL: its environment is unusable" in err

@@ -21,6 +21,7 @@ from sparkcache.supervisor_states import (
     WorkerView,
     tick,
 )
+from workers.lifecycle import ENV_FAULT_EXIT
 from workers.lifecycle import State as Life
 
 S = WorkerState
@@ -190,3 +191,11 @@ def test_stopping_spawns_nothing() -> None:
     view = _running()
     assert tick(view, T0 + 100, Observation(PID, stopping=True), POLICY).view == view
     assert tick(_view(S.BACKOFF, restart_at=T0), T0, stop, POLICY).actions == ()
+
+
+def test_an_environment_fault_is_fatal_at_once() -> None:
+    """Exit code ENV_FAULT_EXIT (segments or store directory unusable) from a worker that
+    had started well: FATAL at once, not a restart into a crash loop."""
+    step = tick(_running(), T0 + 30, Observation(PID, ENV_FAULT_EXIT), POLICY)
+    assert step.view.state is S.FATAL and step.actions == ()
+    assert step.view.last_exit == ENV_FAULT_EXIT and "environment" in step.note
