@@ -59,7 +59,7 @@ def test_at_the_cap_relied_on_pages_and_looked_up_prefixes_stay(
         counters = engine.client.counters
         # The store really was at its cap and evicting: not every conversation is still in.
         evicted = [s for s, t in engine.accepted.items() if engine.client.lookup(t) < len(t)]
-        assert evicted and used <= 2 * engine.client.cfg.max_bytes, (len(evicted), used)
+        assert evicted and used > engine.client.cfg.low_watermark_bytes, (len(evicted), used)
         assert turns >= 30 and lookups >= 10, (turns, lookups, counters)
         relied = engine.relied_on_store
         assert relied, "no publication relied on stored pages: the test proves nothing"
