@@ -198,17 +198,22 @@ class SparkCacheClient:
 
     # ---------------------------------------------------------------- registration
 
-    def register_kv_caches(self, tensors: Sequence[torch.Tensor], block_dim: int = 1) -> bool:
+    def register_kv_caches(self, tensors: Sequence[torch.Tensor], block_dim: int = 1,
+                           block_size_dim: int | None = None) -> bool:
         """Register the layer tensors (block ``b`` of a page is ``t.select(block_dim, b)``
-        of each; its next dimension is ``page_tokens`` long). False if refused (logged).
-        The namespace takes the per-page layout only (``kvmem.page_layout``), not the
-        number of blocks: re-registering after a restart finds the pages stored before."""
+        of each; dimension ``block_size_dim``, by default the next one, is ``page_tokens``
+        long: vLLM 0.33's ``[blocks, heads, block size, K+V head size]`` views take
+        ``block_dim=0, block_size_dim=2``). False if refused (logged). The namespace takes
+        the per-page layout only (``kvmem.page_layout``), not the number of blocks:
+        re-registering after a restart finds the pages stored before."""
         try:
             tensors = list(tensors)
             shape = tensors[0].shape
-            if shape[block_dim + 1] != self.cfg.page_tokens:
+            size_dim = block_dim + 1 if block_size_dim is None else block_size_dim
+            if shape[size_dim] != self.cfg.page_tokens:
                 raise ValueError(
-                    f"block size {shape[block_dim + 1]} != page_tokens {self.cfg.page_tokens}"
+                    f"block size {shape[size_dim]} (dimension {size_dim} of "
+                    f"{list(shape)}) != page_tokens {self.cfg.page_tokens}"
                 )
             views = kvmem.BlockViews(tensors, block_dim)
             self.cfg.check_page_fits(views.page_bytes)
