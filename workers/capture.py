@@ -8,10 +8,10 @@ delta) into a free slot, re-check the deadline (a copy that ended late may have 
 engine reusing the blocks: dropped), hand the slot to commit and tell the engine its
 blocks are free. Statuses (``protocol.CaptureStatus``) travel on the completion ring.
 
-Hand-overs are announced to commit on the ``filled`` ring in the order they were made
-(a record the full ring refused waits, and so does every later one), and again after
-``REMIND_AFTER_S`` for a slot commit still holds: a commit that died after popping a
-record finds the slot through the repeat (workers/commit.py says why it needs one).
+Hand-overs are announced to commit on the ``filled`` ring in the order they were made,
+and again after ``REMIND_AFTER_S`` for a slot commit still holds (``workers.announce``):
+a commit that died after popping a record finds the slot through the repeat
+(workers/commit.py says why it needs one).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +32,7 @@ from sparkcache.protocol import CaptureStatus
 from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT
 from sparkcache.store import PageStore
 from workers import lifecycle, slotfmt
+from workers.announce import SlotAnnouncer
 from workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, WorkerSpec
 from workers.prefault import Prefaulter
 
@@ -40,8 +40,6 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.2
 PUBLISH_CAPACITY = segments.RINGS["publish"][1]  # also the most pages of one publication
-# A slot commit still holds this long after its record was pushed gets its record again.
-REMIND_AFTER_S = 1.0
 # Clocks of two processes read at slightly different moments: a deadline this much past
 # the release timeout is still taken as the client's.
 _DEADLINE_SLACK_S = 1.0
@@ -98,8 +96,7 @@ class Capture:
         self.store = PageStore(cfg.store_dir, spec.rank, lease_seconds=cfg.lease_seconds,
                                durable=False)
         self.reg: _Registered | None = None
-        self._unannounced: deque[tuple[int, int]] = deque()  # (slot, generation), in order
-        self._announced: dict[int, tuple[int, float]] = {}  # slot -> (generation, pushed at)
+        self.filled_records = SlotAnnouncer(self.filled, self.arena, OWNER_COMMIT)
         # Slots a dead predecessor was filling are ours to free: nobody else takes them.
         for i in range(self.arena.slots):
             if int(self.arena.state[i]["owner"]) == OWNER_CAPTURE:
@@ -134,7 +131,7 @@ class Capture:
 
     def _step(self, timeout: float) -> bool:
         """Handle the publications waiting in the ring; False when there were none."""
-        self._announce()
+        self.filled_records.flush()
         self._take_freed(0)  # commit repeats its records: keep the ring from filling
         try:
             batch = self.publish.pop_batch(PUBLISH_CAPACITY, timeout=timeout)
@@ -162,25 +159,6 @@ class Capture:
             except RingFull:
                 log.warning("completion ring full; the client releases by deadline")
         return True
-
-    def _announce(self) -> None:
-        """Push the hand-overs not yet announced, in order, and repeat the record of each
-        slot commit has held for REMIND_AFTER_S since its last push."""
-        now = time.monotonic()
-        for slot, (generation, pushed) in list(self._announced.items()):
-            st = self.arena.state[slot]
-            if int(st["owner"]) != OWNER_COMMIT or int(st["generation"]) != generation:
-                del self._announced[slot]  # committed (a stale read only delays this)
-            elif now - pushed >= REMIND_AFTER_S and (slot, generation) not in self._unannounced:
-                self._unannounced.append((slot, generation))
-        while self._unannounced:
-            slot, generation = self._unannounced[0]
-            try:
-                self.filled.try_push((slot, 0, generation))
-            except RingFull:
-                return  # later hand-overs wait behind this one: commit relies on the order
-            self._unannounced.popleft()
-            self._announced[slot] = (generation, now)
 
     # ------------------------------------------------------------------ one publication
 
@@ -299,8 +277,7 @@ class Capture:
         lifecycle.checkpoint("capture.copied")
         self.arena.hand_over(slot, OWNER_CAPTURE, OWNER_COMMIT, used)
         lifecycle.checkpoint("capture.handed")
-        self._unannounced.append((slot, int(self.arena.state[slot]["generation"])))
-        self._announce()
+        self.filled_records.add(slot)
         lifecycle.checkpoint("capture.filled")
         self.life.processed += 1
         return CaptureStatus.CAPTURED

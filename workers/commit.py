@@ -29,7 +29,6 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections import deque
 
 import numpy as np
 from posix_ipc import SignalError
@@ -43,13 +42,12 @@ from sparkcache.segments import OWNER_COMMIT
 from sparkcache.store import CommitFailed, PageData, PageStore, Root
 from sparkcache.store.fileops import FileOps
 from workers import lifecycle, slotfmt
+from workers.announce import SlotAnnouncer
 from workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, WorkerSpec
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1
-# A FREE slot's record is pushed again this long after its last push (see _freed_at).
-REMIND_AFTER_S = 1.0
 # Hand-over records the ring may hold: a batch larger than this is taken in several pops.
 _POP = 256
 
@@ -91,13 +89,10 @@ class Commit:
         # Per capture process (pid, start time): the latest hand-over a popped record
         # covers. Every slot that process handed over no later than that may be read.
         self._covered: dict[tuple[int, float], float] = {}
-        # Slots this process freed: their ``freed`` records, in order, and when each was
-        # last pushed. Capture takes a FREE slot only on a record (which orders commit's
-        # reads of the slot before capture's writes), so a record the full ring refused
-        # is pushed later, and every record is repeated while the slot stays FREE: a
-        # capture that restarts learns of the slots its predecessor had been told about.
-        self._unfreed: deque[tuple[int, int]] = deque()
-        self._freed_at: dict[int, tuple[int, float]] = {}
+        # Capture takes a FREE slot only on its record (which orders commit's reads of the
+        # slot before capture's writes), so none may be lost; the repeats also tell a
+        # capture that restarted about the slots its predecessor had been told of.
+        self.freed_records = SlotAnnouncer(self.freed, self.arena, FREE)
 
     def close(self) -> None:
         self.store.close()
@@ -121,24 +116,8 @@ class Commit:
     def _step(self, timeout: float) -> None:
         self._pop(timeout)
         self._commit_readable()
-        self._announce_freed()
+        self.freed_records.flush()
 
-    def _announce_freed(self) -> None:
-        now = time.monotonic()
-        for slot, (generation, pushed) in list(self._freed_at.items()):
-            st = self.arena.state[slot]
-            if int(st["owner"]) != FREE or int(st["generation"]) != generation:
-                del self._freed_at[slot]  # capture took it (a stale read only delays this)
-            elif now - pushed >= REMIND_AFTER_S and (slot, generation) not in self._unfreed:
-                self._unfreed.append((slot, generation))
-        while self._unfreed:
-            slot, generation = self._unfreed[0]
-            try:
-                self.freed.try_push((slot, 0, generation))
-            except RingFull:
-                return
-            self._unfreed.popleft()
-            self._freed_at[slot] = (generation, now)
 
     def _pop(self, timeout: float) -> bool:
         """Take the records in the ring and commit what they cover; False if there were
@@ -219,8 +198,7 @@ class Commit:
         lifecycle.checkpoint("commit.committed")
         self.arena.hand_over(slot, OWNER_COMMIT, FREE)
         lifecycle.checkpoint("commit.slot_freed")
-        self._unfreed.append((slot, int(self.arena.state[slot]["generation"])))
-        self._announce_freed()
+        self.freed_records.add(slot)
         if pub_id is not None:
             try:
                 self.durable.try_push((pub_id, int(status), 0))

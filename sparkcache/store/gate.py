@@ -25,8 +25,9 @@ import fcntl
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
-from sparkcache.store.layout import FILE_MODE
+from sparkcache.store.layout import DIR_FLAGS, FILE_MODE
 
 GATE_NAME = "lookup.lock"
 # Lookups try this long for the shared gate before counting a miss; eviction holds it for
@@ -35,11 +36,17 @@ SHARED_WAIT_S = 0.002
 
 
 class LookupGate:
-    def __init__(self, rank_dir_fd: int, create: bool) -> None:
+    def __init__(self, rank_dir: Path, create: bool) -> None:
+        """Open (``create``: or create, 0600) the gate of a checked rank directory,
+        without following links."""
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
         if create:
             flags |= os.O_CREAT
-        self._fd = os.open(GATE_NAME, flags, FILE_MODE, dir_fd=rank_dir_fd)
+        dir_fd = os.open(rank_dir, DIR_FLAGS)
+        try:
+            self._fd = os.open(GATE_NAME, flags, FILE_MODE, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +48,18 @@ class ReadResult:
     bad: tuple[BadObject, ...]
 
 
+def stored_prefix(conn: sqlite3.Connection, keys: Sequence[str]) -> int:
+    """How many leading ``keys`` have a live, referenced object, read on ``conn``."""
+    rows = index.rows_for_keys(conn, "refcount, state", keys)
+    n = 0
+    for key in keys:
+        row = rows.get(key)
+        if row is None or row[0] == 0 or row[1] != "live":
+            break
+        n += 1
+    return n
+
+
 class StoreReader:
     """Lookups and verified restores of ``<store_dir>/rank-<rank>``."""
 
@@ -57,11 +70,7 @@ class StoreReader:
         self._ops = fileops or FileOps()
         self._objects_fd = os.open(self.layout.objects_dir, DIR_FLAGS)
         try:
-            rank_fd = os.open(self.layout.rank_dir, DIR_FLAGS)
-            try:
-                self.gate = LookupGate(rank_fd, create=False)
-            finally:
-                os.close(rank_fd)
+            self.gate = LookupGate(self.layout.rank_dir, create=False)
             try:
                 self.conn = index.connect(self.layout.index_path, create=False,
                                           readonly=readonly)
@@ -79,15 +88,7 @@ class StoreReader:
 
     def lookup(self, keys: Sequence[str]) -> int:
         """Number of leading ``keys`` the store holds live (the longest stored prefix)."""
-        keys = [require_hex(k, "page key") for k in keys]
-        rows = index.rows_for_keys(self.conn, "refcount, state", keys)
-        n = 0
-        for key in keys:
-            row = rows.get(key)
-            if row is None or row[0] == 0 or row[1] != "live":
-                break
-            n += 1
-        return n
+        return stored_prefix(self.conn, [require_hex(k, "page key") for k in keys])
 
     def restore(self, keys: Sequence[str], into: Sequence[object]) -> ReadResult:
         """Read and verify the leading ``keys`` into ``into`` (one writable buffer per page).

@@ -45,7 +45,7 @@ from sparkcache.store.layout import (
     open_subdir,
 )
 from sparkcache.store.objects import ObjectCorrupt, verify_file
-from sparkcache.store.reader import StoreReader
+from sparkcache.store.reader import StoreReader, stored_prefix
 from sparkcache.store.records import (
     ROOT_ID_HEX_LEN,
     CollectResult,
@@ -121,12 +121,8 @@ class PageStore:
         self._quarantine_fd = os.open(self.layout.quarantine_dir, DIR_FLAGS)
         self._writer = ObjectWriter(self._ops, hook, self._objects_fd)
         try:
-            rank_fd = os.open(self.layout.rank_dir, DIR_FLAGS)
-            try:
-                # Created by any writer, so an older store gains it on its next open.
-                self.gate = LookupGate(rank_fd, create=True)
-            finally:
-                os.close(rank_fd)
+            # Created by any writer, so an older store gains it on its next open.
+            self.gate = LookupGate(self.layout.rank_dir, create=True)
             try:
                 self._wconn = index.connect(self.layout.index_path, create, durable=durable)
             except BaseException:
@@ -431,13 +427,7 @@ class PageStore:
         if not self._reader.lookup(keys):
             return 0  # nothing to protect: no write transaction
         with index.write_txn(self._wconn) as conn:
-            rows = index.rows_for_keys(conn, "refcount, state", keys)
-            n = 0
-            for key in keys:
-                row = rows.get(key)
-                if row is None or row[0] == 0 or row[1] != "live":
-                    break
-                n += 1
+            n = stored_prefix(conn, keys)
             if n:
                 conn.execute(
                     "UPDATE roots SET lease_until = max(lease_until, ?) WHERE id IN "
