@@ -26,7 +26,7 @@ import itertools
 import logging
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +57,7 @@ HEALTH_CACHE_S = 0.05
 # reported failed ("no_answer"): commit died with it and no successor redid it, or the
 # durable ring was full.
 DURABLE_TIMEOUT_S = 120.0
+SETTLED_KEPT = 65536
 
 
 @dataclass
@@ -189,7 +190,9 @@ class SparkCacheClient:
         # Captured publications whose durability commit has yet to report: pub id ->
         # (seq id, captured at).
         self._awaiting: dict[int, tuple[str | int, float]] = {}
-        self._settled: list[Durability] = []
+        # Reports not yet taken by poll_durable; an engine that never asks keeps only the
+        # newest (its counters still count every one).
+        self._settled: deque[Durability] = deque(maxlen=SETTLED_KEPT)
         self._health_at = 0.0
         self._capture_alive = False
         self._store_full = False
@@ -408,7 +411,8 @@ class SparkCacheClient:
         now = time.monotonic()
         for pub_id in [p for p, (_, t) in self._awaiting.items() if now - t > DURABLE_TIMEOUT_S]:
             self._settle(self._awaiting.pop(pub_id)[0], "no_answer")
-        settled, self._settled = self._settled, []
+        settled = list(self._settled)
+        self._settled.clear()
         return settled
 
     @property
