@@ -9,6 +9,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -52,10 +53,12 @@ def test_installed_metadata_admits_the_torch_vllm_pins() -> None:
     """The installed distribution's metadata, when it was installed (by scripts/setup)
     from this checkout's current pyproject.toml; an install from elsewhere or from an older
     pyproject.toml (run scripts/setup) says nothing about this checkout."""
-    try:
-        dist = md.distribution("sparkcache")
-    except md.PackageNotFoundError:
+    # Looked up in site-packages: an editable install leaves sparkcache.egg-info in the
+    # checkout, which is first on sys.path under pytest and has no direct_url.json.
+    found = list(md.distributions(name="sparkcache", path=[sysconfig.get_paths()["purelib"]]))
+    if not found:
         pytest.skip("sparkcache is not installed")
+    dist = found[0]
     direct = json.loads(dist.read_text("direct_url.json") or "{}")
     url = urlparse(direct.get("url", ""))
     if url.scheme != "file" or Path(unquote(url.path)).resolve() != REPO:
