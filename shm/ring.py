@@ -1,52 +1,56 @@
 """Single-producer single-consumer ring of fixed-size records in shared memory.
 
-Byte layout of the payload (after the segment header), RING_LAYOUT_VERSION 1, all u64
-little-endian unless noted; each group starts on its own 128-byte line so the producer
-and the consumer never write the same cache line:
+Byte layout of the payload (after the segment header), RING_LAYOUT_VERSION 2, all u64
+little-endian; each group starts on its own 128-byte line so the producer and the
+consumer never write the same cache line:
 
     0    META      capacity, itemsize, record_version, record_name (32 bytes)
-    128  PRODUCER  pushed (batches posted), freed (space posts taken), closed, pid
-    256  CONSUMER  tail (next record), batch (next batch), acquired (0/1), taken, pid
-    384  TABLE     capacity entries of (seq, start, count, 0): one per pushed batch
-    R    RECORDS   capacity records, R = 384 + 32 * capacity rounded up to 128
+    128  PRODUCER  posted (data posts made), freed (batches reused), closed, pid
+    256  CONSUMER  tail (next record), batch (batches finished), taken (data posts
+                   taken), pid, returned (batches whose space is handed back)
+    384  TABLE     2 * capacity + 2 entries of (end, seq): one per pushed batch
+    R    RECORDS   capacity records, R = 384 + 16 * (2 * capacity + 2) rounded up to 128
 
 Memory ordering. Python cannot issue fences, and on arm64 a plain store may become
 visible to another core before stores that preceded it. So no index is ever trusted
 because it *looks* advanced: every cross-process hand-over goes through a POSIX
 semaphore, whose post is a release and whose successful wait/trywait is an acquire.
 
-* ``data`` semaphore, posted once per pushed batch, after the producer wrote the batch's
-  records and its TABLE entry. The consumer counts its successful waits: after the m-th
-  one, at least m posts precede it in the semaphore's modification order, and because
-  every operation on a semaphore is a read-modify-write, its acquire synchronises with
-  all of them. So TABLE entries 0..m-1 and their records are visible, and the consumer
-  reads only those: never the producer's counters.
-* ``space`` semaphore, posted once per batch the consumer has finished reading. The
-  producer counts its successful waits the same way and reuses the records of exactly
-  that many batches, oldest first, reading only TABLE entries it wrote itself.
+* ``data``, posted once per pushed batch after the producer wrote its records and its
+  TABLE entry. The consumer counts the posts it takes (``taken``): after its m-th, at
+  least m posts precede it in the semaphore's modification order, and because every
+  operation on a semaphore is a read-modify-write its acquire synchronises with all of
+  them. So it reads TABLE entries 0..m-1 and their records, never the producer's
+  counters. An entry whose seq is not its index means no batch: the post was a close.
+  A consumer that is behind reads ``value`` once and takes that many posts (only it
+  takes them, so none can block), then copies all their records in one slice.
+* ``space``, posted by the consumer before and after it stores ``returned``, a
+  cumulative count of the batches it has copied out. The producer reads ``returned``,
+  then posts ``space`` and takes that post back, which synchronises it with the
+  consumer's first post: only then does it overwrite those records. Space posts are not
+  counted (a surplus one is harmless); the second wakes a producer that slept and read
+  ``returned`` before it was stored.
 
-A spinning consumer therefore spins on the semaphore, never on an index: it reads the
-semaphore's value as a hint (a failing ``trywait`` costs ~1 us in its exception) and
-reads records only after a successful ``trywait``. x86-64's stronger ordering is not
-what makes this correct.
+``posted`` and ``returned`` are the only counters read across processes, and they are
+read as lower bounds: each is stored right after a post, so it never counts what that
+post does not cover, and the reader reads it, then posts the semaphore and takes a post
+back. On x86 the order is plain; on arm64 glibc's sem_post is a compare-and-swap loop
+whose result the writer's later store depends on, so a post ordered after reading that
+store cannot precede the writer's post in the semaphore's order (the cycle is
+forbidden), and the take that follows synchronises with it.
+
+Adoption. A consumer SIGKILLed between taking data posts and recording them leaves them
+taken by nobody; its successor would run that many posts behind, and a full ring would
+deadlock. posted - value - taken is a lower bound on those posts: never a phantom, exact
+unless a push is between its post and its store of ``posted``. Consumer._adopt checks it
+at a killed consumer's successor's first post and whenever the consumer takes a post
+after sleeping, and reads the adopted batches under that post. A producer that finds no
+space while the consumer holds no post pushes an empty batch, so a consumer that needs
+a post of its own always gets one (Producer._reserve).
 
 Batches are the unit of hand-over: space returns to the producer batch by batch, so a
-batch the consumer has half read still occupies its records.
-
-Crash windows (SIGKILL of an end; the other end keeps going and a new end re-attaches
-from the counters persisted here):
-* consumer killed between successful waits and recording them: the new consumer sees
-  that the previous one died attached (an idle consumer also checks every 100 ms),
-  counts posts made (``pushed``, +2 once closed) against posts taken (its recorded
-  ``taken`` plus the semaphore's value), and takes the unrecorded batches as its own
-  (their space was never handed back, so their records are intact) after a post-and-wait
-  of its own to synchronise. Without this it would run behind, and a full ring would
-  deadlock: the producer waiting for space, the consumer for a post.
-* consumer killed after recording finished batches but before posting their space: the
-  producer never gets those records back (capacity shrinks). Posting again on recovery
-  could hand back space still being read, so the ring errs on the safe side.
-* records the consumer copied out (``pop`` copies up to ``prefetch`` at once) but had
-  not returned or processed are gone: delivery is at most once.
+batch the consumer has half read still occupies its records. docs/shm.md lists the
+crash windows.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ import os
 import queue
 import struct
 import time
+from collections import deque
 
 import numpy as np
 import posix_ipc
@@ -66,31 +71,38 @@ from shm.segment import PAYLOAD_OFFSET, Segment, SegmentError, SegmentSpec
 
 log = logging.getLogger(__name__)
 
-RING_LAYOUT_VERSION = 1
+RING_LAYOUT_VERSION = 2
 RING_KIND = "ring"
 
 _LINE = 128
-_META = struct.Struct("<QQQ32s")
-_U64 = struct.Struct("<Q")
-_CONSUMER = struct.Struct("<QQQQ")  # tail, batch, acquired, taken
-_ENTRY = struct.Struct("<QQQQ")
+_META = struct.Struct("<QQQ32s")  # capacity, itemsize, record_version, record_name
 _META_AT = 0
-_PRODUCER_AT = _LINE  # pushed, freed, closed, pid
-_CONSUMER_AT = 2 * _LINE  # tail, batch, acquired, taken (data posts acquired), pid
-_PRODUCER_PID = _PRODUCER_AT + 24
-_PRODUCER_CLOSED = _PRODUCER_AT + 16
-_CONSUMER_PID = _CONSUMER_AT + 32
+# The rest are u64 words (their payload byte offsets below), each stored with one 8-byte
+# store through a word view of the mapping: struct.pack_into zeroes its destination
+# before it writes, so a process killed inside one would leave zeros.
+_POSTED = _LINE
+_FREED = _LINE + 8
+_CLOSED = _LINE + 16
+_PRODUCER_PID = _LINE + 24
+_TAIL = 2 * _LINE  # tail, batch, taken: consecutive, persisted together
+_BATCH = _TAIL + 8
+_TAKEN = _TAIL + 16
+_CONSUMER_PID = _TAIL + 24
+_RETURNED = _TAIL + 32
 _TABLE_AT = 3 * _LINE
+# A TABLE entry is end, then seq: seq is stored last, so a killed producer's entry whose
+# seq matches its index is whole.
+_ENTRY_WORDS = 2
 _NO_SEQ = 2**64 - 1
+# Close posts: the second is for a consumer that must take a post of its own before it
+# can read what a killed predecessor took (see Consumer._adopt).
+_CLOSE_POSTS = 2
 
 # Default bounded spin before sleeping: long enough to catch a busy producer's next post
 # (round trips stay ~microseconds), short enough that an idle consumer costs nothing.
 DEFAULT_SPIN_S = 50e-6
 # Records a single pop may copy out at once when the ring holds a backlog.
 DEFAULT_PREFETCH = 64
-# How often a consumer blocked on an empty ring looks for posts it took but never
-# recorded (see Consumer._adopt_unrecorded_posts).
-_IDLE_CHECK_S = 0.1
 
 
 class RingFull(queue.Full):
@@ -105,8 +117,15 @@ class RingClosed(Exception):
     """The producer closed the ring and every record has been read."""
 
 
+def _entries(capacity: int) -> int:
+    # Batches in flight: at most capacity non-empty ones, plus the empty batches a
+    # blocked producer pushes (Producer._reserve); the producer never fills the table
+    # (Producer._space_limit), this leaves room for as many empty batches.
+    return 2 * capacity + 2
+
+
 def _records_at(capacity: int) -> int:
-    end = _TABLE_AT + _ENTRY.size * capacity
+    end = _TABLE_AT + 8 * _ENTRY_WORDS * _entries(capacity)
     return (end + _LINE - 1) // _LINE * _LINE
 
 
@@ -129,9 +148,12 @@ class _RingMapping:
         self.base = PAYLOAD_OFFSET
         capacity, itemsize, version, rname = _META.unpack_from(self.mm, self.base + _META_AT)
         self.capacity = capacity
+        self.entries = _entries(capacity)
         self.itemsize = itemsize
         self.records_at = self.base + _records_at(capacity)
         self._check_records(version, rname.rstrip(b"\0").decode(errors="replace"))
+        self.words = memoryview(self.mm)[: self.records_at].cast("Q")
+        self.table_word = self.word(_TABLE_AT)
         data_name, space_name = _sem_names(seg.name)
         self.data = posix_ipc.Semaphore(data_name)
         self.space = posix_ipc.Semaphore(space_name)
@@ -149,15 +171,28 @@ class _RingMapping:
                 f"{self.layout.itemsize} bytes"
             )
 
-    def entry(self, k: int) -> tuple[int, int, int, int]:
-        at = self.base + _TABLE_AT + _ENTRY.size * (k % self.capacity)
-        return _ENTRY.unpack_from(self.mm, at)
+    def word(self, at: int) -> int:
+        """Index in ``words`` of the u64 at payload offset ``at``."""
+        return (self.base + at) // 8
+
+    def entry(self, k: int) -> tuple[int, int]:
+        """(end, seq) of batch ``k``'s TABLE slot."""
+        i = self.table_word + _ENTRY_WORDS * (k % self.entries)
+        return self.words[i], self.words[i + 1]
 
     def u64(self, at: int) -> int:
-        return _U64.unpack_from(self.mm, self.base + at)[0]
+        return self.words[self.word(at)]
 
     def set_u64(self, at: int, value: int) -> None:
-        _U64.pack_into(self.mm, self.base + at, value)
+        self.words[self.word(at)] = value
+
+    def batches_posted(self) -> int:
+        """Batches among the ``posted`` data posts (the rest were close posts)."""
+        posted = self.u64(_POSTED)
+        for k in range(posted, max(0, posted - _CLOSE_POSTS) - 1, -1):
+            if k == 0 or self.entry(k - 1)[1] == k - 1:
+                return k
+        return 0
 
     def records(self, start: int, count: int) -> bytes:
         """Copy ``count`` records' bytes from ring position ``start`` (wrapping)."""
@@ -169,6 +204,7 @@ class _RingMapping:
         return out
 
     def close(self) -> None:
+        self.words.release()  # a mapping cannot close under a live view
         self.data.close()
         self.space.close()
         self.seg.close()
@@ -195,8 +231,8 @@ class Ring:
                 seg.mm, PAYLOAD_OFFSET + _META_AT, capacity, layout.itemsize, layout.version,
                 layout.name.encode(),
             )
-            table = seg.array("<u8", _TABLE_AT, 4 * capacity).reshape(capacity, 4)
-            table[:, 0] = _NO_SEQ
+            table = seg.array("<u8", _TABLE_AT, _ENTRY_WORDS * _entries(capacity))
+            table[1::_ENTRY_WORDS] = _NO_SEQ
             del table
             for sem_name in _sem_names(name):
                 posix_ipc.Semaphore(sem_name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
@@ -210,22 +246,17 @@ class Ring:
 
     @classmethod
     def attach(cls, name: str, layout: RecordLayout) -> Ring:
-        """Attach as an observer (depth, ends' pids); reads only, never hands over."""
+        """Attach as an observer (depth); reads only, never hands over."""
         return cls(_RingMapping(Segment.attach(name, _spec(layout)), layout))
 
     def depth(self) -> int:
         """Records pushed and not yet read. Read without synchronisation: a gauge, which
         may lag by a batch; never use it to decide what to read."""
         m = self._m
-        pushed = m.u64(_PRODUCER_AT)
+        pushed = m.batches_posted()
         if pushed == 0:
             return 0
-        _, start, count, _ = m.entry(pushed - 1)
-        return max(0, start + count - m.u64(_CONSUMER_AT))
-
-    def pids(self) -> tuple[int, int]:
-        """(producer pid, consumer pid); 0 where no end is attached."""
-        return self._m.u64(_PRODUCER_PID), self._m.u64(_CONSUMER_PID)
+        return max(0, m.entry(pushed - 1)[0] - m.u64(_TAIL))
 
     def close(self) -> None:
         """Unmap; the owner also unlinks the segment and its semaphores. Idempotent."""
@@ -265,33 +296,79 @@ class Producer:
         self._m = m = _RingMapping(Segment.attach(name, _spec(layout)), layout)
         _claim_end(m, _PRODUCER_PID, "producer")
         self.capacity = m.capacity
-        self._pack = layout.packer.pack_into
-        self._mm = m.mm
-        self._records_at = m.records_at
-        self._size = m.itemsize
-        self._table_at = m.base + _TABLE_AT
-        self._post = m.data.release
+        # pack(*record) then a slice copy: pack_into(mm, at, *record) must build a new
+        # argument tuple, which costs more than the copy
+        self._pack = layout.packer.pack
         self._dtype = layout.dtype
-        self._closed = bool(m.u64(_PRODUCER_CLOSED))
-        self._pushed = m.u64(_PRODUCER_AT)
-        self._freed = m.u64(_PRODUCER_AT + 8)
-        if self._pushed:
-            _, start, count, _ = m.entry(self._pushed - 1)
-            self._head = start + count
+        self._mm = m.mm
+        self._size = m.itemsize
+        self._records_at = m.records_at
+        self._words = m.words
+        self._table_word = m.table_word
+        self._entries = m.entries
+        self._posted_word = m.word(_POSTED)
+        # The one call that publishes a push. Tests wrap it to stall a producer between
+        # posting and storing ``posted``, the window adoption must not mistake for a post
+        # taken unrecorded.
+        self._post = m.data.release
+        self._closed = bool(m.u64(_CLOSED))
+        self._freed = m.u64(_FREED)
+        # ``posted`` is one low if a producer was killed between its post and storing it,
+        # and the batch after it may be whole but unposted. A whole entry (its seq is
+        # written last) counts as pushed either way: the consumer may then adopt a post
+        # that was never made, for records a process that is gone wrote in full.
+        k = m.batches_posted()
+        if not self._closed and m.entry(k)[1] == k:
+            k += 1
+        if m.u64(_POSTED) < k:
+            m.set_u64(_POSTED, k)
+        self._k = k  # batches pushed
+        self._head = m.entry(k - 1)[0] if k else 0
+        if self._closed:
+            # Finish a close a killed producer began; a surplus close post is harmless
+            # (no batch ever follows it).
+            for _ in range(k + _CLOSE_POSTS - m.u64(_POSTED)):
+                m.data.release()
+                m.set_u64(_POSTED, m.u64(_POSTED) + 1)
+            self._limit = -1
         else:
-            self._head = 0
-        self._limit = self._space_limit()
+            self._limit = self._space_limit()
+
+    def _start_of(self, k: int) -> int:
+        """Ring position where batch ``k`` starts; its predecessor's entry is intact
+        while fewer than ``_entries`` batches are in flight."""
+        return self._m.entry(k - 1)[0] if k else 0
 
     def _space_limit(self) -> int:
-        """Ring position up to which the producer may write: the start of the oldest batch
-        not yet handed back, plus the capacity. Reads only TABLE entries it wrote."""
-        if self._freed == self._pushed:
-            return self._head + self.capacity
-        return self._m.entry(self._freed)[1] + self.capacity
+        """Ring position up to which the producer may write: the start of the oldest
+        batch not yet returned plus the capacity, and no further than the free TABLE
+        entries allow (every push takes at least one record and one entry)."""
+        in_flight = self._k - self._freed
+        return min(self._start_of(self._freed) + self.capacity,
+                   self._head + self._entries - 1 - in_flight)
 
-    def free(self) -> int:
-        """Records that can be pushed without waiting for the consumer (as last known)."""
-        return self._limit - self._head
+    def _take_space(self) -> None:
+        """Take the space posts already made (one ``value`` read: only this producer
+        takes them, so none of these waits can block) and reuse the batches the
+        consumer has returned.
+
+        ``returned`` is stored by the consumer after a space post, so it never counts a
+        batch that post does not cover; it is read before a post of this producer's own
+        that is then taken back, which synchronises with the consumer's post (the same
+        argument as for ``posted``, see the module notes): only then may the records of
+        those batches be overwritten. Space posts are not counted, so a post given back
+        and not yet taken again when this producer is killed is harmless."""
+        space = self._m.space
+        for _ in range(space.value):
+            space.acquire()
+        returned = self._m.u64(_RETURNED)
+        if returned <= self._freed:
+            return
+        space.release()
+        space.acquire()  # cannot block: the value is at least the post given back
+        self._freed = returned
+        self._m.set_u64(_FREED, returned)
+        self._limit = self._space_limit()
 
     def _reserve(self, n: int, timeout: float) -> None:
         if self._closed:
@@ -299,41 +376,56 @@ class Producer:
         if n > self.capacity:
             raise ValueError(f"{n} records cannot fit a ring of {self.capacity}")
         deadline = time.monotonic() + timeout
-        wait = max(0.0, timeout)
-        while self._freed < self._pushed:
+        while True:
+            self._take_space()
+            if self._head + n <= self._limit:
+                return
+            # Blocked, and the consumer holds no post: it may be one that cannot read,
+            # or return, what it holds before it takes a post of its own (see
+            # Consumer._adopt). An empty batch gives it one. A consumer posts space
+            # before it sleeps, so this is looked at again then.
+            if not self._m.data.value and self._k - self._freed < self._entries - 1:
+                self._publish(self._head)
+                self._limit = self._space_limit()  # it took an entry and no record
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                break
             try:
                 self._m.space.acquire(wait)
             except posix_ipc.BusyError:
                 break
-            self._freed += 1
-            # Once enough space is back, take only what is already posted (no waiting):
-            # one drain per refill instead of one acquire per push.
-            if self._head + n <= self._space_limit():
-                wait = 0
-            else:
-                wait = max(0.0, deadline - time.monotonic()) if timeout > 0 else 0
-        self._m.set_u64(_PRODUCER_AT + 8, self._freed)
-        self._limit = self._space_limit()
-        if self._head + n > self._limit:
-            raise RingFull(f"ring {self._m.name}: no space for {n} records")
+        raise RingFull(f"ring {self._m.name}: no space for {n} records")
 
-    def _publish(self, n: int) -> None:
-        pushed = self._pushed
-        _ENTRY.pack_into(
-            self._mm, self._table_at + _ENTRY.size * (pushed % self.capacity),
-            pushed, self._head, n, 0,
-        )
-        self._head += n
-        self._pushed = pushed + 1
-        _U64.pack_into(self._mm, PAYLOAD_OFFSET + _PRODUCER_AT, pushed + 1)
-        self._post()  # release: everything above is visible to whoever acquires it
+    def _publish(self, end: int) -> None:
+        """Publish the batch that ends at ring position ``end``: entry, post, ``posted``."""
+        k = self._k
+        w = self._words
+        i = self._table_word + _ENTRY_WORDS * (k % self._entries)
+        w[i] = end
+        w[i + 1] = k
+        self._post()  # release: the records and entry above are visible to its acquirer
+        w[self._posted_word] = k + 1  # after: never counts a post not made
+        self._k = k + 1
+        self._head = end
 
     def try_push(self, record: tuple, timeout: float = 0.0) -> None:
         """Push one record (a tuple in field order); RingFull if there is no space."""
-        if self._head >= self._limit or self._closed:
+        head = self._head
+        if head >= self._limit:
             self._reserve(1, timeout)
-        self._pack(self._mm, self._records_at + (self._head % self.capacity) * self._size, *record)
-        self._publish(1)
+        mm = self._mm
+        at = self._records_at + head % self.capacity * self._size
+        mm[at : at + self._size] = self._pack(*record)
+        # _publish(head + 1), inlined: a call costs as much as one of these steps
+        k = self._k
+        w = self._words
+        i = self._table_word + _ENTRY_WORDS * (k % self._entries)
+        w[i] = head + 1
+        w[i + 1] = k
+        self._post()
+        w[self._posted_word] = k + 1
+        self._k = k + 1
+        self._head = head + 1
 
     def push_batch(self, records: np.ndarray, timeout: float = 0.0) -> None:
         """Push a structured array as one batch (all or nothing)."""
@@ -342,11 +434,12 @@ class Producer:
             return
         if records.dtype is not self._dtype and records.dtype != self._dtype:
             raise TypeError(f"records of dtype {records.dtype}: expected {self._dtype}")
-        if self._head + n > self._limit or self._closed:
+        head = self._head
+        if head + n > self._limit:
             self._reserve(n, timeout)
         if not records.flags.c_contiguous:
             records = np.ascontiguousarray(records)
-        pos = self._head % self.capacity
+        pos = head % self.capacity
         at = self._records_at + pos * self._size
         if pos + n <= self.capacity:
             self._mm[at : at + n * self._size] = records  # its buffer is the raw bytes
@@ -356,7 +449,7 @@ class Producer:
             self._mm[self._records_at : self._records_at + (n - first) * self._size] = (
                 records[first:]
             )
-        self._publish(n)
+        self._publish(head + n)
 
     def close(self) -> None:
         """Tell the consumer no more records come, then detach."""
@@ -364,11 +457,11 @@ class Producer:
         if m is None:
             return
         self._closed = True
-        m.set_u64(_PRODUCER_CLOSED, 1)
-        # Two posts: one wakes a consumer; the second covers a consumer that re-attached a
-        # post behind (see the module notes), so its last batch is never stranded.
-        m.data.release()
-        m.data.release()
+        self._limit = -1
+        m.set_u64(_CLOSED, 1)
+        for i in range(1, _CLOSE_POSTS + 1):
+            m.data.release()
+            m.set_u64(_POSTED, self._k + i)
         self.detach()
 
     def detach(self) -> None:
@@ -393,157 +486,153 @@ class Consumer:
         died_attached = _claim_end(m, _CONSUMER_PID, "consumer")
         self.spin_s = spin_s
         self.prefetch = max(1, prefetch)
+        self.adopted = 0  # data posts taken over from a predecessor killed holding them
         self._buf = b""  # records pop copied out but has not returned yet
         self._buf_pos = 0
         self._dtype = layout.dtype
-        self._mm = m.mm
         self._size = m.itemsize
-        self._cap = m.capacity
-        self._at = m.records_at
-        self._table_at = m.base + _TABLE_AT
+        self._unpack = layout.packer.unpack_from
+        self._words = m.words
+        self._table_word = m.table_word
+        self._entries = m.entries
+        self._posted_word = m.word(_POSTED)
+        self._tail_word = m.word(_TAIL)
         self._sem = m.data
         self._space_post = m.space.release
-        self._unpack = layout.packer.unpack_from
-        self._owed = 0  # posts a dead consumer took unrecorded, adopted as ours
-        self._tail, self._batch, acquired, self._taken = _CONSUMER.unpack_from(
-            m.mm, m.base + _CONSUMER_AT
-        )
-        self._end = -1  # end of the acquired batch; -1 when none is acquired
-        if acquired:
-            _, start, count, _ = m.entry(self._batch)
-            self._end = start + count
-        # Posts taken beyond the batches read were close posts: the ring was closed and
-        # drained before this consumer came.
-        self._closed = self._taken > self._batch + acquired
-        if died_attached:
-            self._adopt_unrecorded_posts()
+        self._returned_word = m.word(_RETURNED)
+        self._tail, self._batch, self._taken = (m.u64(_TAIL), m.u64(_BATCH), m.u64(_TAKEN))
+        self._returned = m.u64(_RETURNED)
+        self._end = self._tail  # records before this position are covered by posts taken
+        self._ends: deque[int] = deque()  # end of each batch taken and not finished
+        self._closed = False
+        # Entries are read for posts taken by this consumer only after a post of its
+        # own: a predecessor that closed handed its posts back, a killed one did not,
+        # and may have taken more without recording them.
+        self._seen = self._batch
+        self._adopt_due = died_attached or self._taken > self._batch
 
-    def _adopt_unrecorded_posts(self, settle_s: float = 0.01) -> None:
-        """Take over data posts that were acquired but never recorded: by a consumer
-        SIGKILLed between the two, or (seen when idle) by this one's own lag.
+    def _adopt(self) -> None:
+        """Take over data posts a predecessor took but never recorded (it was killed
+        between the two). Called right after this consumer took a post.
 
-        Posts made are ``pushed`` (+2 once closed), one fewer while a push is between
-        storing ``pushed`` and posting; posts taken are posts made minus the semaphore's
-        value. A reading that holds still for ``settle_s`` has no push in flight; one
-        that never holds still (a busy producer) is counted one low, which is safe: the
-        post is found at the next idle check."""
-        m = self._m
-        last = None
-        deadline = time.monotonic() + 10 * settle_s
-        while True:
-            pushed, _, closed = struct.unpack_from("<QQQ", m.mm, m.base + _PRODUCER_AT)
-            reading = (pushed, closed, m.data.value)
-            unrecorded = pushed + 2 * closed - reading[2] - self._taken
-            if unrecorded <= 0:
-                return  # the common case, decided by one reading
-            if reading == last:
+        Posts made are at least ``posted`` (the producer stores it after each post);
+        posts taken are posts made minus the semaphore's value. So posted - value -
+        taken is a lower bound on the posts taken unrecorded: exact when no push is
+        between posting and storing ``posted``, and never a post that was not made or
+        not taken. The post just taken is given back and taken again: the give-back is
+        a release ordered after reading ``posted`` (so the value read after counts every
+        post ``posted`` counts, see the module notes) and the second take synchronises
+        with them all, so the adopted batches are read under it. Neither step can leave
+        a post that nobody took: a kill between them leaves one post given back."""
+        posted = self._words[self._posted_word]
+        self._sem.release()
+        self._sem.acquire()  # cannot block: the value is at least the post given back
+        unrecorded = posted - self._sem.value - self._taken
+        if unrecorded > 0:
+            log.warning("ring %s: adopting %d data post(s) taken but not recorded",
+                        self._m.name, unrecorded)
+            self._taken += unrecorded
+            self.adopted += unrecorded
+        self._adopt_due = False
+
+    def _read_entries(self) -> None:
+        """Read the TABLE entries of the posts taken: each is a batch, or the close."""
+        j = self._seen
+        w = self._words
+        while j < self._taken:
+            i = self._table_word + _ENTRY_WORDS * (j % self._entries)
+            end, seq = w[i], w[i + 1]
+            if seq != j:  # no batch for this post: the producer closed the ring
+                self._closed = True
+                j = self._taken
                 break
-            if time.monotonic() > deadline:
-                unrecorded -= 1
-                break
-            last = reading
-            time.sleep(settle_s)
-        if unrecorded <= 0:
+            self._ends.append(end)
+            # A killed predecessor may have recorded its tail and not yet the batches
+            # it finished: those end at or before the tail.
+            self._end = max(self._end, end)
+            j += 1
+        self._seen = j
+
+    def _take(self, limit: int) -> None:
+        """Take the posts already made, one at a time, until the records before ring
+        position ``limit`` are covered, the posts run out, or the close is seen."""
+        sem = self._sem
+        n = sem.value  # only this consumer takes posts: none of these waits can block
+        if not n or self._end >= limit or self._closed:
             return
-        log.warning("ring %s: adopting %d data post(s) taken but not recorded", m.name, unrecorded)
-        # A post and wait of our own synchronises us with every earlier post (all
-        # operations on a semaphore are read-modify-writes in one release sequence).
-        m.data.release()
-        m.data.acquire(1.0)
-        self._taken += unrecorded
-        self._owed += unrecorded
-
-    def _persist(self) -> None:
-        _CONSUMER.pack_into(
-            self._mm,
-            PAYLOAD_OFFSET + _CONSUMER_AT,
-            self._tail,
-            self._batch,
-            self._end >= 0,
-            self._taken,
-        )
-
-    def _finish_batch(self) -> None:
-        self._batch += 1
-        self._end = -1
-        self._persist()
-        self._m.space.release()
-
-    def _next_post(self) -> bool:
-        """Acquire the next data post without blocking. True if it covers a batch (now
-        the current one); False if there is none, or it was a close post. The posts
-        not yet recorded are at most those of the batches ``_pull`` is copying."""
-        if self._owed:
-            self._owed -= 1
-        else:
-            # The value is only a hint (a plain read): it saves the ~1 us of a failing
-            # trywait's exception. What is read is still decided by the trywait.
-            if not self._sem.value:
-                return False
-            try:
-                self._sem.acquire(0)
-            except posix_ipc.BusyError:
-                return False
+        if self._adopt_due:
+            sem.acquire()
+            n -= 1
             self._taken += 1
-        return self._take_post()
-
-    def _take_post(self) -> bool:
-        """Act on a post just acquired (and counted in ``_taken``)."""
-        batch = self._batch
-        seq, start, count, _ = _ENTRY.unpack_from(
-            self._mm, self._table_at + _ENTRY.size * (batch % self._cap)
-        )
-        if seq == batch:
-            self._tail = start
-            self._end = start + count
-            return True
-        if self._m.u64(_PRODUCER_CLOSED):
-            self._closed = True
-        self._persist()
-        return False
-
-    def _ready(self) -> bool:
-        """True if a batch with unread records is acquired; never blocks."""
-        while self._tail >= self._end:
-            if self._end >= 0:
-                self._finish_batch()
-            if not self._next_post() and self._end < 0:
-                return False
-        return True
+            self._adopt()
+            self._read_entries()
+            if self._closed:
+                return
+        # _read_entries for one post at a time, inlined: this loop runs once per batch
+        w, at, entries, ends = self._words, self._table_word, self._entries, self._ends
+        j, end = self._taken, self._end
+        try:
+            while n and end < limit:
+                sem.acquire()
+                n -= 1
+                i = at + _ENTRY_WORDS * (j % entries)
+                e = w[i]
+                j += 1
+                if w[i + 1] != j - 1:  # no batch for this post: the producer closed the ring
+                    self._closed = True
+                    break
+                ends.append(e)
+                end = e
+        finally:
+            self._taken = self._seen = j
+            self._end = end
 
     def _wait(self, timeout: float | None) -> None:
-        """Block until a batch is ready; RingEmpty on timeout, RingClosed when drained."""
-        if self._ready():
+        """Until a record past the tail is covered; RingEmpty on timeout, RingClosed
+        when drained."""
+        tail = self._tail
+        self._take(tail + 1)
+        if self._end > tail:
             return
-        if self._closed:
-            raise RingClosed(f"ring {self._m.name} is closed and drained")
-        if timeout is not None and timeout <= 0:
+        if not self._closed and timeout is not None and timeout <= 0:
             raise RingEmpty
         start = time.monotonic()
         spin_until = start + self.spin_s
-        while time.monotonic() < spin_until:  # bounded: see DEFAULT_SPIN_S
-            if self._ready():
-                return
         deadline = None if timeout is None else start + timeout
-        while True:
-            if self._closed:
-                raise RingClosed(f"ring {self._m.name} is closed and drained")
-            remaining = _IDLE_CHECK_S if deadline is None else deadline - time.monotonic()
-            if remaining <= 0:
-                raise RingEmpty
-            try:
-                self._m.data.acquire(min(remaining, _IDLE_CHECK_S))
-            except posix_ipc.BusyError:
-                # Idle: the producer may be blocked on a full ring while a post this
-                # consumer never recorded keeps it waiting for data. Look for one.
-                self._adopt_unrecorded_posts()
-                if self._owed and self._ready():
-                    return
-                continue
-            self._taken += 1
-            self._take_post()
-            if self._ready():
+        while not self._closed:
+            if time.monotonic() < spin_until:  # bounded: see DEFAULT_SPIN_S
+                self._take(tail + 1)
+            else:
+                wait = None if deadline is None else deadline - time.monotonic()
+                if wait is not None and wait <= 0:
+                    raise RingEmpty
+                self._before_sleep()
+                try:
+                    self._sem.acquire(wait)
+                except posix_ipc.BusyError:
+                    raise RingEmpty from None
+                self._taken += 1
+                # Woken from a sleep: the cheapest moment to look for posts taken
+                # unrecorded, which are what a consumer may wait for in vain.
+                self._adopt()
+                self._read_entries()
+            if self._end > tail:
                 return
+        raise RingClosed(f"ring {self._m.name} is closed and drained")
+
+    def _before_sleep(self) -> None:
+        """A producer blocked on space may be waiting for this consumer: return what it
+        has finished (empty batches, or what a killed predecessor finished), or else
+        wake the producer, which then gives it a post of its own (Producer._reserve)."""
+        ends = self._ends
+        while ends and ends[0] <= self._tail:
+            ends.popleft()
+            self._batch += 1
+        if self._batch > self._returned:
+            self._persist()
+            self._return()
+        elif not self._m.space.value:
+            self._space_post()
 
     def try_pop(self) -> tuple:
         """One record as a tuple; RingEmpty if none, RingClosed if closed and drained."""
@@ -560,18 +649,9 @@ class Consumer:
         if pos < len(self._buf):
             self._buf_pos = pos + self._size
             return self._unpack(self._buf, pos)
-        if self._tail >= self._end:
-            self._wait(timeout)  # now a batch is held
-        tail = self._tail
-        if tail + 1 == self._end and not self._sem.value:
-            # No backlog: read the one record in place rather than copying out a batch.
-            rec = self._unpack(self._mm, self._at + (tail % self._cap) * self._size)
-            self._tail = tail + 1
-            self._finish_batch()
-            return rec
-        self._buf = self._pull(self.prefetch, timeout)
+        self._buf = buf = self._pull(self.prefetch, timeout)
         self._buf_pos = self._size
-        return self._unpack(self._buf, 0)
+        return self._unpack(buf, 0)
 
     def pop_batch(self, max_records: int, timeout: float | None = 0) -> np.ndarray:
         """Up to ``max_records`` records as a structured array (at least one), waiting up
@@ -585,33 +665,61 @@ class Consumer:
 
     def _pull(self, max_records: int, timeout: float | None) -> bytes:
         """Copy up to ``max_records`` records out of the ring (at least one, waiting up to
-        ``timeout`` for it). Consecutive batches already posted come in one copy; their
-        posts are recorded, and their space handed back, once the copy is made."""
-        if self._tail >= self._end:
+        ``timeout`` for it), taking the posts already made for as many as fit. Finished
+        batches are recorded, then their space handed back."""
+        tail = self._tail
+        if self._end <= tail:
             self._wait(timeout)
-        start = self._tail
-        limit = start + max_records
-        finished = 0
-        while self._end <= limit:  # the current batch is taken whole
-            finished += 1
-            self._batch += 1
-            stop = self._end
-            self._end = -1
-            if stop == limit or not self._next_post():
-                break
-        else:
-            stop = limit
+        limit = tail + max_records
+        if self._end < limit:
+            self._take(limit)
+        stop = min(self._end, limit)
+        out = self._m.records(tail, stop - tail)
         self._tail = stop
-        out = self._m.records(start, stop - start)
-        self._persist()  # before handing space back: see the crash notes above
-        for _ in range(finished):
-            self._space_post()
+        ends = self._ends
+        if stop == self._end:
+            done = len(ends)
+            ends.clear()
+        else:
+            done = 0
+            while ends[0] <= stop:
+                ends.popleft()
+                done += 1
+        self._batch += done
+        self._persist()  # before handing space back: see the crash windows
+        if done:
+            self._return()
         return out
+
+    def _return(self) -> None:
+        """Hand the space of the finished batches back (see Producer._take_space)."""
+        self._space_post()  # release: these batches are read
+        # After the post: the producer reuses only batches a post precedes. A producer
+        # that slept may have read ``returned`` before this store: the second post wakes
+        # it to read it again.
+        self._words[self._returned_word] = self._batch
+        self._returned = self._batch
+        self._space_post()
+
+    def _persist(self) -> None:
+        # After a kill any of these may be older than the others; each is whole.
+        w, i = self._words, self._tail_word
+        w[i] = self._tail
+        w[i + 1] = self._batch
+        w[i + 2] = self._taken
 
     def close(self) -> None:
         """Detach; a new consumer may attach and continue where this one stopped.
-        Idempotent."""
-        if self._m is not None:
-            self._m.set_u64(_CONSUMER_PID, 0)
-            self._m.close()
-            self._m = None
+        Posts taken for batches not finished (and the close post) are handed back, so
+        the next consumer takes them again under its own waits. Idempotent."""
+        m = self._m
+        if m is None:
+            return
+        held = self._taken - self._batch
+        self._taken = self._batch
+        self._persist()  # first: a kill before the posts leaves them taken unrecorded
+        for _ in range(held):
+            m.data.release()
+        m.set_u64(_CONSUMER_PID, 0)
+        m.close()
+        self._m = None

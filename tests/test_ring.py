@@ -25,6 +25,7 @@ from shm import (
     SegmentError,
     segment_name,
 )
+from shm.ring import _CONSUMER_PID
 from shm.segment import instance_entries
 
 LAYOUT = RecordLayout("test-rec", 1, np.dtype([("seq", "<u8"), ("val", "<i4"), ("tag", "<u2")]))
@@ -252,13 +253,46 @@ def test_consumer_that_died_holding_an_unrecorded_post_is_recovered(instance, sp
         dead.join()
         c = Consumer(name, LAYOUT, spin_s=0)
         c._m.data.acquire(0)  # the post for batch 0, taken and never recorded
-        c._m.set_u64(256 + 32, dead.pid)  # CONSUMER pid: a process that has exited
+        c._m.set_u64(_CONSUMER_PID, dead.pid)  # a process that has exited
         c._m.close()
         c2 = Consumer(name, LAYOUT, spin_s=0)
         assert c2.pop_batch(2)["seq"].tolist() == [0, 1]
         p.try_push((4, 0, 0))  # space came back: no deadlock
         p.close()
         assert c2.pop_batch(10)["seq"].tolist() == [2, 3, 4]
+        with pytest.raises(RingClosed):
+            c2.pop(timeout=1)
+        c2.close()
+        assert ring.depth() == 0
+
+
+def test_consumer_killed_holding_every_post_is_recovered_when_the_producer_blocks(
+    instance, spawn
+):
+    """The successor of a consumer killed holding the only post of a full ring has no post
+    of its own to read under; the producer, blocked, pushes an empty batch to give it
+    one. No deadlock, nothing lost, and the post taken unrecorded is adopted."""
+    name = segment_name(instance, 0, "ring")
+    with Ring.create(name, LAYOUT, 4) as ring:
+        p = Producer(name, LAYOUT)
+        p.push_batch(LAYOUT.array([(i, 0, 0) for i in range(4)]))  # full
+        dead = spawn.Process(target=int)
+        dead.start()
+        dead.join()
+        c = Consumer(name, LAYOUT, spin_s=0)
+        c._m.data.acquire(0)  # the only post, taken and never recorded
+        c._m.set_u64(_CONSUMER_PID, dead.pid)
+        c._m.close()
+        c2 = Consumer(name, LAYOUT, spin_s=0)
+        with pytest.raises(RingEmpty):
+            c2.pop(timeout=0.05)
+        with pytest.raises(RingFull):
+            p.try_push((4, 0, 0))  # blocked: the empty batch goes out
+        assert c2.pop_batch(10, timeout=1)["seq"].tolist() == [0, 1, 2, 3]
+        assert c2.adopted == 1
+        p.try_push((4, 0, 0))  # the space came back
+        assert c2.pop(timeout=1)[0] == 4
+        p.close()
         with pytest.raises(RingClosed):
             c2.pop(timeout=1)
         c2.close()
