@@ -14,6 +14,7 @@ from shm import (
     FREE,
     ForeignSegment,
     LayoutMismatch,
+    Producer,
     RecordLayout,
     Ring,
     Segment,
@@ -246,3 +247,14 @@ def test_sweep_never_waits_on_a_fifo(instance):
         assert foreign_entries(instance) == [f"{fifo} (a FIFO, owner {user(0)})"]
     finally:
         os.unlink(fifo)
+
+
+def test_a_ring_end_refuses_a_foreign_semaphore(instance):
+    """A ring's semaphores are checked as its segment is: one another user owns (here:
+    chowned to nobody) refuses the attach with a message naming it."""
+    layout = RecordLayout("rec", 1, np.dtype([("v", "<u8")]))
+    name = segment_name(instance, 0, "ring")
+    with Ring.create(name, layout, 8):
+        os.chown("/dev/shm/sem." + name[1:] + ".data", NOBODY, -1)
+        with pytest.raises(ForeignSegment, match=rf"semaphore {name}.data is owned by uid"):
+            Producer(name, layout)
