@@ -109,6 +109,7 @@ def run(pubs: int, pages: int, work: Path, device: str) -> dict:
         "store_dir": str(store), "instance": instance, "capture_slots": str(SLOTS),
         "capture_slot_bytes": f"{pages + 1}MiB", "page_tokens": str(PAGE_TOKENS),
         "max_bytes": "64GiB", "low_watermark_bytes": "32GiB", "metrics_port": "0",
+        "release_timeout_seconds": "30",
     }
     args = [sys.executable, "-m", "sparkcache", "supervise"]
     for k, v in settings.items():
@@ -131,7 +132,7 @@ def run(pubs: int, pages: int, work: Path, device: str) -> dict:
                        for _ in range(LAYERS)]
         for t in tensors:
             t.normal_()
-        client = SparkCacheClient(cfg, 0, release_timeout_s=30.0)
+        client = SparkCacheClient(cfg, 0, model_id="bench-pipeline-8l")
         assert client.register_kv_caches(tensors)
         page_bytes = client._reg.views.page_bytes
         rng = np.random.default_rng(1)
@@ -154,14 +155,14 @@ def run(pubs: int, pages: int, work: Path, device: str) -> dict:
                 time.sleep(0.002)
         while True:
             rec = stats.read(int(Role.COMMIT))
-            if rec[4] >= taken:
+            if rec.processed >= taken:
                 break
             client.poll_completions()
             time.sleep(0.002)
         t_end = time.perf_counter()
         cap = stats.read(int(Role.CAPTURE))
         stats.close()
-        copy_bytes, copy_s = cap[8], cap[9]
+        copy_bytes, copy_s = cap.copy_bytes, cap.copy_seconds
         capture = copy_bytes / copy_s / GIB
         memcpy = baseline_gib_s(tensors, pubs, pages)
         return {

@@ -4,12 +4,21 @@ headers, SPSC rings of fixed-size records, slot arenas and seqlocked stats block
 from shm.arena import FREE, SlotArena, SlotOwnershipError
 from shm.records import RecordLayout
 from shm.ring import Consumer, Producer, Ring, RingClosed, RingEmpty, RingFull
-from shm.segment import LayoutMismatch, Segment, SegmentError, segment_name, sweep
+from shm.segment import (
+    ForeignSegment,
+    LayoutMismatch,
+    Segment,
+    SegmentError,
+    open_semaphore,
+    segment_name,
+    sweep,
+)
 from shm.stats import StatsBlock, TornRead
 
 __all__ = [
     "FREE",
     "Consumer",
+    "ForeignSegment",
     "LayoutMismatch",
     "Producer",
     "RecordLayout",
@@ -23,6 +32,7 @@ __all__ = [
     "SlotOwnershipError",
     "StatsBlock",
     "TornRead",
+    "open_semaphore",
     "segment_name",
     "sweep",
 ]

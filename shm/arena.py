@@ -1,36 +1,44 @@
 """Slot arena: N fixed-size byte slots in one segment, each with an owner.
 
-Payload layout, ARENA_LAYOUT_VERSION 2:
+Payload layout, ARENA_LAYOUT_VERSION 3:
 
     0      META    slots u64, slot_bytes u64, data_at u64 (128-byte line)
-    128    STATE   one SLOT_STATE record (32 bytes) per slot: owner, pid, generation,
-                   since (CLOCK_MONOTONIC of the last hand-over: one clock for every
-                   process of the host, so it orders hand-overs), used bytes
+    128    STATE   one SLOT_STATE record (40 bytes) per slot: owner; pid of the process
+                   that made the last hand-over (0 before the first): the writer of the
+                   slot's bytes when it holds a filled publication; generation; since
+                   (CLOCK_MONOTONIC of the last hand-over: one clock for every process of
+                   the host, so it orders hand-overs); used bytes; pid_start (that
+                   process's start time, so a reused pid is not taken for it)
     D      DATA    slots x slot_bytes, D page-aligned (4096) so slots suit O_DIRECT/DMA
 
 Ownership passes from one process to the next along a ring: whoever holds a slot sets
 its new owner *before* pushing the slot's id, and the receiver reads the slot only after
 popping that id, so the ring's semaphore orders the slot's bytes and its state. The
-state is therefore written by one process at a time and needs no lock; the counts by
-owner are derived from it when read, never stored twice.
+state is therefore written by one process at a time and needs no lock; whoever needs
+counts by owner derives them from it when read (they are never stored twice).
+
+A holder that dies leaves its slots owned by its role, not by a pid: the next process of
+that role recovers them (a new capture frees the slots capture held, a new commit commits
+the slots commit holds; see docs/pipeline.md). Nothing else, the supervisor included,
+changes a slot's owner.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 
 import numpy as np
 
-from shm.segment import PAYLOAD_OFFSET, Segment, SegmentSpec
+from shm.segment import Segment, SegmentSpec, creator_alive, process_start
 
-ARENA_LAYOUT_VERSION = 2  # 1 had "since" in wall-clock time
+ARENA_LAYOUT_VERSION = 3  # 1 had "since" in wall-clock time; 2 had no pid_start
 ARENA_KIND = "arena"
 FREE = 0  # owner value of a slot nobody holds
 
 SLOT_STATE = np.dtype(
-    [("owner", "<u4"), ("pid", "<u4"), ("generation", "<u8"), ("since", "<f8"), ("used", "<u8")]
+    [("owner", "<u4"), ("pid", "<u4"), ("generation", "<u8"), ("since", "<f8"), ("used", "<u8"),
+     ("pid_start", "<f8")]
 )
 _META = np.dtype([("slots", "<u8"), ("slot_bytes", "<u8"), ("data_at", "<u8")])
 _STATE_AT = 128
@@ -39,6 +47,16 @@ _PAGE = 4096
 
 class SlotOwnershipError(RuntimeError):
     """A slot was handed over by a process that did not hold it."""
+
+
+_START: tuple[int, float] = (0, 0.0)  # (pid, its start time), cached per process
+
+
+def _own_start() -> float:
+    global _START
+    if _START[0] != os.getpid():
+        _START = (os.getpid(), process_start(os.getpid()))
+    return _START[1]
 
 
 def _spec() -> SegmentSpec:
@@ -70,12 +88,6 @@ class SlotArena:
     def attach(cls, name: str) -> SlotArena:
         return cls(Segment.attach(name, _spec()))
 
-    def slot(self, index: int) -> memoryview:
-        """The bytes of slot ``index`` (a view into shared memory)."""
-        self._check_index(index)
-        start = PAYLOAD_OFFSET + self._data_at + index * self.slot_bytes
-        return memoryview(self._seg.mm)[start : start + self.slot_bytes]
-
     def slot_array(self, index: int, dtype: np.dtype | str = np.uint8) -> np.ndarray:
         self._check_index(index)
         count = self.slot_bytes // np.dtype(dtype).itemsize
@@ -97,30 +109,23 @@ class SlotArena:
         if from_owner == FREE:
             st["generation"] += 1
         st["used"] = used if to_owner != FREE else 0
-        st["pid"] = os.getpid() if to_owner != FREE else 0
+        st["pid"] = os.getpid()
+        st["pid_start"] = _own_start()
         st["since"] = time.monotonic()
         st["owner"] = to_owner
 
+    def writer_dead(self, index: int) -> bool:
+        """True if the process that made slot ``index``'s last hand-over is known dead (its
+        pid gone, or reused by a process started at another time), or there was none (the
+        arena's creator wrote the slot before any other process attached). Its writes to
+        the slot are then complete: a reader may use them without a covering semaphore
+        operation."""
+        st = self.state[index]
+        pid = int(st["pid"])
+        return pid == 0 or not creator_alive(pid, float(st["pid_start"]))
+
     def free_slots(self) -> list[int]:
         return [i for i in range(self.slots) if int(self.state[i]["owner"]) == FREE]
-
-    def counts_by_owner(self) -> dict[int, int]:
-        """Owner -> number of slots (a racy read, for gauges)."""
-        owners, counts = np.unique(self.state["owner"], return_counts=True)
-        return {int(o): int(c) for o, c in zip(owners, counts, strict=True)}
-
-    def held_by_dead(self, alive: Callable[[int], bool]) -> list[int]:
-        """Slots held (not FREE) by a pid for which ``alive(pid)`` is false: what a
-        supervisor reclaims after a worker crash."""
-        return [
-            i for i in range(self.slots)
-            if int(self.state[i]["owner"]) != FREE and not alive(int(self.state[i]["pid"]))
-        ]
-
-    def reclaim(self, index: int) -> None:
-        """Force slot ``index`` back to FREE (its holder is dead)."""
-        st = self.state[index]
-        st["owner"], st["pid"], st["used"], st["since"] = FREE, 0, 0, time.monotonic()
 
     def close(self) -> None:
         del self.state

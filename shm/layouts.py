@@ -47,17 +47,51 @@ FILLED = RecordLayout(
 # commit -> capture: slot ``slot`` is FREE again.
 FREED = RecordLayout("freed", 1, np.dtype([("slot", "<u4"), ("pad", "<u4"), ("generation", "<u8")]))
 
-# client -> commit: a restore read the prefix ending at page ``pos`` with key ``key``.
-TOUCH = RecordLayout(
-    "touch",
+# commit -> client: the root of ``pub_id`` is durable (status 0: its index transaction
+# committed) or will not be (a DurableStatus naming why). The second acknowledgement:
+# COMPLETION says only that the engine's blocks may be reused.
+DURABLE = RecordLayout(
+    "durable", 1, np.dtype([("pub_id", "<u8"), ("status", "<i4"), ("pad", "<u4")])
+)
+
+# client -> maintenance: requests the engine cannot carry out itself, since it only reads
+# the index. ``kind`` (sparkcache.protocol.RequestKind) says what ``arg`` and ``seconds``
+# mean: a touch (a restore read the prefix ending at page ``arg`` with key ``key``: renew
+# its roots' lease and last access), a lease (a lookup counted that prefix: protect its
+# roots for ``seconds``), or a quarantine (object ``key`` of generation ``arg`` failed
+# verification).
+REQUEST = RecordLayout(
+    "request",
     1,
-    np.dtype([("key_hi", "<u8"), ("key_lo", "<u8"), ("pos", "<u8"), ("when", "<f8")]),
+    np.dtype(
+        [
+            ("kind", "<u4"),
+            ("pad", "<u4"),
+            ("key_hi", "<u8"),
+            ("key_lo", "<u8"),
+            ("arg", "<u8"),
+            ("when", "<f8"),  # time.time() of the access
+            ("seconds", "<f8"),
+        ]
+    ),
+)
+
+# Why a worker dropped a record it popped as malformed; one stats counter each. Names
+# are append-only: their order is the order of the stats fields.
+DROP_REASONS = (
+    "framing",  # a publication's records are not one whole batch of npages records
+    "mixed",  # pub id, root, registration or npages differ within one publication
+    "page_index",  # page_index is not exactly 0..npages-1
+    "deadline",  # not finite, or further ahead than the release timeout allows
+    "block",  # a block id outside the registered geometry
+    "slot",  # a slot id outside the arena
+    "request",  # a request of unknown kind, or a field out of range
 )
 
 # One slot per worker of a rank (see workers.lifecycle.Role), written by that worker.
 WORKER_STATS = RecordLayout(
     "worker_stats",
-    1,
+    2,
     np.dtype(
         [
             ("pid", "<u4"),
@@ -65,11 +99,16 @@ WORKER_STATS = RecordLayout(
             ("heartbeat", "<f8"),  # time.time() of the last loop iteration
             ("started", "<f8"),
             ("processed", "<u8"),  # publications captured / roots committed / slices run
-            ("failed", "<u8"),
+            ("failed", "<u8"),  # items refused or failed (each also counted by its cause)
+            ("item_errors", "<u8"),  # unexpected exceptions while handling one item
             ("backlog", "<u8"),  # bytes above the low watermark (maintenance)
             ("used_bytes", "<u8"),  # store bytes (maintenance)
             ("copy_bytes", "<u8"),  # capture: bytes copied into slots
             ("copy_seconds", "<f8"),  # capture: time spent copying them
+            # capture: bytes of its slots faulted in so far, by the background prefault
+            # (workers/prefault.py); slots x slot bytes once done.
+            ("prefaulted_bytes", "<u8"),
+            *[(f"drop_{reason}", "<u8") for reason in DROP_REASONS],
         ]
     ),
 )

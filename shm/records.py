@@ -9,6 +9,7 @@ from the same dtype here, so they cannot drift apart.
 from __future__ import annotations
 
 import struct
+from collections import namedtuple
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +62,9 @@ class RecordLayout:
     version: int
     dtype: np.dtype
     packer: struct.Struct = field(init=False, repr=False, compare=False)
+    # A named tuple of the fields, for readers that want names (stats); rings keep plain
+    # tuples, which are cheaper to make.
+    named: type = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         dt = np.dtype(self.dtype)
@@ -72,6 +76,7 @@ class RecordLayout:
         packer = struct.Struct(_struct_format(dt))
         assert packer.size == dt.itemsize
         object.__setattr__(self, "packer", packer)
+        object.__setattr__(self, "named", namedtuple(self.name.replace("-", "_"), dt.names))
 
     @property
     def itemsize(self) -> int:

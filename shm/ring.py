@@ -67,7 +67,7 @@ import posix_ipc
 import psutil
 
 from shm.records import RecordLayout
-from shm.segment import PAYLOAD_OFFSET, Segment, SegmentError, SegmentSpec
+from shm.segment import PAYLOAD_OFFSET, Segment, SegmentError, SegmentSpec, open_semaphore
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +155,8 @@ class _RingMapping:
         self.words = memoryview(self.mm)[: self.records_at].cast("Q")
         self.table_word = self.word(_TABLE_AT)
         data_name, space_name = _sem_names(seg.name)
-        self.data = posix_ipc.Semaphore(data_name)
-        self.space = posix_ipc.Semaphore(space_name)
+        # Checked like the segment: ours, mode 0600 (shm.segment.open_semaphore).
+        self.data, self.space = open_semaphore(data_name), open_semaphore(space_name)
 
     def _check_records(self, version: int, rname: str) -> None:
         if (rname, version, self.itemsize) != (

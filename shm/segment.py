@@ -17,15 +17,27 @@ Byte layout of every segment (little-endian), defined once in ``HEADER``:
 Names are ``/sparkcache.<instance>.r<rank>.<role>``: the instance and rank namespace them
 so two instances on one host never meet, and ``sweep`` can find one instance's leftovers.
 The creator owns the name and unlinks it; attachers only close their mapping.
+
+Ownership: /dev/shm is writable by every user, so a name can be taken by someone else
+before we create it. Attaching (segments here, semaphores through ``open_semaphore``)
+checks that the entry is a plain file owned by this user with mode 0600, and refuses
+otherwise, naming the entry and its owner: descriptors and KV bytes never go into a segment
+another user can read or write. ``Segment.create`` names the owner of a name that already
+exists; ``sweep`` leaves entries that are not ours alone and ``foreign_entries`` lists them,
+so the supervisor can refuse to start with one clear line instead of failing (or hanging,
+on a FIFO) later.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import mmap
 import os
+import pwd
 import re
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +84,82 @@ class LayoutMismatch(SegmentError):
     """The segment exists but its header says another layout; never read it."""
 
 
+class ForeignSegment(SegmentError):
+    """A segment or semaphore is not a plain file of this user's with mode 0600."""
+
+
+SEGMENT_MODE = 0o600
+
+
+def user(uid: int) -> str:
+    """``uid 1000 (alice)``; the name left out if the uid has none."""
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _kind(st: os.stat_result) -> str:
+    for test, what in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(st.st_mode):
+            return what
+    return "not a plain file"
+
+
+def check_owned(st: os.stat_result, what: str) -> None:
+    """Refuse (ForeignSegment) anything but a plain file owned by this user, mode 0600."""
+    me = os.geteuid()
+    if not stat.S_ISREG(st.st_mode):
+        raise ForeignSegment(f"{what} is {_kind(st)}, owned by {user(st.st_uid)}; refusing "
+                             "to use it")
+    if st.st_uid != me:
+        raise ForeignSegment(
+            f"{what} is owned by {user(st.st_uid)}, not by this user ({user(me)}); refusing "
+            "to use it"
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode != SEGMENT_MODE:
+        raise ForeignSegment(
+            f"{what} has mode {mode:04o} (owner {user(st.st_uid)}), expected "
+            f"{SEGMENT_MODE:04o}; refusing to use it"
+        )
+
+
+def describe_entry(entry: str) -> str:
+    """``/dev/shm/<entry>`` for a message: its owner and mode, or what else it is."""
+    try:
+        st = os.lstat(SHM_DIR / entry)
+    except FileNotFoundError:
+        return f"{SHM_DIR / entry} (gone)"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{SHM_DIR / entry} ({_kind(st)}, owner {user(st.st_uid)})"
+    return f"{SHM_DIR / entry} (owner {user(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):04o})"
+
+
+def open_semaphore(name: str) -> posix_ipc.Semaphore:
+    """Open the existing POSIX semaphore ``name`` (``/dev/shm/sem.<name>``) once it is
+    checked like a segment (``check_owned``). A semaphore has no descriptor to fstat, so
+    the entry is checked before opening and must be the same file after."""
+    path = SHM_DIR / ("sem." + name.lstrip("/"))
+    what = f"semaphore {name}"
+    try:
+        before = os.lstat(path)
+    except FileNotFoundError:
+        raise posix_ipc.ExistentialError(f"No semaphore named {name} exists") from None
+    check_owned(before, what)
+    sem = posix_ipc.Semaphore(name)
+    try:
+        after = os.lstat(path)
+        if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+            raise ForeignSegment(f"{what} was replaced while it was opened; refusing to use it")
+        check_owned(after, what)
+    except BaseException:
+        sem.close()
+        raise
+    return sem
+
+
 def dtype_fingerprint(dtype: np.dtype) -> int:
     """64-bit hash of a dtype's field names, types, offsets and size."""
     text = repr((dtype.descr, dtype.itemsize)).encode()
@@ -88,7 +176,8 @@ def segment_name(instance: str, rank: int, role: str) -> str:
     return f"/{NAME_PREFIX}{instance}.r{rank}.{role}"
 
 
-def _process_start(pid: int) -> float:
+def process_start(pid: int) -> float:
+    """The start time of ``pid`` (psutil's create_time), 0.0 if it cannot be read."""
     try:
         return psutil.Process(pid).create_time()
     except psutil.Error:
@@ -128,9 +217,14 @@ class Segment:
     def create(cls, name: str, spec: SegmentSpec, payload_size: int) -> Segment:
         """Create ``name`` (mode 0600, fails if it exists) and write its header."""
         total = PAYLOAD_OFFSET + payload_size
-        mem = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=total)
         try:
-            os.fchmod(mem.fd, 0o600)  # shm_open applies the umask; be explicit
+            mem = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=SEGMENT_MODE, size=total)
+        except posix_ipc.ExistentialError:
+            raise SegmentError(
+                f"shared-memory segment {name} already exists: {describe_entry(name[1:])}"
+            ) from None
+        try:
+            os.fchmod(mem.fd, SEGMENT_MODE)  # shm_open applies the umask; be explicit
             mm = mmap.mmap(mem.fd, total)
         except BaseException:
             mem.close_fd()
@@ -145,7 +239,7 @@ class Segment:
         h["fingerprint"] = spec.fingerprint
         h["total_size"] = total
         h["creator_pid"] = os.getpid()
-        h["creator_start"] = _process_start(os.getpid())
+        h["creator_start"] = process_start(os.getpid())
         h["magic"] = MAGIC  # last: a header with magic is complete
         return seg
 
@@ -156,7 +250,16 @@ class Segment:
             mem = posix_ipc.SharedMemory(name)
         except posix_ipc.ExistentialError:
             raise SegmentError(f"shared-memory segment {name} does not exist") from None
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            # shm_open never follows a link (O_NOFOLLOW).
+            raise ForeignSegment(
+                f"shared-memory segment {name} is {describe_entry(name[1:])}; refusing to "
+                "use it"
+            ) from None
         try:
+            check_owned(os.fstat(mem.fd), f"shared-memory segment {name}")
             if mem.size < PAYLOAD_OFFSET:
                 raise LayoutMismatch(
                     f"segment {name} is {mem.size} bytes, smaller than its header"
@@ -218,13 +321,25 @@ def unlink_quietly(name: str) -> bool:
         return False
 
 
+def _ours(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
 def read_creator(path: Path) -> tuple[int, float] | None:
-    """(pid, start time) from a segment file's header, or None if it has none yet."""
+    """(pid, start time) from a segment file's header, or None if it has none yet (or is
+    not a plain file of ours: never follow a link, never wait on a FIFO)."""
     try:
-        with path.open("rb") as f:
-            raw = f.read(PAYLOAD_OFFSET)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        if not _ours(os.fstat(fd)):
+            return None
+        raw = os.pread(fd, PAYLOAD_OFFSET, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     if len(raw) < PAYLOAD_OFFSET:
         return None
     h = np.frombuffer(raw, HEADER, count=1)[0]
@@ -236,19 +351,25 @@ def read_creator(path: Path) -> tuple[int, float] | None:
 def creator_alive(pid: int, start: float) -> bool:
     if not psutil.pid_exists(pid):
         return False
-    actual = _process_start(pid)
+    actual = process_start(pid)
     # A different start time means the pid was reused by an unrelated process.
     return actual == 0.0 or start == 0.0 or abs(actual - start) < 1.0
 
 
 def sweep(instance: str) -> list[str]:
     """Unlink the segments (and their semaphores) of ``instance`` whose creator is dead.
-    Segments of live creators and of other instances are never touched. Returns the
-    names removed."""
+    Segments of live creators, of other instances and of other users (or not plain files:
+    see ``foreign_entries``) are never touched. Returns the names removed."""
     prefix = f"{NAME_PREFIX}{instance}."
     removed: list[str] = []
     live_segments: set[str] = set()
     for path in sorted(SHM_DIR.glob(prefix + "*")):
+        try:
+            if not _ours(os.lstat(path)):
+                live_segments.add(path.name)  # not ours to judge; keeps its semaphores too
+                continue
+        except FileNotFoundError:
+            continue
         creator = read_creator(path)
         if creator is None:
             try:
@@ -270,6 +391,11 @@ def sweep(instance: str) -> list[str]:
         if owner in live_segments:
             continue
         try:
+            if not _ours(os.lstat(path)):
+                continue
+        except FileNotFoundError:
+            continue
+        try:
             posix_ipc.unlink_semaphore("/" + sem_name)
             removed.append("/" + sem_name)
         except posix_ipc.ExistentialError:
@@ -285,3 +411,17 @@ def instance_entries(instance: str) -> list[str]:
     return sorted(
         p.name for p in SHM_DIR.iterdir() if p.name.startswith((prefix, "sem." + prefix))
     )
+
+
+def foreign_entries(instance: str) -> list[str]:
+    """Entries of ``instance`` in /dev/shm (segments and semaphores) that are not plain
+    files of this user's with mode 0600, described for a message (``describe_entry``)."""
+    out = []
+    for entry in instance_entries(instance):
+        try:
+            check_owned(os.lstat(SHM_DIR / entry), entry)
+        except FileNotFoundError:
+            continue
+        except ForeignSegment:
+            out.append(describe_entry(entry))
+    return out

@@ -1,5 +1,5 @@
 """Seqlocked stats blocks: one record per worker, written by that worker alone and read
-by any process (supervisor, metrics endpoint, ``top``) without locks.
+by any process (the supervisor, the engine-side client) without locks.
 
 Payload layout, STATS_LAYOUT_VERSION 1: META (slots u64, record bytes u64) on a
 128-byte line, then ``slots`` entries, each on its own 128-byte-aligned span:
@@ -17,8 +17,6 @@ from __future__ import annotations
 import struct
 import time
 import zlib
-
-import numpy as np
 
 from shm.records import RecordLayout
 from shm.segment import PAYLOAD_OFFSET, Segment, SegmentSpec
@@ -93,15 +91,10 @@ class StatsBlock:
             if seq1 == 0:
                 return None
             if seq1 == seq2 and not seq1 & 1 and crc == crc2 == zlib.crc32(raw):
-                return self.layout.packer.unpack(raw)
+                return self.layout.named(*self.layout.packer.unpack(raw))
             if attempt > 16:
                 time.sleep(0)  # let a descheduled writer finish
         raise TornRead(f"stats slot {slot} of {self.name}: no consistent read in {retries} tries")
-
-    def read_array(self) -> np.ndarray:
-        """Every written slot as a structured array (unwritten slots left out)."""
-        rows = [r for r in (self.read(i) for i in range(self.slots)) if r is not None]
-        return self.layout.array(rows) if rows else np.zeros(0, self.layout.dtype)
 
     def close(self) -> None:
         self._seg.close()

@@ -118,9 +118,10 @@ def supervise(
     except ValueError:
         typer.echo(f"sparkcache: --avoid={avoid!r} is invalid: expected PID[,PID]", err=True)
         raise typer.Exit(2) from None
-    sup = supervisor.Supervisor(
-        cfg, avoid=pids, policy=supervisor.Policy(startsecs, startretries)
+    policy = supervisor.Policy(
+        startsecs, startretries, heartbeat_timeout_s=cfg.heartbeat_timeout_s
     )
+    sup = supervisor.Supervisor(cfg, avoid=pids, policy=policy)
     try:
         sup.start()
     except supervisor.SupervisorError as exc:

@@ -1,13 +1,22 @@
 """``SparkCacheClient``: the engine-side half of SparkCache, inside the vLLM worker.
 
 It never blocks and never raises into the serving path: every public method catches
-store and shared-memory faults and turns them into a miss or a skipped publication,
-counted by reason in ``counters``. Publications go to the capture worker as page
-descriptors (block id + page key; never byte ranges); the engine learns which blocks it
-may reuse from ``poll_completions``. A publication not completed by its deadline is
-released there and then: capture checks the same deadline (``time.monotonic`` is one
-clock for every process of the host) after copying and drops a copy that finished late,
-so a block the engine reuses is never stored under an old key.
+store and shared-memory faults (a ring closed, missing or corrupt included) and turns
+them into a miss or a skipped publication, counted by reason in ``counters``.
+Publications go to the capture worker as page descriptors (block id + page key; never
+byte ranges). Two acknowledgements come back:
+
+* ``poll_completions``: the blocks of a publication may be reused (capture copied them,
+  refused the publication, or its deadline passed). Capture checks the same deadline
+  (``time.monotonic`` is one clock for every process of the host) after copying and
+  drops a copy that finished late, so a block the engine reuses is never stored under an
+  old key.
+* ``poll_durable``: a captured publication's root is durable (commit's index transaction
+  is done) or failed, with a reason. Only this says the store holds it.
+
+The read side opens the index read-only (``StoreReader``) and writes nothing: the lease
+a lookup takes, the access a restore records and the quarantine of a corrupt object it
+finds are requests to the maintenance worker.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import itertools
 import logging
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,40 +38,46 @@ from shm import FREE, Producer, RingEmpty, RingFull
 from shm.layouts import PUBLISH, split_key
 from sparkcache import kvmem, segments
 from sparkcache.config import AccessMode, Config
-from sparkcache.identity import Namespace, sequence_keys
-from sparkcache.store import PageStore
-from workers.lifecycle import Role, State
+from sparkcache.identity import KeyExtras, Namespace, sequence_keys
+from sparkcache.protocol import (
+    CaptureStatus,
+    DurableStatus,
+    RequestKind,
+    status_name,
+    worker_alive,
+)
+from sparkcache.store.reader import StoreReader
+from workers.lifecycle import Role
 
 log = logging.getLogger(__name__)
 
-STATUS_OK = 0
-# A worker whose heartbeat is older than this counts as down: publications are skipped.
-HEARTBEAT_STALE_S = 3.0
 RECONNECT_INTERVAL_S = 1.0
 HEALTH_CACHE_S = 0.05
+# A captured publication whose durability commit has not reported after this long is
+# reported failed ("no_answer"): commit died with it and no successor redid it, or the
+# durable ring was full.
+DURABLE_TIMEOUT_S = 120.0
+SETTLED_KEPT = 65536
 
 
 @dataclass
 class ClientCounters:
-    """Process-local counters; ``skipped`` and ``errors`` are keyed by reason."""
+    """Process-local counters; ``skipped``, ``misses`` and the failures by reason."""
 
     published: int = 0
     pages_published: int = 0
     completed: int = 0
     capture_failed: Counter = field(default_factory=Counter)
     released_by_deadline: int = 0
+    durable: int = 0
+    not_durable: Counter = field(default_factory=Counter)
     skipped: Counter = field(default_factory=Counter)
     lookups: int = 0
+    unleased_lookups: int = 0  # counted with no supervisor running (nothing evicts then)
     restored_pages: int = 0
     misses: Counter = field(default_factory=Counter)
-    touches_dropped: int = 0
-
-
-# Capture's completion statuses (workers.capture), by name.
-CAPTURE_STATUS = {
-    0: "captured", 1: "expired", 2: "unregistered", 3: "bad_block", 4: "no_slot",
-    5: "too_large", 6: "failed",
-}
+    requests_dropped: int = 0
+    ring_errors: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,7 +86,17 @@ class Completion:
 
     seq_id: str | int
     blocks: list[int]
-    status: str  # "captured" (acknowledged), "expired", or why capture refused it
+    status: str  # "captured" (on to commit), "expired", or why capture refused it
+    pages_copied: int = 0  # captured: pages copied (the rest the store held, leased)
+
+
+@dataclass(frozen=True)
+class Durability:
+    """What became of a captured publication's root."""
+
+    seq_id: str | int
+    durable: bool
+    reason: str  # "durable", or why not (a DurableStatus name, or "no_answer")
 
 
 @dataclass
@@ -94,13 +119,17 @@ class _Connection:
 
     def __init__(self, cfg: Config, rank: int) -> None:
         self.parts: list = []
+        # A worker silent this long is down (the supervisor kills it at the same age):
+        # publications are skipped meanwhile.
+        self.stale_after_s = cfg.heartbeat_timeout_s
         try:
             self.stats = self._keep(segments.attach_stats(cfg, rank))
             self.arena = self._keep(segments.attach_arena(cfg, rank))
             self.publish = self._keep(segments.producer(cfg, rank, "publish"))
             # spin_s=0: an empty poll must return at once, not spin in the engine.
             self.completion = self._keep(segments.consumer(cfg, rank, "completion", spin_s=0))
-            self.touch = self._keep(segments.producer(cfg, rank, "touch"))
+            self.durable = self._keep(segments.consumer(cfg, rank, "durable", spin_s=0))
+            self.request = self._keep(segments.producer(cfg, rank, "request"))
         except BaseException:
             self.close()
             raise
@@ -110,15 +139,11 @@ class _Connection:
         return part
 
     def worker_alive(self, role: Role) -> bool:
-        rec = self.stats.read(int(role))
-        if rec is None:
-            return False
-        state, heartbeat = rec[1], rec[2]
-        return state == State.READY and time.time() - heartbeat < HEARTBEAT_STALE_S
+        return worker_alive(self.stats.read(int(role)), self.stale_after_s)
 
     def store_used(self) -> int:
-        rec = self.stats.read(int(Role.MAINTENANCE))
-        return 0 if rec is None else int(rec[7])
+        report = self.stats.read(int(Role.MAINTENANCE))
+        return 0 if report is None else int(report.used_bytes)
 
     def close(self) -> None:
         for part in reversed(self.parts):
@@ -137,15 +162,20 @@ class SparkCacheClient:
         cfg: Config,
         rank: int = 0,
         *,
-        model_id: str = "model",
+        model_id: str,
         tp_size: int = 1,
-        release_timeout_s: float = 5.0,
     ) -> None:
+        """``model_id`` names the model's weights (e.g. name and revision): part of every
+        page key, so it must be given, and be the same after a restart."""
+        if not isinstance(model_id, str) or not model_id.strip():
+            raise ValueError(
+                f"model_id {model_id!r}: give the model's identity (e.g. its name and "
+                f"revision); pages are keyed by it"
+            )
         self.cfg = cfg
         self.rank = rank
         self.model_id = model_id
         self.tp_size = tp_size
-        self.release_timeout_s = release_timeout_s
         self.max_pending = 2 * cfg.capture_slots
         # Beyond max_bytes by the gap between the watermarks: maintenance had that much
         # room to catch up; past it publications are refused rather than overrunning.
@@ -154,9 +184,15 @@ class SparkCacheClient:
         self._reg: _Registration | None = None
         self._conn: _Connection | None = None
         self._next_connect = 0.0
-        self._store: PageStore | None = None
+        self._reader: StoreReader | None = None
         self._pending: dict[int, _Pending] = {}
         self._released: list[Completion] = []
+        # Captured publications whose durability commit has yet to report: pub id ->
+        # (seq id, captured at).
+        self._awaiting: dict[int, tuple[str | int, float]] = {}
+        # Reports not yet taken by poll_durable; an engine that never asks keeps only the
+        # newest (its counters still count every one).
+        self._settled: deque[Durability] = deque(maxlen=SETTLED_KEPT)
         self._health_at = 0.0
         self._capture_alive = False
         self._store_full = False
@@ -165,15 +201,22 @@ class SparkCacheClient:
 
     # ---------------------------------------------------------------- registration
 
-    def register_kv_caches(self, tensors: Sequence[torch.Tensor], block_dim: int = 1) -> bool:
+    def register_kv_caches(self, tensors: Sequence[torch.Tensor], block_dim: int = 1,
+                           block_size_dim: int | None = None) -> bool:
         """Register the layer tensors (block ``b`` of a page is ``t.select(block_dim, b)``
-        of each; its next dimension is ``page_tokens`` long). False if refused (logged)."""
+        of each; dimension ``block_size_dim``, by default the next one, is ``page_tokens``
+        long: vLLM 0.33's ``[blocks, heads, block size, K+V head size]`` views take
+        ``block_dim=0, block_size_dim=2``). False if refused (logged). The namespace takes
+        the per-page layout only (``kvmem.page_layout``), not the number of blocks:
+        re-registering after a restart finds the pages stored before."""
         try:
             tensors = list(tensors)
             shape = tensors[0].shape
-            if shape[block_dim + 1] != self.cfg.page_tokens:
+            size_dim = block_dim + 1 if block_size_dim is None else block_size_dim
+            if shape[size_dim] != self.cfg.page_tokens:
                 raise ValueError(
-                    f"block size {shape[block_dim + 1]} != page_tokens {self.cfg.page_tokens}"
+                    f"block size {shape[size_dim]} (dimension {size_dim} of "
+                    f"{list(shape)}) != page_tokens {self.cfg.page_tokens}"
                 )
             views = kvmem.BlockViews(tensors, block_dim)
             self.cfg.check_page_fits(views.page_bytes)
@@ -182,7 +225,7 @@ class SparkCacheClient:
                 self.cfg.store_dir, self.rank, reg_gen, block_dim, kvmem.describe(tensors)
             )
             ns = Namespace(
-                self.model_id, str(tensors[0].dtype), f"blockdim{block_dim}:{list(shape)}",
+                self.model_id, str(tensors[0].dtype), views.page_layout(),
                 self.tp_size, self.rank, self.cfg.page_tokens,
             )
             self._reg = _Registration(views, reg_gen, ns, ns.seed())
@@ -245,15 +288,16 @@ class SparkCacheClient:
         return None
 
     def publish(self, seq_id: str | int, token_ids: Sequence[int] | np.ndarray,
-                block_ids: Sequence[int]) -> bool:
-        """Queue the pages of ``token_ids`` (held in ``block_ids``) for capture. True if
-        taken: its blocks then stay in use until ``poll_completions`` releases them."""
+                block_ids: Sequence[int], *, extra: KeyExtras | None = None) -> bool:
+        """Queue the pages of ``token_ids`` (held in ``block_ids``) for capture, keyed with
+        the request's ``extra`` (adapter, multimodal hashes, cache salt). True if taken:
+        its blocks then stay in use until ``poll_completions`` releases them."""
         try:
             reason = self._admission()
             if reason is None:
-                reason = self._push(seq_id, token_ids, block_ids)
+                reason = self._push(seq_id, token_ids, block_ids, extra)
         except Exception:
-            log.exception("publish failed")
+            self._ring_fault("publish")
             reason = "error"
         if reason is not None:
             self.counters.skipped[reason] += 1
@@ -261,10 +305,10 @@ class SparkCacheClient:
         return True
 
     def _push(self, seq_id: str | int, token_ids: Sequence[int] | np.ndarray,
-              block_ids: Sequence[int]) -> str | None:
+              block_ids: Sequence[int], extra: KeyExtras | None = None) -> str | None:
         reg, conn = self._reg, self._conn
         assert reg is not None and conn is not None
-        keys = sequence_keys(reg.namespace, token_ids).all()
+        keys = self._keys(token_ids, extra)
         n = len(keys)
         if n == 0 or len(block_ids) < n:
             return "bad_request"
@@ -275,7 +319,7 @@ class SparkCacheClient:
         recs["key_hi"], recs["key_lo"] = halves[:, 0], halves[:, 1]
         root = hashlib.blake2b(reg.seed + str(seq_id).encode(), digest_size=16).hexdigest()
         pub_id = next(self._pub_ids)
-        deadline = time.monotonic() + self.release_timeout_s
+        deadline = time.monotonic() + self.cfg.release_timeout_seconds
         recs["root_hi"], recs["root_lo"] = split_key(root)
         recs["pub_id"] = pub_id
         recs["block_id"] = np.asarray(block_ids[:n], dtype=np.int64)
@@ -292,35 +336,67 @@ class SparkCacheClient:
         self.counters.pages_published += n
         return None
 
+    def _ring_fault(self, what: str) -> None:
+        """A ring raised something other than full/empty (closed, gone, corrupt): count
+        it, drop the connection (a new supervisor may have new segments) and go on."""
+        self.counters.ring_errors += 1
+        log.warning("%s: ring error; reconnecting later", what, exc_info=True)
+        self._disconnect()
+
     def _poll(self, conn: _Connection) -> None:
-        """Move completed publications to ``_released`` (handed out by
-        ``poll_completions``)."""
+        """Move completions to ``_released`` and durability reports to ``_settled``."""
+        now = time.monotonic()
+        for pub_id, status, copied in self._drain(conn.completion):
+            entry = self._pending.pop(pub_id, None)
+            if entry is None:
+                continue  # released by its deadline already, or not ours
+            what = status_name(CaptureStatus, status)
+            self._released.append(Completion(entry.seq_id, entry.blocks, what, copied))
+            if status == CaptureStatus.CAPTURED:
+                self.counters.completed += 1
+                self._awaiting[pub_id] = (entry.seq_id, now)
+            else:
+                self.counters.capture_failed[what] += 1
+        for pub_id, status, _ in self._drain(conn.durable):
+            # The durable report can overtake the completion (two rings): look in both.
+            entry = self._awaiting.pop(pub_id, None)
+            if entry is None:
+                pending = self._pending.get(pub_id)
+                if pending is None:
+                    continue
+                entry = (pending.seq_id, now)
+            self._settle(entry[0], status_name(DurableStatus, status))
+
+    @staticmethod
+    def _drain(consumer: Any) -> list[tuple]:
+        out: list[tuple] = []
         while True:
             try:
-                batch = conn.completion.pop_batch(256, timeout=0)
+                out += consumer.pop_batch(256, timeout=0).tolist()
             except RingEmpty:
-                break
-            for pub_id, status, _ in batch.tolist():
-                entry = self._pending.pop(pub_id, None)
-                if entry is None:
-                    continue  # released by its deadline already
-                what = CAPTURE_STATUS.get(status, f"status {status}")
-                self._released.append(Completion(entry.seq_id, entry.blocks, what))
-                if status == STATUS_OK:
-                    self.counters.completed += 1
-                else:
-                    self.counters.capture_failed[what] += 1
+                return out
 
-    def poll_completions(self) -> list[Completion]:
-        """Publications whose blocks the engine may reuse now: captured (acknowledged:
-        their root reaches the store), failed, or past their deadline ("expired")."""
+    def _settle(self, seq_id: str | int, reason: str) -> None:
+        durable = reason == "durable"
+        self._settled.append(Durability(seq_id, durable, reason))
+        if durable:
+            self.counters.durable += 1
+        else:
+            self.counters.not_durable[reason] += 1
+
+    def _poll_safely(self) -> None:
         try:
             conn = self._connection()
             if conn is not None:
                 self._poll(conn)
         except Exception:
-            log.exception("completion poll failed")
-            self._disconnect()
+            self._ring_fault("completion poll")
+
+    def poll_completions(self) -> list[Completion]:
+        """Publications whose blocks the engine may reuse now: captured (copied; see
+        ``poll_durable`` for whether the root reached the store), refused, or past their
+        deadline ("expired")."""
+        self._poll_safely()
         now = time.monotonic()
         for pub_id in [p for p, e in self._pending.items() if e.deadline <= now]:
             entry = self._pending.pop(pub_id)
@@ -329,92 +405,137 @@ class SparkCacheClient:
         released, self._released = self._released, []
         return released
 
+    def poll_durable(self) -> list[Durability]:
+        """Captured publications whose fate is now known: durable, or failed and why."""
+        self._poll_safely()
+        now = time.monotonic()
+        for pub_id in [p for p, (_, t) in self._awaiting.items() if now - t > DURABLE_TIMEOUT_S]:
+            self._settle(self._awaiting.pop(pub_id)[0], "no_answer")
+        settled = list(self._settled)
+        self._settled.clear()
+        return settled
+
     @property
     def pending(self) -> int:
         """Publications whose blocks are still held."""
         return len(self._pending)
 
+    @property
+    def awaiting_durable(self) -> int:
+        """Captured publications whose durability is not known yet."""
+        return len(self._awaiting)
+
     # ---------------------------------------------------------------- read side
 
-    def _open_store(self) -> PageStore | None:
-        if self._store is None:
-            # Never flushes touches itself (they go to commit), hence the infinite batch.
-            self._store = PageStore(
-                self.cfg.store_dir, self.rank, lease_seconds=self.cfg.lease_seconds, create=False,
-                touch_batch=2**62, touch_interval_s=float("inf"),
-            )
-        return self._store
+    def _open_reader(self) -> StoreReader:
+        if self._reader is None:
+            self._reader = StoreReader(self.cfg.store_dir, self.rank)
+        return self._reader
 
-    def _keys(self, token_ids: Sequence[int] | np.ndarray) -> list[str]:
+    def _keys(self, token_ids: Sequence[int] | np.ndarray,
+              extra: KeyExtras | None = None) -> list[str]:
         assert self._reg is not None
-        return list(sequence_keys(self._reg.namespace, token_ids).all())
+        if extra is not None and not isinstance(extra, KeyExtras):
+            raise TypeError(f"extra must be a KeyExtras or None, not {type(extra).__name__}")
+        return list(sequence_keys(self._reg.namespace, token_ids, extra).all())
 
-    def lookup(self, token_ids: Sequence[int] | np.ndarray) -> int:
-        """Tokens of ``token_ids`` whose pages the store holds (a prefix); 0 on any fault."""
+    def _request(self, kind: RequestKind, key: str, arg: int, seconds: float = 0.0) -> bool:
+        """Send maintenance a request; False if it could not be sent."""
+        conn = self._connection()
+        if conn is None:
+            self.counters.requests_dropped += 1
+            return False
+        try:
+            conn.request.try_push((int(kind), 0, *split_key(key), arg, time.time(), seconds))
+            return True
+        except RingFull:
+            self.counters.requests_dropped += 1
+        except Exception:
+            self._ring_fault("request")
+        return False
+
+    def lookup(self, token_ids: Sequence[int] | np.ndarray, *,
+               extra: KeyExtras | None = None) -> int:
+        """Tokens of ``token_ids`` (with the request's ``extra``) whose pages the store
+        holds (a prefix), leased for
+        ``lookup_lease_seconds`` so the restore that follows finds them; 0 on any fault,
+        or when the lease cannot be taken at once (a miss, counted)."""
         try:
             if self.cfg.access_mode is AccessMode.OFF or self._reg is None:
                 return 0
             self.counters.lookups += 1
-            store = self._open_store()
-            pages = store.lookup(self._keys(token_ids)) if store else 0
+            keys = self._keys(token_ids, extra)
+            reader = self._open_reader()
+            if not reader.gate.try_shared():
+                self.counters.misses["evicting"] += 1
+                return 0
+            try:
+                pages = reader.lookup(keys)
+                if pages and self._connection() is None:
+                    # No supervisor, so no maintenance evicts: what was counted stays
+                    # until one starts. Restoring from disk then still works.
+                    self.counters.unleased_lookups += 1
+                elif pages and not self._request(RequestKind.LEASE, keys[pages - 1],
+                                                 pages - 1, self.cfg.lookup_lease_seconds):
+                    self.counters.misses["no_lease"] += 1
+                    return 0
+            finally:
+                reader.gate.release()
             return min(pages * self.cfg.page_tokens, len(token_ids))
         except Exception:
-            log.exception("lookup failed")
+            log.warning("lookup failed; a miss", exc_info=True)
             self.counters.misses["error"] += 1
             return 0
 
-    def restore(self, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int]) -> int:
-        """Read the stored prefix of ``token_ids`` into ``block_ids`` of the registered
-        tensors; the number of tokens restored (0 on any fault)."""
+    def restore(self, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int], *,
+                extra: KeyExtras | None = None) -> int:
+        """Read the stored prefix of ``token_ids`` (with the request's ``extra``) into
+        ``block_ids`` of the registered tensors; the number of tokens restored (0 on any
+        fault)."""
         try:
-            return self._restore(token_ids, block_ids)
+            return self._restore(token_ids, block_ids, extra)
         except Exception:
-            log.exception("restore failed")
+            log.warning("restore failed; a miss", exc_info=True)
             self.counters.misses["error"] += 1
             return 0
 
-    def _restore(self, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int]) -> int:
+    def _restore(self, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int],
+                 extra: KeyExtras | None = None) -> int:
         reg = self._reg
         if self.cfg.access_mode is AccessMode.OFF or reg is None:
             return 0
-        keys = self._keys(token_ids)[: len(block_ids)]
+        keys = self._keys(token_ids, extra)[: len(block_ids)]
         if any(not 0 <= b < reg.views.num_blocks for b in block_ids[: len(keys)]):
             self.counters.misses["bad_block"] += 1
             return 0
-        store = self._open_store()
-        if store is None or not keys:
+        if not keys:
             return 0
+        reader = self._open_reader()
         pbytes = reg.views.page_bytes
         if self._scratch.size < len(keys) * pbytes:
             self._scratch = np.empty(len(keys) * pbytes, np.uint8)
         rows = self._scratch[: len(keys) * pbytes].reshape(len(keys), pbytes)
-        got = store.restore(keys, list(rows))
+        result = reader.restore(keys, list(rows))
+        got = result.pages
         for i in range(got):
             reg.views.scatter(int(block_ids[i]), rows[i])
         self.counters.restored_pages += got
+        for bad in result.bad:
+            self.counters.misses["corrupt"] += 1
+            self._request(RequestKind.QUARANTINE, bad.key, int(bad.generation, 16))
         if got < len(keys):
             self.counters.misses["not_stored"] += 1
-        self._send_touches(store)
+        if got:
+            # Only an access time is lost if this cannot be sent; the lease then ends early.
+            self._request(RequestKind.TOUCH, keys[got - 1], got - 1)
         return min(got * self.cfg.page_tokens, len(token_ids))
-
-    def _send_touches(self, store: PageStore) -> None:
-        touches = store.take_touches()
-        conn = self._connection()
-        for key, pos, when in touches:
-            try:
-                if conn is None:
-                    raise RingFull("not connected")
-                conn.touch.try_push((*split_key(key), pos, when))
-            except RingFull:
-                # Only an access time is lost; its lease then ends a little early.
-                self.counters.touches_dropped += 1
 
     def close(self) -> None:
         """Detach from the rings (without closing them: a new client may attach)."""
         try:
             self._disconnect()
-            if self._store is not None:
-                self._store.close()
-                self._store = None
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None
         except Exception:
             log.exception("client close failed")

@@ -31,6 +31,9 @@ TiB = 1024 * GiB
 _SIZE_UNITS = {"": 1, "B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": TiB}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+# Workers beat at least every 0.2 s when idle, and at least once a second while a long step
+# makes progress (workers.lifecycle.checkpoint); a shorter limit would kill healthy ones.
+MIN_HEARTBEAT_TIMEOUT_S = 1.0
 
 
 class AccessMode(str, Enum):
@@ -86,16 +89,39 @@ class Config:
         default=300.0,
         metadata=_help("Seconds a new or restoring root is protected from eviction, >= 0."),
     )
+    lookup_lease_seconds: float = field(
+        default=30.0,
+        metadata=_help(
+            "Seconds a lookup protects the prefix it counted, so the restore that follows "
+            "finds it, > 0."
+        ),
+    )
+    release_timeout_seconds: float = field(
+        default=5.0,
+        metadata=_help(
+            "Seconds the engine lends blocks to capture before taking them back, > 0; "
+            "capture refuses publications whose deadline lies further ahead."
+        ),
+    )
     page_tokens: int = field(default=16, metadata=_help("Tokens per page, >= 1."))
     cpus: tuple[int, ...] | None = field(
         default=None,
         metadata=_help("Cores for SparkCache workers, e.g. 6-7 or 2,3; default: any."),
     )
+    heartbeat_timeout_s: float = field(
+        default=10.0,
+        metadata=_help(
+            "Seconds a running worker may go without a heartbeat before the supervisor "
+            "kills and restarts it (hung or stopped), >= 1."
+        ),
+    )
     metrics_host: str = field(
-        default="127.0.0.1", metadata=_help("Address the /metrics endpoint binds.")
+        default="127.0.0.1",
+        metadata=_help("Address reserved for the /metrics endpoint (not served yet)."),
     )
     metrics_port: int = field(
-        default=9464, metadata=_help("Port of the /metrics endpoint; 0 disables it.")
+        default=9464,
+        metadata=_help("Port reserved for the /metrics endpoint (not served yet); 0: none."),
     )
 
     def check_page_fits(self, page_bytes: int) -> None:
@@ -179,7 +205,8 @@ def _parse_field(name: str, text: str) -> Any:
             return int(text)
         except ValueError:
             raise ValueError("a whole number") from None
-    if name == "lease_seconds":
+    if name in ("lease_seconds", "lookup_lease_seconds", "release_timeout_seconds",
+                "heartbeat_timeout_s"):
         try:
             return float(text)
         except ValueError:
@@ -266,6 +293,12 @@ def validate(
         bad("capture_slot_bytes", f"at least one page (>= {cfg.page_tokens} bytes)")
     if cfg.lease_seconds < 0:
         bad("lease_seconds", "zero or more seconds")
+    for name in ("lookup_lease_seconds", "release_timeout_seconds"):
+        value = getattr(cfg, name)
+        if not 0 < value <= 3600:
+            bad(name, "more than 0 and at most 3600 seconds")
+    if not cfg.heartbeat_timeout_s >= MIN_HEARTBEAT_TIMEOUT_S:  # also refuses NaN
+        bad("heartbeat_timeout_s", f"a number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S:g}")
     if not 0 <= cfg.metrics_port <= 65535:
         bad("metrics_port", "a port from 0 to 65535")
     if cfg.cpus is not None:

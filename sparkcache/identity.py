@@ -5,9 +5,15 @@ Because every key folds in its whole prefix and the namespace, two pages share a
 if they hold the same tokens after the same prefix, for the same model, dtype, KV layout,
 tensor-parallel size, rank, page size and format: keys from another namespace never hit.
 
+The namespace holds what determines a page's bytes and nothing else: in particular not
+the number of KV blocks, which vLLM sizes by profiling free memory at every start, so a
+restarted engine finds the pages it stored before. What a request adds beyond its tokens
+(a LoRA adapter, multimodal input hashes, a cache salt) is ``KeyExtras``, folded into the
+chain seed of that request's keys.
+
 H is blake2b with a 16-byte digest. Each use has its own ``person`` tag (namespace, full
-page, tail page) so a tail key can never equal a full-page key or a seed, and every
-variable-length field is length-prefixed so field boundaries cannot be shifted.
+page, tail page, request extras) so a tail key can never equal a full-page key or a seed,
+and every variable-length field is length-prefixed so field boundaries cannot be shifted.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ KEY_HEX_LEN = 2 * KEY_BYTES
 _PERSON_NAMESPACE = b"sparkcache-ns"
 _PERSON_PAGE = b"sparkcache-page"
 _PERSON_TAIL = b"sparkcache-tail"
+_PERSON_EXTRAS = b"sparkcache-xtra"
 # Tokens are hashed as little-endian int64 whatever the caller's dtype, so a list of ints
 # and an int32 or int64 numpy array of the same values give the same key.
 _TOKEN_DTYPE = np.dtype("<i8")
@@ -70,6 +77,14 @@ class Namespace:
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
+        for name in ("model_id", "dtype", "kv_layout"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(
+                    f"{name} {value!r} must be a non-empty string"
+                    + (": the model's identity (name and revision), given explicitly"
+                       if name == "model_id" else "")
+                )
         if self.tp_size < 1:
             raise ValueError(f"tp_size {self.tp_size!r} must be >= 1")
         if not 0 <= self.rank < self.tp_size:
@@ -85,6 +100,63 @@ class Namespace:
         for number in (self.tp_size, self.rank, self.page_tokens, self.format_version):
             h.update(_U64.pack(number))
         return h.digest()
+
+
+@dataclass(frozen=True)
+class KeyExtras:
+    """Per-request key material beyond the tokens: two requests share pages only if these
+    are equal too. ``None`` / ``()`` mean absent; an empty string is a value.
+
+    - ``adapter``: the LoRA adapter (name or id) the request runs with.
+    - ``mm_hashes``: hashes of the request's multimodal inputs, in prompt order.
+    - ``cache_salt``: an opaque salt (vLLM's ``cache_salt``), e.g. per tenant.
+
+    They are folded into the chain seed, so every page of such a request differs from the
+    same tokens without them (a prefix before an image is not shared with a text-only
+    request: conservative, never wrong).
+    """
+
+    adapter: str | None = None
+    mm_hashes: tuple[str, ...] = ()
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        hashes = self.mm_hashes
+        if isinstance(hashes, str | bytes) or not all(isinstance(h, str) for h in hashes):
+            raise ValueError(f"mm_hashes {hashes!r} must be a sequence of strings")
+        object.__setattr__(self, "mm_hashes", tuple(hashes))
+        for name in ("adapter", "cache_salt"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} {value!r} must be a string or None")
+
+    def empty(self) -> bool:
+        return self.adapter is None and not self.mm_hashes and self.cache_salt is None
+
+    def fold(self, seed: bytes) -> bytes:
+        """The chain seed of a request with these extras under namespace seed ``seed``:
+        ``seed`` itself when there are none, so a plain request's keys do not change.
+        Each present field goes in as its kind tag and its length-prefixed value, so
+        extras of different kinds (salt "a", adapter "a") never give the same seed."""
+        if self.empty():
+            return seed
+        h = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON_EXTRAS)
+        h.update(seed)
+        if self.adapter is not None:
+            h.update(_field(b"adapter") + _field(self.adapter.encode("utf-8")))
+        if self.mm_hashes:
+            h.update(_field(b"mm") + _U64.pack(len(self.mm_hashes)))
+            for value in self.mm_hashes:
+                h.update(_field(value.encode("utf-8")))
+        if self.cache_salt is not None:
+            h.update(_field(b"salt") + _field(self.cache_salt.encode("utf-8")))
+        return h.digest()
+
+
+def chain_seed(namespace: Namespace, extra: KeyExtras | None = None) -> bytes:
+    """``h_{-1}`` of a request: the namespace seed with the request's extras folded in."""
+    seed = namespace.seed()
+    return seed if extra is None else extra.fold(seed)
 
 
 @dataclass(frozen=True)
@@ -114,12 +186,15 @@ def _chain(prev: bytes, tokens: np.ndarray, person: bytes) -> bytes:
     return h.digest()
 
 
-def sequence_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> SequenceKeys:
-    """Chained keys of ``tokens`` under ``namespace``; the tail is the last partial page."""
+def sequence_keys(
+    namespace: Namespace, tokens: Sequence[int] | np.ndarray, extra: KeyExtras | None = None
+) -> SequenceKeys:
+    """Chained keys of ``tokens`` under ``namespace`` (and the request's ``extra``); the
+    tail is the last partial page."""
     arr = _token_bytes(tokens)
     step = namespace.page_tokens
     full = arr.size // step
-    prev = namespace.seed()
+    prev = chain_seed(namespace, extra)
     keys = []
     for i in range(full):
         prev = _chain(prev, arr[i * step : (i + 1) * step], _PERSON_PAGE)

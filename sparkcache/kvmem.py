@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from shm.segment import Segment, SegmentSpec, segment_name
+from sparkcache.store import layout
 
 KV_SPEC = SegmentSpec("kvcache", 1)
 _ALIGN = 4096
@@ -161,21 +162,39 @@ def registry_path(store_dir: Path, rank: int) -> Path:
 
 def write_registry(store_dir: Path, rank: int, reg_gen: int, block_dim: int,
                    desc: dict[str, Any]) -> None:
-    """Atomically write the descriptor capture reads (0600)."""
-    store_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = registry_path(store_dir, rank)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"reg_gen": reg_gen, "block_dim": block_dim, **desc}, f)
-    os.replace(tmp, path)
+    """Atomically write the descriptor capture reads (0600), inside the store dir once it
+    is checked, never through a link (UnsafeStoreDir if the dir is not safe)."""
+    dir_fd = layout.open_store_dir(store_dir, create=True)
+    try:
+        data = {"reg_gen": reg_gen, "block_dim": block_dim, **desc}
+        layout.write_file(dir_fd, registry_path(store_dir, rank).name, json.dumps(data).encode())
+    finally:
+        os.close(dir_fd)
 
 
 def read_registry(store_dir: Path, rank: int) -> dict[str, Any] | None:
     try:
-        return json.loads(registry_path(store_dir, rank).read_text())
+        return json.loads(layout.read_file(registry_path(store_dir, rank)))
     except (OSError, ValueError):
         return None
+
+
+def page_layout(tensors: list[torch.Tensor], block_dim: int) -> str:
+    """What fixes the bytes of one page, and nothing else: per layer tensor in order, its
+    dtype and its shape without the block dimension (K/V, block size = page tokens, heads,
+    head size). A page's bytes are each tensor's block in logical order (``BlockViews``),
+    so neither the number of blocks (sized by vLLM at every start) nor the strides (the
+    attention backend's physical order) change them and neither is part of the layout.
+    The one place a namespace's ``kv_layout`` comes from."""
+    if not tensors:
+        raise ValueError("no KV tensors")
+    parts = []
+    for t in tensors:
+        if not 0 <= block_dim < t.dim():
+            raise ValueError(f"block_dim {block_dim} out of range for shape {list(t.shape)}")
+        per_page = [int(n) for i, n in enumerate(t.shape) if i != block_dim]
+        parts.append(f"{str(t.dtype).removeprefix('torch.')}{per_page}")
+    return f"pages/v1:{len(tensors)}:" + ";".join(parts)
 
 
 class BlockViews:
@@ -215,6 +234,10 @@ class BlockViews:
         self.page_bytes = sum(self.run_bytes)
         self._device = all(t.is_cuda for t in tensors) and all(g is not None for g in self._grids)
         self._staging: torch.Tensor | None = None
+
+    def page_layout(self) -> str:
+        """``page_layout`` of the registered tensors: the namespace's ``kv_layout``."""
+        return page_layout(self.tensors, self.block_dim)
 
     def _check(self, buf: np.ndarray, nbytes: int) -> None:
         if buf.dtype != np.uint8 or not buf.flags.c_contiguous or buf.size < nbytes:

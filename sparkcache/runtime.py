@@ -1,7 +1,8 @@
-"""``<store>/runtime.json``: how clients, ``status`` and ``top`` find a running
+"""``<store>/runtime.json``: how ``status`` (and later tools) find a running
 supervisor and its workers. The supervisor rewrites it (0600, atomically) whenever a
 worker changes state and removes it when it stops. Kept apart from the supervisor so
-readers need not import the workers (and torch).
+readers need not import the workers (and torch). Written inside the checked store dir
+without following links (``sparkcache.store.layout.write_file``).
 """
 
 from __future__ import annotations
@@ -13,21 +14,24 @@ from typing import Any
 
 import psutil
 
+from sparkcache.store import layout
+
 RUNTIME_FILE = "runtime.json"
 
 
 def write(store_dir: Path, data: dict[str, Any]) -> None:
-    path = store_dir / RUNTIME_FILE
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    """Atomically replace ``runtime.json`` (0600) in ``store_dir``, which must be safe
+    (UnsafeStoreDir otherwise)."""
+    dir_fd = layout.open_store_dir(store_dir, create=False)
+    try:
+        layout.write_file(dir_fd, RUNTIME_FILE, json.dumps(data).encode())
+    finally:
+        os.close(dir_fd)
 
 
 def read(store_dir: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((store_dir / RUNTIME_FILE).read_text())
+        return json.loads(layout.read_file(store_dir / RUNTIME_FILE))
     except (OSError, ValueError):
         return None
 

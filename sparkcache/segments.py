@@ -4,12 +4,14 @@ and unlinks them; the client and the workers attach by these names."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from shm import Consumer, Producer, Ring, SlotArena, StatsBlock, segment_name
-from shm.layouts import COMPLETION, FILLED, FREED, PUBLISH, TOUCH, WORKER_STATS
+from shm.layouts import COMPLETION, DURABLE, FILLED, FREED, PUBLISH, REQUEST, WORKER_STATS
 from shm.records import RecordLayout
-from sparkcache.config import Config
+from sparkcache.config import AccessMode, Config
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +22,8 @@ RINGS: dict[str, tuple[RecordLayout, int]] = {
     "completion": (COMPLETION, 1024),
     "filled": (FILLED, 256),
     "freed": (FREED, 256),
-    "touch": (TOUCH, 4096),
+    "durable": (DURABLE, 1024),
+    "request": (REQUEST, 4096),
 }
 ARENA = "arena"
 STATS = "stats"
@@ -85,3 +88,67 @@ class RankSegments:
             ring.close()
         self.arena.close()
         self.stats.close()
+
+
+# ---------------------------------------------------------------------- /dev/shm space
+
+SHM_DIR = Path("/dev/shm")
+_PAGE = 4096
+_HEADER = 64 + 3 * 128  # segment header + a primitive's metadata lines (an upper bound)
+
+
+def _pages(n: int) -> int:
+    return (n + _PAGE - 1) // _PAGE * _PAGE
+
+
+def shm_needed(cfg: Config) -> dict[str, int]:
+    """Bytes of /dev/shm one rank's segments take once in use, to the page (an upper
+    bound): the arena (only in read-write mode: without capture nobody touches it and
+    tmpfs allocates nothing), the rings (records and their table, two semaphores each),
+    the stats block."""
+    arena = 0
+    if cfg.access_mode is AccessMode.READ_WRITE:
+        # Slot data starts on a page past the header and slot table: one page more.
+        table = _pages(_HEADER + 32 * cfg.capture_slots) + _PAGE
+        arena = cfg.capture_slots * cfg.capture_slot_bytes + table
+    rings = sum(
+        _pages(_HEADER + capacity * (layout.itemsize + 32)) + 2 * _PAGE
+        for layout, capacity in RINGS.values()
+    )
+    stats = _pages(_HEADER + 3 * (16 + WORKER_STATS.itemsize + 128))
+    return {"arena": arena, "rings": rings, "stats": stats}
+
+
+class ShmSpaceError(RuntimeError):
+    """/dev/shm cannot hold the segments of every rank."""
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{int(n)}B"
+
+
+def check_shm_space(cfg: Config, shm_dir: Path = SHM_DIR) -> None:
+    """Refuse (ShmSpaceError, one line naming what is needed and what to change) when
+    ``shm_dir`` has less free space than the ranks' segments need. tmpfs allocates on
+    first touch, so without this a small /dev/shm (64 MiB in a container by default) is
+    found out by a SIGBUS in the middle of a copy."""
+    st = os.statvfs(shm_dir)
+    if st.f_blocks == 0:
+        return  # a tmpfs mounted without a size limit reports no blocks at all
+    free = st.f_bavail * st.f_frsize
+    need = shm_needed(cfg)
+    total = cfg.ranks * sum(need.values())
+    if total <= free:
+        return
+    other = _size(need["rings"] + need["stats"])
+    arena = (f"{cfg.capture_slots} slots x {_size(cfg.capture_slot_bytes)} + "
+             if need["arena"] else "")
+    raise ShmSpaceError(
+        f"{shm_dir} has {_size(free)} free; rank segments need {_size(total)} "
+        f"({cfg.ranks} rank{'s' if cfg.ranks > 1 else ''} x ({arena}{other} of rings and "
+        "stats)); use fewer or smaller capture slots (SPARKCACHE_CAPTURE_SLOTS, "
+        f"SPARKCACHE_CAPTURE_SLOT_BYTES) or a larger {shm_dir} (docker run --shm-size)"
+    )

@@ -2,52 +2,59 @@
 capture, commit and maintenance workers of each rank, pins them, watches them through
 their process sentinels and restarts them with backoff.
 
-Restart policy (supervisord's ``startsecs``/``startretries``): a worker that exits
-within ``startsecs`` of starting failed to start; after ``startretries`` such failures
-in a row it is FATAL and left down (the supervisor stays up and reports it). One that ran
-longer is restarted with the backoff reset. Backoff doubles from ``BACKOFF_S`` per failed
-start, capped at ``BACKOFF_MAX_S``.
+Each worker's state and restart policy (supervisord's ``startsecs``/``startretries``
+and backoff, the READY handshake, the heartbeat limit) are the state machine of
+``sparkcache.supervisor_states``; this module only observes processes and stats slots,
+feeds ``tick`` and carries out what it returns (spawn, kill).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import multiprocessing as mp
 import os
 import signal
+import stat
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
+import posix_ipc
 import psutil
 
-from shm import sweep
+from shm import SegmentError, TornRead, sweep
+from shm.segment import SHM_DIR, foreign_entries, instance_entries, read_creator, user
 from sparkcache import runtime, segments
 from sparkcache.config import AccessMode, Config
 from sparkcache.runtime import RUNTIME_FILE
-from workers.lifecycle import Role, State, WorkerSpec, run_worker, title
+from sparkcache.store import UnsafeStoreDir, layout
+from sparkcache.supervisor_states import (
+    Action,
+    Observation,
+    Policy,
+    Record,
+    Step,
+    WorkerState,
+    WorkerView,
+    tick,
+)
+from workers.lifecycle import Role, WorkerSpec, run_worker, title
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "supervisor.lock"
-READY_TIMEOUT_S = 60.0
-STOP_DEADLINE_S = 10.0
-BACKOFF_S = 0.25
-BACKOFF_MAX_S = 5.0
 MAINTENANCE_NICE = 10
+WATCH_S = 0.5  # longest wait between looks at the workers (heartbeats, READY)
+STARTING_WATCH_S = 0.1  # ... while one is starting, so READY shows soon
 
+__all__ = ["Policy", "Supervisor", "SupervisorError", "Worker", "default_cpus"]
 
 
 class SupervisorError(RuntimeError):
     """Start-up failed: another supervisor holds the store dir, or a worker died."""
-
-
-@dataclass
-class Policy:
-    startsecs: float = 1.0
-    startretries: int = 3
 
 
 @dataclass
@@ -56,17 +63,15 @@ class Worker:
     role: Role
     cpus: list[int]
     proc: mp.process.BaseProcess | None = None
-    started: float = 0.0
-    state: str = "STOPPED"  # STARTING, RUNNING, BACKOFF, FATAL, STOPPED
-    failed_starts: int = 0
-    restarts: int = 0
-    restart_at: float = 0.0
-    last_exit: int | None = None
-    backoffs: list[float] = field(default_factory=list)
+    view: WorkerView = field(default_factory=WorkerView)
 
     @property
     def name(self) -> str:
         return title(self.role, self.rank)
+
+    @property
+    def state(self) -> WorkerState:
+        return self.view.state
 
 
 def default_cpus(avoid: list[int]) -> list[int]:
@@ -89,7 +94,7 @@ class Supervisor:
     def __init__(self, cfg: Config, *, avoid: list[int] | None = None,
                  policy: Policy | None = None) -> None:
         self.cfg = cfg
-        self.policy = policy or Policy()
+        self.policy = policy or Policy(heartbeat_timeout_s=cfg.heartbeat_timeout_s)
         self.cpus = list(cfg.cpus) if cfg.cpus else default_cpus(avoid or [])
         roles = [Role.COMMIT, Role.MAINTENANCE]
         if cfg.access_mode is AccessMode.READ_WRITE:
@@ -104,16 +109,63 @@ class Supervisor:
     # ------------------------------------------------------------------ start-up
 
     def _lock(self) -> None:
-        self.cfg.store_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(self.cfg.store_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        """Check (and create) the store dir, then take ``supervisor.lock`` in it: opened
+        relative to the checked dir, never through a link. Any problem is one line."""
+        store, path = self.cfg.store_dir, self.cfg.store_dir / LOCK_FILE
         try:
+            dir_fd = layout.open_store_dir(store, create=True)
+        except UnsafeStoreDir as exc:
+            raise SupervisorError(str(exc)) from None
+        except OSError as exc:
+            raise SupervisorError(f"store dir {store}: {exc.strerror}") from None
+        try:
+            fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | layout.FILE_FLAGS, 0o600,
+                         dir_fd=dir_fd)
+        except OSError as exc:
+            what = "a symlink" if exc.errno == errno.ELOOP else exc.strerror
+            raise SupervisorError(f"{path} is {what}; refusing to use it") from None
+        finally:
+            os.close(dir_fd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise SupervisorError(
+                    f"{path} is not a plain file of this user's (owner {user(st.st_uid)}); "
+                    "refusing to use it"
+                )
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise SupervisorError(
-                f"another supervisor holds {self.cfg.store_dir / LOCK_FILE}; refusing to start"
+                f"another supervisor holds {path}; refusing to start"
             ) from None
+        except BaseException:
+            os.close(fd)
+            raise
         self._lock_fd = fd
+
+    def _check_shm(self) -> None:
+        """After the sweep, nothing of this instance may be left in /dev/shm: what is left
+        belongs to another user (refused: never attach to it, and O_CREX would fail) or to
+        a live supervisor of the same instance on another store dir."""
+        inst = self.cfg.instance
+        foreign = foreign_entries(inst)
+        if foreign:
+            more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+            raise SupervisorError(
+                f"/dev/shm holds {foreign[0]}{more} under the names of instance {inst}, "
+                "not a segment of this user's; refusing to use it: remove it (as its owner "
+                "or root) or choose another --instance"
+            )
+        left = instance_entries(inst)
+        if left:
+            creator = read_creator(SHM_DIR / left[0])
+            who = f" of pid {creator[0]}" if creator else ""
+            raise SupervisorError(
+                f"/dev/shm already holds {len(left)} entries of instance {inst} (e.g. "
+                f"{SHM_DIR / left[0]}{who}, still running): another supervisor of this "
+                "instance runs; stop it or choose another --instance"
+            )
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stop = True  # only a flag (and a wake-up byte); the loop does the work
@@ -124,7 +176,7 @@ class Supervisor:
         spec = WorkerSpec(self.cfg, w.rank, w.role, os.getpid())
         proc = self._ctx.Process(target=run_worker, args=(spec,), name=w.name)
         proc.start()
-        w.proc, w.started, w.state = proc, time.monotonic(), "STARTING"
+        w.proc = proc
         try:
             p = psutil.Process(proc.pid)
             p.cpu_affinity(w.cpus)
@@ -136,9 +188,50 @@ class Supervisor:
             log.warning("%s: could not pin or renice: %s", w.name, exc)
         log.info("%s started: pid %d, cores %s", w.name, proc.pid, w.cpus)
 
-    def _ready(self, w: Worker) -> bool:
-        rec = self.segments[w.rank].stats.read(int(w.role))
-        return rec is not None and rec[0] == w.proc.pid and rec[1] == State.READY
+    def _observe(self, w: Worker) -> Observation:
+        """What ``tick`` needs: the process (exited?) and the worker's stats slot."""
+        if w.proc is None:
+            return Observation(stopping=self.stop)
+        exit_code = None
+        if not w.proc.is_alive():
+            w.proc.join(1)
+            exit_code = w.proc.exitcode
+        record = None
+        if w.rank < len(self.segments):
+            try:
+                rec = self.segments[w.rank].stats.read(int(w.role))
+            except TornRead:
+                rec = None  # stopped (SIGSTOP) or killed in the middle of a write
+            if rec is not None:
+                record = Record(int(rec[0]), int(rec[1]), float(rec[2]))
+        return Observation(w.proc.pid, exit_code, record, self.stop)
+
+    def _tick(self, w: Worker, obs: Observation | None = None) -> Step:
+        """Observe ``w`` (unless given what was seen), run the state machine, log why its
+        state changed and carry out the actions."""
+        obs = obs if obs is not None else self._observe(w)
+        old = w.view
+        step = tick(old, time.monotonic(), obs, self.policy)
+        if obs.exit_code is not None:
+            w.proc = None
+        w.view = step.view
+        if step.note:
+            level = {
+                WorkerState.FATAL: logging.ERROR, WorkerState.KILLING: logging.WARNING,
+                WorkerState.BACKOFF: logging.WARNING,
+            }.get(step.view.state, logging.INFO)
+            log.log(level, "%s %s", w.name, step.note)
+        for action in step.actions:
+            if action is Action.SPAWN:
+                self._spawn(w)
+            elif action is Action.KILL and w.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.proc.pid, signal.SIGKILL)
+        return step
+
+    @staticmethod
+    def _shown(view: WorkerView) -> tuple:
+        return view.state, view.restarts, view.last_exit
 
     def start(self) -> None:
         """Lock, sweep, create segments, start every worker and wait for each to be
@@ -149,23 +242,41 @@ class Supervisor:
         self._lock()
         try:
             sweep(self.cfg.instance)
-            for rank in range(self.cfg.ranks):
-                self.segments.append(segments.RankSegments.create(self.cfg, rank, len(Role)))
+            self._check_shm()
+            try:
+                segments.check_shm_space(self.cfg)
+            except segments.ShmSpaceError as exc:
+                raise SupervisorError(str(exc)) from None
+            try:
+                for rank in range(self.cfg.ranks):
+                    self.segments.append(
+                        segments.RankSegments.create(self.cfg, rank, len(Role))
+                    )
+            except SegmentError as exc:  # a name taken since _check_shm: one line too
+                raise SupervisorError(str(exc)) from None
+            except posix_ipc.ExistentialError:  # the same, for a ring's semaphore
+                what = "; ".join(foreign_entries(self.cfg.instance)) or "made since the sweep"
+                raise SupervisorError(
+                    f"a semaphore of instance {self.cfg.instance} already exists: {what}"
+                ) from None
             for w in self.workers:
-                self._spawn(w)
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            for w in self.workers:
-                while not self._ready(w):
-                    if self.stop:
-                        raise SupervisorError("stopped by a signal during start-up")
-                    if not w.proc.is_alive():
+                self._tick(w)  # STOPPED -> STARTING: spawned
+            # Unlike a restart, a worker that fails to start now fails the whole start:
+            # it will most likely fail again, and the operator is watching.
+            while starting := [w for w in self.workers if w.state is WorkerState.STARTING]:
+                if self.stop:
+                    raise SupervisorError("stopped by a signal during start-up")
+                for w in starting:
+                    obs = self._observe(w)
+                    if obs.exit_code is not None:
                         raise SupervisorError(
-                            f"{w.name} died at start-up with exit code {w.proc.exitcode}"
+                            f"{w.name} died at start-up with exit code {obs.exit_code}"
                         )
-                    if time.monotonic() > deadline:
-                        raise SupervisorError(f"{w.name} not ready in {READY_TIMEOUT_S}s")
-                    time.sleep(0.02)
-                w.state = "RUNNING"
+                    if self._tick(w, obs).view.state is WorkerState.KILLING:
+                        raise SupervisorError(
+                            f"{w.name} not ready in {self.policy.ready_timeout_s:g}s"
+                        )
+                time.sleep(0.02)
             self.write_runtime()
         except BaseException:
             self.shutdown()
@@ -183,48 +294,26 @@ class Supervisor:
         return 0
 
     def _watch_once(self) -> None:
-        live = {w.proc.sentinel: w for w in self.workers if w.proc is not None}
+        """Wait for an exit, a signal, a due restart or the next look; then tick every
+        worker once."""
+        live = [w.proc.sentinel for w in self.workers if w.proc is not None]
         now = time.monotonic()
-        due = [w.restart_at - now for w in self.workers if w.state == "BACKOFF"]
-        timeout = max(0.0, min([0.5, *due]))
-        ready = wait([*live, self._wake_r], timeout)
+        longest = WATCH_S
+        if any(w.state is WorkerState.STARTING for w in self.workers):
+            longest = STARTING_WATCH_S
+        due = [w.view.restart_at - now for w in self.workers
+               if w.state is WorkerState.BACKOFF]
+        ready = wait([*live, self._wake_r], max(0.0, min([longest, *due])))
+        if self._wake_r in ready:
+            os.read(self._wake_r, 64)
+        if self.stop:
+            return  # shutdown() stops the processes and ticks them to STOPPED
         changed = False
-        for s in ready:
-            if s == self._wake_r:
-                os.read(self._wake_r, 64)
-            else:
-                self._exited(live[s])
-                changed = True
-        now = time.monotonic()
         for w in self.workers:
-            if w.state == "STARTING" and now - w.started >= self.policy.startsecs:
-                w.state, w.failed_starts = "RUNNING", 0
-                changed = True
-            if w.state == "BACKOFF" and now >= w.restart_at and not self.stop:
-                self._spawn(w)
-                w.restarts += 1
-                changed = True
+            old = self._shown(w.view)
+            changed |= self._shown(self._tick(w).view) != old
         if changed:
             self.write_runtime()
-
-    def _exited(self, w: Worker) -> None:
-        w.proc.join(1)
-        w.last_exit = w.proc.exitcode
-        quick = time.monotonic() - w.started < self.policy.startsecs
-        w.proc = None
-        if self.stop:
-            w.state = "STOPPED"
-            return
-        w.failed_starts = w.failed_starts + 1 if quick else 0
-        if quick and w.failed_starts > self.policy.startretries:
-            w.state = "FATAL"
-            log.error("%s FATAL: exited %d times within %.1fs of starting (last exit code %s)",
-                      w.name, w.failed_starts, self.policy.startsecs, w.last_exit)
-            return
-        backoff = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** max(0, w.failed_starts - 1))
-        w.state, w.restart_at = "BACKOFF", time.monotonic() + backoff
-        w.backoffs.append(backoff)
-        log.warning("%s exited with code %s; restart in %.2fs", w.name, w.last_exit, backoff)
 
     # ------------------------------------------------------------------ runtime file
 
@@ -240,9 +329,10 @@ class Supervisor:
             "workers": [
                 {
                     "name": w.name, "rank": w.rank, "role": w.role.name.lower(),
-                    "pid": w.proc.pid if w.proc is not None else None, "state": w.state,
-                    "restarts": w.restarts, "last_exit": w.last_exit, "cpus": w.cpus,
-                    "backoffs": w.backoffs,
+                    "pid": w.proc.pid if w.proc is not None else None,
+                    "state": w.state.value, "restarts": w.view.restarts,
+                    "last_exit": w.view.last_exit, "cpus": w.cpus,
+                    "backoffs": list(w.view.backoffs),
                 }
                 for w in self.workers
             ],
@@ -253,24 +343,53 @@ class Supervisor:
 
     # ------------------------------------------------------------------ shutdown
 
-    def shutdown(self) -> None:
-        """SIGTERM every worker (they drain), kill what outlives the deadline, unlink
-        every segment, remove the runtime file, release the lock. Idempotent."""
-        self.stop = True
-        procs = [w.proc for w in self.workers if w.proc is not None]
-        for p in procs:
+    def _stop_role(self, role: Role) -> None:
+        workers = [w for w in self.workers if w.role is role and w.proc is not None]
+        for w in workers:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_DEADLINE_S
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                log.warning("%s outlived the stop deadline; killed", p.name)
-                p.kill()
-                p.join(5)
+                os.kill(w.proc.pid, signal.SIGTERM)
+                # A stopped (SIGSTOP) worker acts on SIGTERM only once continued: let it
+                # drain now rather than be killed.
+                os.kill(w.proc.pid, signal.SIGCONT)
+        beats: dict[int, tuple[float | None, float]] = {}  # pid -> (heartbeat, seen at)
+        while True:
+            left = [w for w in workers if w.proc.is_alive()]
+            if not left:
+                return
+            now = time.monotonic()
+            for w in left:
+                beat = self._heartbeat(w)
+                last = beats.get(w.proc.pid)
+                if last is None or beat != last[0]:
+                    beats[w.proc.pid] = (beat, now)
+                elif now - last[1] > self.policy.heartbeat_timeout_s:
+                    log.warning("%s stopped making progress while draining (no heartbeat "
+                                "for %.1fs); killed", w.name, now - last[1])
+                    w.proc.kill()
+                    w.proc.join(5)
+            time.sleep(0.05)
+
+    def _heartbeat(self, w: Worker) -> float | None:
+        if w.rank >= len(self.segments):
+            return None
+        try:
+            rec = self.segments[w.rank].stats.read(int(w.role))
+        except TornRead:
+            return None
+        return None if rec is None else float(rec.heartbeat)
+
+    def shutdown(self) -> None:
+        """Stop the workers role by role (capture, then commit, then maintenance: what
+        capture hands over while it drains is still committed), each drained until it
+        exits; a worker is killed only once its heartbeat has not advanced for the
+        heartbeat limit (it beats while it makes progress). Then unlink every segment,
+        remove the runtime file, release the lock. Idempotent."""
+        self.stop = True
+        for role in (Role.CAPTURE, Role.COMMIT, Role.MAINTENANCE):
+            self._stop_role(role)
         for w in self.workers:
-            if w.proc is not None:
-                w.last_exit, w.proc, w.state = w.proc.exitcode, None, "STOPPED"
+            if w.proc is None or w.proc.exitcode is not None:
+                self._tick(w)  # exited, or in BACKOFF: STOPPED
         for seg in self.segments:
             seg.close()
         self.segments = []

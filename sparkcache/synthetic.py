@@ -16,18 +16,20 @@ import torch
 
 from sparkcache import config
 from sparkcache.client import SparkCacheClient
-from sparkcache.identity import sequence_keys
+from sparkcache.identity import KeyExtras, sequence_keys
 from sparkcache.kvmem import SharedKVCaches
 from sparkcache.store.testing import page_bytes
 
 LAYERS = 4
 BLOCKS = 256
 HEADS, HEAD_DIM = 2, 32
+# The synthetic engine's "model": page keys are namespaced by it like a real model's.
+MODEL_ID = "sparkcache-synthetic-4l"
 
 
-def kv_shape(page_tokens: int) -> tuple[int, ...]:
+def kv_shape(page_tokens: int, blocks: int = BLOCKS) -> tuple[int, ...]:
     """[K/V, blocks, block size, heads, head dim], vLLM's per-layer layout."""
-    return (2, BLOCKS, page_tokens, HEADS, HEAD_DIM)
+    return (2, blocks, page_tokens, HEADS, HEAD_DIM)
 
 
 class EngineStalled(RuntimeError):
@@ -39,53 +41,74 @@ class SyntheticEngine:
     client: SparkCacheClient
     tensors: list[torch.Tensor]
     kv: SharedKVCaches | None  # the shared-memory segment of CPU tensors
-    free: list[int] = field(default_factory=lambda: list(range(BLOCKS)))
+    blocks: int = BLOCKS
+    free: list[int] = field(default_factory=list)
     accepted: dict[str, list[int]] = field(default_factory=dict)
-    acknowledged: set[str] = field(default_factory=set)
+    captured: set[str] = field(default_factory=set)  # copied: blocks came back
+    acknowledged: set[str] = field(default_factory=set)  # durable: the store holds the root
+    not_durable: dict[str, str] = field(default_factory=dict)  # seq id -> why not
+    # Captured with only part of their pages copied: the rest the store held (and leased).
+    relied_on_store: set[str] = field(default_factory=set)
     max_call_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.free:
+            self.free = list(range(self.blocks))
 
     @classmethod
     def create(
-        cls, cfg: config.Config, rank: int = 0, release_timeout_s: float = 5.0,
-        device: str = "cpu",
+        cls, cfg: config.Config, rank: int = 0, device: str = "cpu",
+        model_id: str = MODEL_ID, blocks: int = BLOCKS,
     ) -> SyntheticEngine:
-        shapes = [kv_shape(cfg.page_tokens)] * LAYERS
+        """``blocks``: KV blocks per layer (vLLM sizes it anew at every start; the page
+        keys do not depend on it)."""
+        shapes = [kv_shape(cfg.page_tokens, blocks)] * LAYERS
         kv = None
         if device == "cpu":
             kv = SharedKVCaches.create(cfg.instance, rank, shapes, torch.float16)
             tensors = kv.tensors
         else:
             tensors = [torch.zeros(s, dtype=torch.float16, device=device) for s in shapes]
-        client = SparkCacheClient(cfg, rank, release_timeout_s=release_timeout_s)
+        client = SparkCacheClient(cfg, rank, model_id=model_id)
         if not client.register_kv_caches(tensors):
             client.close()
             if kv is not None:
                 kv.close()
             raise RuntimeError("the client refused the KV caches (see the log)")
-        return cls(client, tensors, kv)
+        return cls(client, tensors, kv, blocks)
 
-    def keys(self, tokens: list[int]) -> tuple[str, ...]:
-        return sequence_keys(self.client._reg.namespace, tokens).all()
+    def keys(self, tokens: list[int], extra: KeyExtras | None = None) -> tuple[str, ...]:
+        return sequence_keys(self.client._reg.namespace, tokens, extra).all()
 
-    def _timed(self, fn, *args):
+    def _timed(self, fn, *args, **kwargs):
         t0 = time.perf_counter()
-        out = fn(*args)
+        out = fn(*args, **kwargs)
         self.max_call_s = max(self.max_call_s, time.perf_counter() - t0)
         return out
 
     def poll(self) -> list:
-        """Take completions: their blocks return to the pool."""
+        """Take completions (their blocks return to the pool) and durability reports."""
         done = self._timed(self.client.poll_completions)
         for c in done:
-            self.free.extend(b for b in c.blocks if 0 <= b < BLOCKS)
+            self.free.extend(b for b in c.blocks if 0 <= b < self.blocks)
             if c.status == "captured":
-                self.acknowledged.add(c.seq_id)
+                self.captured.add(c.seq_id)
+                if c.pages_copied < len(c.blocks):
+                    self.relied_on_store.add(c.seq_id)
+        for d in self._timed(self.client.poll_durable):
+            if d.durable:
+                self.acknowledged.add(d.seq_id)
+                self.not_durable.pop(d.seq_id, None)
+            else:
+                self.acknowledged.discard(d.seq_id)
+                self.not_durable[d.seq_id] = d.reason
         return done
 
-    def publish(self, seq_id: str, tokens: list[int], tries: int = 400) -> bool:
+    def publish(self, seq_id: str, tokens: list[int], tries: int = 400,
+                extra: KeyExtras | None = None) -> bool:
         """Fill blocks with the sequence's pages and publish them, retrying a skipped
         publication a while (a real engine would simply move on)."""
-        keys = self.keys(tokens)
+        keys = self.keys(tokens, extra)
         deadline = time.monotonic() + 30
         while len(self.free) < len(keys):
             if time.monotonic() > deadline:
@@ -98,7 +121,7 @@ class SyntheticEngine:
             data = np.frombuffer(bytearray(page_bytes(k, pbytes)), np.uint8)
             self.client._reg.views.scatter(b, data)
         for _ in range(tries):
-            if self._timed(self.client.publish, seq_id, tokens, blocks):
+            if self._timed(self.client.publish, seq_id, tokens, blocks, extra=extra):
                 self.accepted[seq_id] = tokens
                 return True
             self.poll()
@@ -107,20 +130,25 @@ class SyntheticEngine:
         return False
 
     def drain(self, timeout: float = 60) -> None:
+        """Wait until every publication's blocks came back and its durability is known."""
         deadline = time.monotonic() + timeout
-        while self.client.pending and time.monotonic() < deadline:
+        while (self.client.pending or self.client.awaiting_durable) and (
+            time.monotonic() < deadline
+        ):
             self.poll()
             time.sleep(0.01)
         self.poll()
 
-    def restore_exact(self, tokens: list[int]) -> tuple[int, int]:
+    def restore_exact(self, tokens: list[int],
+                      extra: KeyExtras | None = None) -> tuple[int, int]:
         """Restore ``tokens`` into zeroed blocks; (pages restored, pages byte-exact)."""
         for t in self.tensors:
             t.zero_()
-        keys = self.keys(tokens)
+        keys = self.keys(tokens, extra)
         blocks = list(range(len(keys)))
         page_tokens = self.client.cfg.page_tokens
-        restored = -(-self.client.restore(tokens, blocks) // page_tokens)  # tail included
+        # Pages restored, the tail included.
+        restored = -(-self.client.restore(tokens, blocks, extra=extra) // page_tokens)
         pbytes = self.client._reg.views.page_bytes
         out = np.empty(pbytes, np.uint8)
         exact = 0

@@ -121,8 +121,7 @@ def check_stopped(stopped: tuple[int, str], store: Path, instance: str) -> None:
 
 @contextlib.contextmanager
 def pipeline(store: Path, instance: str, settings: dict[str, str] | None = None,
-             env: dict | None = None, release_timeout_s: float = 5.0,
-             device: str = "cpu") -> Iterator[SyntheticEngine]:
+             env: dict | None = None, device: str = "cpu") -> Iterator[SyntheticEngine]:
     """A supervisor (with ``settings`` on top of SETTINGS) and a synthetic engine on
     ``store``. On leaving, the engine closes and the supervisor stops; unless the body
     failed, it must have stopped cleanly (``check_stopped``)."""
@@ -132,8 +131,7 @@ def pipeline(store: Path, instance: str, settings: dict[str, str] | None = None,
     engine = None
     try:
         cfg = make_cfg(store, instance, **settings)
-        engine = SyntheticEngine.create(cfg, 0, release_timeout_s=release_timeout_s,
-                                        device=device)
+        engine = SyntheticEngine.create(cfg, 0, device=device)
         yield engine
     finally:
         if engine is not None:

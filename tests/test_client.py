@@ -3,16 +3,36 @@ bad input, every publication is skipped and counted by reason."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from pipeline_util import LAYERS, SHAPE, make_cfg
+from pipeline_util import (
+    BLOCKS,
+    LAYERS,
+    PAGE_TOKENS,
+    SHAPE,
+    SyntheticEngine,
+    make_cfg,
+    pipeline,
+    sequences,
+    start_supervisor,
+    stop_supervisor,
+    wait_committed,
+)
 
+from shm import Ring
+from shm.layouts import FREED
+from sparkcache import segments
 from sparkcache.client import SparkCacheClient
+from sparkcache.identity import KeyExtras
 from sparkcache.kvmem import SharedKVCaches
+from sparkcache.synthetic import MODEL_ID
 
 
 @pytest.fixture
@@ -23,7 +43,7 @@ def kv(instance: str):
 
 
 def _client(tmp_path: Path, instance: str, kv: SharedKVCaches, **more: str) -> SparkCacheClient:
-    c = SparkCacheClient(make_cfg(tmp_path / "store", instance, **more), 0)
+    c = SparkCacheClient(make_cfg(tmp_path / "store", instance, **more), 0, model_id="m")
     assert c.register_kv_caches(kv.tensors)
     return c
 
@@ -50,7 +70,7 @@ def test_access_modes(tmp_path: Path, instance: str, kv, mode: str, reason: str)
 
 
 def test_unregistered_and_bad_registration(tmp_path: Path, instance: str) -> None:
-    c = SparkCacheClient(make_cfg(tmp_path / "store", instance), 0)
+    c = SparkCacheClient(make_cfg(tmp_path / "store", instance), 0, model_id="m")
     assert c.publish("s", [1, 2, 3], [0]) is False
     assert c.counters.skipped["unregistered"] == 1
     assert c.register_kv_caches([torch.zeros(2, 4, 16, 1, 8)]) is False  # not shared memory
@@ -63,6 +83,61 @@ def test_restore_refuses_block_ids_out_of_range(tmp_path: Path, instance: str, k
     assert c.restore(list(range(20)), [0, 10**6]) == 0
     assert c.counters.misses["bad_block"] == 1
     c.close()
+
+
+def test_model_id_is_required(tmp_path: Path, instance: str) -> None:
+    cfg = make_cfg(tmp_path / "store", instance)
+    with pytest.raises(TypeError, match="model_id"):
+        SparkCacheClient(cfg, 0)  # type: ignore[call-arg]
+    for bad in ("", " ", None):
+        with pytest.raises(ValueError, match="give the model's identity"):
+            SparkCacheClient(cfg, 0, model_id=bad)  # type: ignore[arg-type]
+
+
+def test_pages_survive_a_restart_with_another_block_count(tmp_path: Path, instance: str) -> None:
+    """vLLM sizes its KV blocks by profiling at every start: the same model registered
+    again with more or fewer blocks finds (and restores) what it stored; the same tokens
+    with another salt or adapter find nothing, and a salted request finds only its own."""
+    store = tmp_path / "store"
+    seqs = sequences(6, PAGE_TOKENS, seed=3)
+    salted = list(range(7, 7 + 3 * PAGE_TOKENS + 5))  # published with a salt only
+    tenant = KeyExtras(cache_salt="tenant-a")
+    with pipeline(store, instance) as engine:
+        for sid, tokens in seqs.items():
+            assert engine.publish(sid, tokens)
+        assert engine.publish("salted", salted, extra=tenant)
+        engine.drain()
+        assert engine.acknowledged == {*seqs, "salted"}
+        assert wait_committed(engine, seqs=seqs) == {}
+        deadline = time.monotonic() + 60
+        while engine.client.lookup(salted, extra=tenant) < len(salted):
+            assert time.monotonic() < deadline, "the salted publication never committed"
+            time.sleep(0.1)
+    cfg = make_cfg(store, instance)
+    for blocks in (BLOCKS // 2, BLOCKS * 3):  # the store stays; its supervisor is gone
+        engine = SyntheticEngine.create(cfg, blocks=blocks, model_id=MODEL_ID)
+        try:
+            assert engine.client._reg.views.num_blocks == blocks
+            for sid, tokens in seqs.items():
+                assert engine.client.lookup(tokens) == len(tokens), (blocks, sid)
+                restored, exact = engine.restore_exact(tokens)
+                assert restored == exact == len(engine.keys(tokens)), (blocks, sid)
+                for other in (KeyExtras(cache_salt="tenant-b"), KeyExtras(adapter="lora-1"),
+                              KeyExtras(mm_hashes=("img-0",))):
+                    assert engine.client.lookup(tokens, extra=other) == 0, (sid, other)
+                    assert engine.client.restore(tokens, [0, 1], extra=other) == 0
+            assert engine.client.lookup(salted, extra=tenant) == len(salted)
+            assert engine.restore_exact(salted, extra=tenant) == (4, 4)
+            # Neither the plain request nor another kind of extra with the same text hits.
+            assert engine.client.lookup(salted) == 0
+            assert engine.client.lookup(salted, extra=KeyExtras(adapter="tenant-a")) == 0
+        finally:
+            engine.close()
+    other_model = SyntheticEngine.create(cfg, model_id="another-model")
+    try:
+        assert all(other_model.client.lookup(t) == 0 for t in seqs.values())
+    finally:
+        other_model.close()
 
 
 @pytest.mark.gpu
@@ -136,3 +211,56 @@ def test_gather_runs_is_run_major(instance: str, path: str) -> None:
             views.gather_runs(blocks, out[:-1])
     finally:
         kv.close()
+
+
+
+def test_ring_faults_are_skips_and_misses_never_exceptions(tmp_path: Path, instance: str) -> None:
+    """The supervisor goes away under a connected client (its rings closed and unlinked),
+    then a segment of another layout takes a ring's name: every call still returns, and
+    the faults are counted."""
+    store = tmp_path / "store"
+    seqs = sequences(4, PAGE_TOKENS, seed=6)
+    sup = start_supervisor(store, instance)
+    engine = SyntheticEngine.create(make_cfg(store, instance))
+    try:
+        for sid, tokens in seqs.items():
+            assert engine.publish(sid, tokens)
+        engine.drain()
+        assert engine.acknowledged == set(seqs)
+        rc, err = stop_supervisor(sup)
+        assert rc == 0, err[-2000:]
+        client = engine.client
+        for tokens in seqs.values():  # connected to rings nobody serves any more
+            assert client.publish("after", tokens, list(range(8))) is False
+            client.poll_completions()
+            client.poll_durable()
+            assert client.lookup(tokens) == len(tokens)  # the store is still on disk
+        assert client.counters.skipped["capture_down"] >= 1
+        impostor = Ring.create(segments.name(instance, 0, "completion"), FREED, 8)
+        try:  # a segment of another layout under a ring's name
+            client._next_connect = 0.0
+            assert client.publish("again", seqs["seq-0"], list(range(8))) is False
+            assert client.poll_completions() == [] and client.poll_durable() == []
+            assert client.counters.skipped["supervisor_absent"] >= 1
+        finally:
+            impostor.close()
+    finally:
+        engine.close()
+        if sup.poll() is None:
+            stop_supervisor(sup)
+
+
+def test_vllm_033_views_publish_and_restore_byte_exact() -> None:
+    """vLLM 0.33 hands a connector ``[blocks, heads, block size, K+V]`` views over LBNHC
+    memory, not contiguous: registered with ``block_size_dim=2`` they publish and restore
+    byte-exact through a real supervisor (``scripts/check_cuda.py`` on shared-memory
+    tensors; the same script checks CUDA IPC on a GPU)."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "check_cuda.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--sequences", "8"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    layouts = {r["layout"]: r for r in json.loads(done.stdout)["layouts"]}
+    assert not layouts["vllm-0.33"]["contiguous"]
+    for r in layouts.values():
+        assert r["pages_byte_exact"] == r["pages"] == r["pages_restored"] > 0, r
+        assert r["durable"] == r["sequences"], r

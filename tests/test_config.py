@@ -31,6 +31,13 @@ def test_defaults_and_sizes(tmp_path):
     assert cfg.cpus == (0,)
 
 
+def test_heartbeat_timeout_default_and_override(tmp_path):
+    assert load({"SPARKCACHE_STORE_DIR": str(tmp_path)}).heartbeat_timeout_s == 10.0
+    cfg = load({"SPARKCACHE_STORE_DIR": str(tmp_path), "SPARKCACHE_HEARTBEAT_TIMEOUT_S": "30"},
+               {"heartbeat_timeout_s": "2.5"})
+    assert cfg.heartbeat_timeout_s == 2.5
+
+
 def test_flags_override_environment(tmp_path):
     cfg = load({"SPARKCACHE_STORE_DIR": str(tmp_path), "SPARKCACHE_ACCESS_MODE": "off"},
                {"access_mode": "restore-only"})
@@ -62,6 +69,15 @@ def test_every_field_has_help_env_and_flag():
         ({"SPARKCACHE_LEASE_SECONDS": "-1"},
          "SPARKCACHE_LEASE_SECONDS (--lease-seconds)='-1' is invalid: expected zero or more "
          "seconds"),
+        ({"SPARKCACHE_HEARTBEAT_TIMEOUT_S": "0.5"},
+         "SPARKCACHE_HEARTBEAT_TIMEOUT_S (--heartbeat-timeout-s)='0.5' is invalid: expected "
+         "a number of seconds >= 1"),
+        ({"SPARKCACHE_HEARTBEAT_TIMEOUT_S": "nan"},
+         "SPARKCACHE_HEARTBEAT_TIMEOUT_S (--heartbeat-timeout-s)='nan' is invalid: expected "
+         "a number of seconds >= 1"),
+        ({"SPARKCACHE_HEARTBEAT_TIMEOUT_S": "soon"},
+         "SPARKCACHE_HEARTBEAT_TIMEOUT_S (--heartbeat-timeout-s)='soon' is invalid: expected "
+         "a number of seconds"),
         ({"SPARKCACHE_CPUS": "0,9999"},
          f"SPARKCACHE_CPUS (--cpus)='0,9999' is invalid: expected cores that exist on this "
          f"machine: 0-{psutil.cpu_count() - 1} (no core [9999])"),

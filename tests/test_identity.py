@@ -6,8 +6,10 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
-from sparkcache.identity import Namespace, require_hex, sequence_keys
+from sparkcache.identity import KeyExtras, Namespace, chain_seed, require_hex, sequence_keys
+from sparkcache.kvmem import BlockViews, page_layout
 
 NS = Namespace("llama-3-70b", "bfloat16", "nhd-2x", tp_size=4, rank=1, page_tokens=16)
 TOKENS = list(range(1000, 1000 + 16 * 5 + 7))
@@ -86,3 +88,92 @@ def test_bad_namespace_and_tokens_rejected() -> None:
         sequence_keys(NS, np.zeros((2, 2), dtype=np.int64))
     with pytest.raises(ValueError, match="1-D sequence of integers"):
         sequence_keys(NS, [0.5, 1.5])
+
+
+def test_model_id_must_be_given() -> None:
+    for bad in ("", "  "):
+        with pytest.raises(ValueError, match=r"model_id .* non-empty string: the model's"):
+            dataclasses.replace(NS, model_id=bad)
+
+
+def _layers(blocks: int, n: int = 3, shape: tuple[int, ...] = (2, 16, 4, 64),
+            dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """``n`` vLLM-style [K/V, blocks, block size, heads, head size] layer tensors."""
+    return [torch.empty((shape[0], blocks, *shape[1:]), dtype=dtype) for _ in range(n)]
+
+
+def test_page_layout_ignores_the_block_count() -> None:
+    """vLLM sizes the number of blocks by profiling at every start: the layout (and so
+    every key) must not change with it."""
+    small, large = page_layout(_layers(64), 1), page_layout(_layers(9000), 1)
+    assert small == large
+    assert BlockViews(_layers(10), 1).page_layout() == small
+    # Strides (the backend's physical order) do not change a page's bytes either.
+    strided = [t.transpose(3, 4).contiguous().transpose(3, 4) for t in _layers(64)]
+    assert page_layout(strided, 1) == small
+    keys = [sequence_keys(dataclasses.replace(NS, kv_layout=page_layout(_layers(b), 1)), TOKENS)
+            for b in (64, 9000)]
+    assert keys[0] == keys[1]
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"n": 4},  # layers
+        {"shape": (1, 16, 4, 64)},  # K/V together
+        {"shape": (2, 16, 8, 64)},  # heads
+        {"shape": (2, 16, 4, 128)},  # head size
+        {"shape": (2, 32, 4, 64)},  # page tokens
+        {"dtype": torch.float16},
+    ],
+)
+def test_page_layout_changes_with_what_fixes_a_pages_bytes(other: dict) -> None:
+    assert page_layout(_layers(64, **other), 1) != page_layout(_layers(64), 1)
+
+
+SALTED = [
+    KeyExtras(adapter="a"),
+    KeyExtras(cache_salt="a"),
+    KeyExtras(mm_hashes=("a",)),
+    KeyExtras(adapter=""),
+    KeyExtras(cache_salt=""),
+    KeyExtras(mm_hashes=("",)),
+    KeyExtras(mm_hashes=("ab", "c")),
+    KeyExtras(mm_hashes=("a", "bc")),
+    KeyExtras(mm_hashes=("c", "ab")),
+    KeyExtras(adapter="a", cache_salt="b"),
+    KeyExtras(adapter="b", cache_salt="a"),
+    KeyExtras(adapter="a", mm_hashes=("a",), cache_salt="a"),
+]
+
+
+def test_no_extras_keep_a_plain_requests_keys() -> None:
+    plain = sequence_keys(NS, TOKENS)
+    assert sequence_keys(NS, TOKENS, None) == plain
+    assert sequence_keys(NS, TOKENS, KeyExtras()) == plain
+    assert chain_seed(NS, KeyExtras(mm_hashes=[])) == NS.seed()
+
+
+def test_extras_change_every_key_and_never_collide_across_kinds() -> None:
+    """Salt "a", adapter "a" and image hash "a" are different requests; so are an empty
+    salt and no salt, and hash lists whose joined text is the same."""
+    plain = set(sequence_keys(NS, TOKENS).all())
+    seeds = {chain_seed(NS, extra) for extra in SALTED}
+    assert len(seeds) == len(SALTED) and NS.seed() not in seeds
+    seen: set[str] = set()
+    for extra in SALTED:
+        keys = set(sequence_keys(NS, TOKENS, extra).all())
+        assert len(keys) == 6 and not keys & plain and not keys & seen, extra
+        seen |= keys
+        assert sequence_keys(NS, TOKENS, extra) == sequence_keys(
+            NS, TOKENS, dataclasses.replace(extra)
+        )
+
+
+def test_bad_extras_rejected() -> None:
+    with pytest.raises(ValueError, match="mm_hashes"):
+        KeyExtras(mm_hashes="abc")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="mm_hashes"):
+        KeyExtras(mm_hashes=(b"ab",))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cache_salt"):
+        KeyExtras(cache_salt=7)  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from shm import StatsBlock
 from shm.layouts import WORKER_STATS, join_key, split_key
 from sparkcache import config, segments
 from tests.conftest import join_or_kill
+from workers import lifecycle
 from workers.lifecycle import TRANSITIONS, BadTransition, Lifecycle, Role, State, WorkerSpec, title
 
 
@@ -68,6 +70,37 @@ def test_heartbeat_lands_in_the_role_slot(tmp_path: Path, instance: str) -> None
         assert rec[0] == os.getpid() and rec[1] == State.STARTING
         life.close()
     finally:
+        block.close()
+
+
+def test_checkpoints_beat_while_a_long_step_makes_progress(
+    tmp_path: Path, instance: str
+) -> None:
+    """A step that runs for seconds but passes checkpoints (a commit writing many pages)
+    keeps its heartbeat fresh for the supervisor; other threads never write the slot."""
+    cfg = config.load(env={}, overrides={"store_dir": str(tmp_path), "instance": instance})
+    block = StatsBlock.create(segments.name(instance, 0, segments.STATS), WORKER_STATS, 3)
+    life = Lifecycle(WorkerSpec(cfg, 0, Role.COMMIT, os.getppid()))
+    try:
+        life._stats = StatsBlock.attach(block.name, WORKER_STATS)
+        lifecycle._LIFE = life
+        life.to(State.STARTING)
+        first = block.read(int(Role.COMMIT))[2]
+        beats = set()
+        for _ in range(12):  # 1.2 s of "work", a checkpoint every 0.1 s
+            time.sleep(0.1)
+            lifecycle.checkpoint("commit.temp_write")
+            beats.add(block.read(int(Role.COMMIT))[2])
+        assert len(beats - {first}) >= 2
+        last = block.read(int(Role.COMMIT))[2]
+        time.sleep(lifecycle.PROGRESS_BEAT_S + 0.1)
+        other = threading.Thread(target=lifecycle.checkpoint, args=("commit.fsync",))
+        other.start()
+        other.join()
+        assert block.read(int(Role.COMMIT))[2] == last
+    finally:
+        life.close()
+        assert lifecycle._LIFE is None
         block.close()
 
 

@@ -11,25 +11,33 @@ import sqlite3
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from pipeline_util import (
     BLOCKS,
+    SyntheticEngine,
     check_restores,
+    check_stopped,
+    make_cfg,
     pipeline,
     runtime,
     sequences,
+    start_supervisor,
+    stop_supervisor,
     wait_committed,
 )
 
-from sparkcache import kvmem
+from shm.layouts import PUBLISH, REQUEST
+from sparkcache import config, kvmem, segments
 from sparkcache.store import PageStore
+from workers.lifecycle import Role
 
 pytestmark = pytest.mark.slow
 
 
 def _wait_touched(store: Path, roots: int, timeout: float = 10) -> None:
-    """Restores' accesses reach the index through the touch ring and the commit worker."""
+    """Restores' accesses reach the index as touch requests to the maintenance worker."""
     deadline = time.monotonic() + timeout
     while True:
         conn = sqlite3.connect(store / "rank-0" / "index.sqlite")
@@ -89,7 +97,7 @@ def _running_pid(store: Path, role: str, not_these: list[int], timeout: float = 
 def test_worker_sigkilled_during_publication(tmp_path: Path, instance: str, role: str) -> None:
     store = tmp_path / "store"
     rng = random.Random(role)
-    with pipeline(store, instance, release_timeout_s=2.0) as engine:
+    with pipeline(store, instance, {"release_timeout_seconds": "2"}) as engine:
         seqs = sequences(60, seed=1)
         kill_at = sorted(rng.sample(range(5, 55), 3))
         killed = []
@@ -143,3 +151,98 @@ def test_fresh_tensors_helper_is_shared_memory(instance: str) -> None:
         opened.close()
     finally:
         kv.close()
+
+
+def _nasty_publications(rng: np.random.Generator, reg_gen: int) -> list[np.ndarray]:
+    """Publish batches no well-behaved client sends: random bytes, and well-framed
+    batches with one field wrong each (NaN or far-future deadline, npages that lie,
+    page_index out of order, mixed pub ids, block ids out of range)."""
+    out = [np.frombuffer(rng.bytes(PUBLISH.itemsize * n), PUBLISH.dtype).copy()
+           for n in (1, 3, 17, 64)]
+    for flaw in range(6):
+        recs = np.zeros(4, PUBLISH.dtype)
+        recs["pub_id"], recs["npages"], recs["page_index"] = 99, 4, np.arange(4)
+        recs["reg_gen"] = reg_gen
+        recs["deadline"] = time.monotonic() + 2
+        if flaw == 0:
+            recs["deadline"] = float("nan")
+        elif flaw == 1:
+            recs["deadline"] = 1e300
+        elif flaw == 2:
+            recs["npages"] = 3
+        elif flaw == 3:
+            recs["page_index"] = [0, 2, 1, 3]
+        elif flaw == 4:
+            recs["pub_id"][2] = 98
+        else:
+            recs["block_id"] = 10**9
+        out.append(recs)
+    return out
+
+
+def test_a_running_instance_survives_malformed_records(tmp_path: Path, instance: str) -> None:
+    """Malformed publications and requests pushed into a running instance: no worker
+    exits, nothing is stored from them, each is counted, and well-formed publications
+    made afterwards are durable and restore byte-exact."""
+    store = tmp_path / "store"
+    rng = np.random.default_rng(21)
+    with pipeline(store, instance) as engine:
+        cfg = engine.client.cfg
+        publish = segments.producer(cfg, 0, "publish")
+        request = segments.producer(cfg, 0, "request")
+        try:
+            for batch in _nasty_publications(rng, engine.client._reg.reg_gen):
+                publish.push_batch(batch)
+            for n in (1, 5, 40):
+                request.push_batch(
+                    np.frombuffer(rng.bytes(REQUEST.itemsize * n), REQUEST.dtype).copy())
+        finally:
+            publish.detach()  # the engine's client attaches as the next producer
+            request.detach()
+        seqs = sequences(20, cfg.page_tokens, seed=8)
+        for sid, tokens in seqs.items():
+            assert engine.publish(sid, tokens)
+        engine.drain()
+        assert engine.acknowledged == set(seqs), engine.client.counters
+        check_restores(engine, seqs)
+        with PageStore(store, 0, create=False) as ps:
+            assert ps.usage().entries == len(seqs)  # nothing stored from the bad batches
+        with segments.attach_stats(cfg, 0) as stats:
+            capture = stats.read(int(Role.CAPTURE))
+            deadline = time.monotonic() + 10  # maintenance takes requests between passes
+            while stats.read(int(Role.MAINTENANCE)).drop_request == 0:
+                assert time.monotonic() < deadline, "maintenance never counted the requests"
+                time.sleep(0.05)
+        assert capture.drop_framing and capture.drop_deadline and capture.drop_mixed
+        assert capture.drop_page_index and capture.drop_block
+        assert [w["name"] for w in runtime(store)["workers"] if w["restarts"]] == []
+
+
+def test_a_stop_commits_everything_captured(tmp_path: Path, instance: str) -> None:
+    """SIGTERM right after a burst of publications, with commit behind: the supervisor
+    stops capture first and lets commit drain, so every publication capture copied is
+    reported durable (the client still holds the unlinked rings' mappings) and is in the
+    store afterwards."""
+    store = tmp_path / "store"
+    settings = {"capture_slots": "8"}
+    flags = [a for k, v in settings.items() for a in (config.flag_name(k), v)]
+    sup = start_supervisor(store, instance, *flags)
+    engine = SyntheticEngine.create(make_cfg(store, instance, **settings))
+    try:
+        seqs = sequences(60, engine.client.cfg.page_tokens, seed=13)
+        for sid, tokens in seqs.items():
+            engine.publish(sid, tokens)
+            engine.poll()
+        behind = engine.client.awaiting_durable
+        stopped = stop_supervisor(sup)
+        engine.drain(timeout=5)
+        assert engine.captured, engine.client.counters
+        assert engine.acknowledged == engine.captured, (behind, engine.client.counters)
+        with PageStore(store, 0, create=False) as ps:
+            assert all(ps.lookup(engine.keys(seqs[s])) == len(engine.keys(seqs[s]))
+                       for s in engine.acknowledged)
+    finally:
+        engine.close()
+        if sup.poll() is None:
+            stop_supervisor(sup)
+    check_stopped(stopped, store, instance)

@@ -8,9 +8,10 @@ commit's own four plus the store's commit steps (through the ``PageStore`` hook)
 store's eviction and collection steps in maintenance.
 
 Each case publishes a first batch (the kill happens there: capture and commit steps at
-the first publication, ``commit.touches`` when the batch is restored, maintenance steps at
-the first eviction pass), then a second batch once the killed worker is back, and checks:
-the step was reached (kill file gone), that worker restarted and runs, no other did;
+the first publication, ``maintenance.requests`` when the first lease or touch arrives,
+the other maintenance steps at the first eviction pass), then a second batch once the
+killed worker is back, and checks: the step was reached (kill file gone), that worker
+restarted and runs, no other did;
 every second-batch publication is acknowledged (a worker that came back short of slots
 would refuse them: one capture slot makes a lost slot visible); every acknowledged
 publication is in the store and restores byte for byte; every slot ends FREE; the
@@ -51,17 +52,17 @@ from workers.lifecycle import KILL_AT_ENV, KILL_FILE_ENV, Role, State
 pytestmark = pytest.mark.slow
 
 CAPTURE_STEPS = ("capture.slot_taken", "capture.copied", "capture.handed", "capture.filled")
-COMMIT_WORKER_STEPS = ("commit.popped", *COMMIT_STEPS, "commit.committed", "commit.slot_freed",
-                       "commit.touches")
-STEPS = (*CAPTURE_STEPS, *COMMIT_WORKER_STEPS, *EVICTION_STEPS)
+COMMIT_WORKER_STEPS = ("commit.popped", *COMMIT_STEPS, "commit.committed", "commit.slot_freed")
+STEPS = (*CAPTURE_STEPS, *COMMIT_WORKER_STEPS, "maintenance.requests", *EVICTION_STEPS)
 
 FIRST, SECOND = 12, 8
 RELEASE_S = 2.0
 # One slot: a slot the pipeline loses stalls everything after it instead of hiding.
-PIPELINE = {"capture_slots": "1"}
+PIPELINE = {"capture_slots": "1", "release_timeout_seconds": str(RELEASE_S)}
 # Pages are 16 KiB: the first batch alone crosses max_bytes; a zero lease makes every
-# root a victim at once.
-EVICTING = {"max_bytes": "192KiB", "low_watermark_bytes": "96KiB", "lease_seconds": "0"}
+# root a victim at once, and short lookup leases (capture's too) end soon after.
+EVICTING = {"max_bytes": "192KiB", "low_watermark_bytes": "96KiB", "lease_seconds": "0",
+            "lookup_lease_seconds": "1"}
 
 
 def _role(step: str) -> str:
@@ -92,7 +93,7 @@ def _restarted(store: Path, stats: StatsBlock, role: str) -> dict:
     w = workers[role]
     rec = stats.read(int(Role[role.upper()]))
     if w["restarts"] >= 1 and w["state"] == "RUNNING" and rec is not None \
-            and rec[0] == w["pid"] and rec[1] == State.READY:
+            and rec.pid == w["pid"] and rec.state == State.READY:
         return workers
     return {}
 
@@ -113,14 +114,14 @@ def test_worker_killed_at_step(tmp_path: Path, instance: str, step: str) -> None
     kill = tmp_path / "kill"
     kill.touch()
     env = {KILL_AT_ENV: step, KILL_FILE_ENV: str(kill)}
-    with pipeline(store, instance, settings, env, RELEASE_S) as engine:
+    with pipeline(store, instance, settings, env) as engine:
         cfg = engine.client.cfg
         seqs = sequences(FIRST + SECOND, seed=3)
         first = dict(list(seqs.items())[:FIRST])
         second = dict(list(seqs.items())[FIRST:])
 
         _publish(engine, first)
-        # Restores send touches to commit (and reach commit.touches).
+        # Lookups and restores send requests to maintenance (maintenance.requests).
         done = {s: engine.accepted[s] for s in engine.acknowledged}
         if not evicting:
             wait_committed(engine, timeout=10, settle=0.5, seqs=done)
@@ -131,7 +132,7 @@ def test_worker_killed_at_step(tmp_path: Path, instance: str, step: str) -> None
         assert [w for r, w in workers.items() if r != role and w["restarts"]] == []
 
         _publish(engine, second)
-        assert set(second) <= engine.acknowledged, engine.client.counters
+        assert set(second) <= engine.acknowledged, str(engine.client.counters)
         acked = {s: engine.accepted[s] for s in engine.acknowledged}
         if evicting:
             _stored_exact(engine, acked)
@@ -153,12 +154,12 @@ def test_commit_redo_keeps_the_newest_turn(tmp_path: Path, instance: str) -> Non
     """Commit dies holding a committed slot of a sequence's first turn; the second turn is
     captured meanwhile (a second slot). The restarted commit must not redo the old turn
     over the new one: the acknowledged second turn stays in the store."""
-    settings = {"capture_slots": "2"}
+    settings = {"capture_slots": "2", "release_timeout_seconds": str(RELEASE_S)}
     store = tmp_path / "store"
     kill = tmp_path / "kill"
     kill.touch()
     env = {KILL_AT_ENV: "commit.committed", KILL_FILE_ENV: str(kill)}
-    with pipeline(store, instance, settings, env, RELEASE_S) as engine:
+    with pipeline(store, instance, settings, env) as engine:
         cfg = engine.client.cfg
         tokens = next(iter(sequences(1, seed=5).values()))
         turn1, turn2 = tokens[:40], tokens[:40] + list(range(1000, 1040))

@@ -1,5 +1,6 @@
 """The supervisor: crash loops end FATAL with backoff, start-up failures fail fast, one
-supervisor per store dir, a SIGKILLed supervisor's segments are swept, pinning."""
+supervisor per store dir, a SIGKILLed supervisor's segments are swept, pinning, a hung
+(SIGSTOPped) worker is killed and restarted, a restart is RUNNING only once READY."""
 
 from __future__ import annotations
 
@@ -15,10 +16,20 @@ import psutil
 import pytest
 from pipeline_util import make_cfg, runtime, start_supervisor, stop_supervisor
 
-from shm.segment import instance_entries
+from shm.layouts import WORKER_STATS
+from shm.segment import Segment, SegmentSpec, instance_entries, user
+from sparkcache import segments
 from sparkcache.runtime import read, read_live
 from sparkcache.supervisor import Supervisor, default_cpus
-from workers.lifecycle import CRASH_EXIT, FAULT_FILE_ENV, FAULT_ROLE_ENV
+from workers.lifecycle import (
+    CRASH_EXIT,
+    ENV_FAULT_EXIT,
+    FAULT_FILE_ENV,
+    FAULT_ROLE_ENV,
+    STALL_FILE_ENV,
+    Role,
+    State,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -151,3 +162,222 @@ def test_cpus_flag_and_default(tmp_path: Path, instance: str) -> None:
     if len(own) < psutil.cpu_count():
         pytest.skip("this process is pinned already")
     assert default_cpus([os.getpid()]) == list(range(psutil.cpu_count()))  # all: warned
+
+
+def _pids(store: Path) -> dict[str, int]:
+    return {w["role"]: w["pid"] for w in runtime(store)["workers"]}
+
+
+def test_sigstopped_worker_is_killed_and_restarted(tmp_path: Path, instance: str) -> None:
+    store = tmp_path / "store"
+    sup = start_supervisor(store, instance, "--heartbeat-timeout-s", "3")
+    try:
+        before = _pids(store)
+        time.sleep(1.5)  # past --startsecs: a hang of a running worker, not a failed start
+        stopped_at = time.monotonic()
+        os.kill(before["commit"], signal.SIGSTOP)
+
+        def restarted() -> bool:
+            w = _worker(store, "commit")
+            return w["restarts"] == 1 and w["state"] == "RUNNING"
+
+        _wait(restarted, 60, "the stopped commit to be killed, restarted and RUNNING")
+        took = time.monotonic() - stopped_at
+        w = _worker(store, "commit")
+        assert w["last_exit"] == -signal.SIGKILL and w["pid"] != before["commit"]
+        assert not psutil.pid_exists(before["commit"])
+        assert 3 <= took < 9, took  # after the limit given, well before the default 10 s
+        # READY again: its stats slot says so with the new pid (what RUNNING waits for).
+        with segments.attach_stats(make_cfg(store, instance), 0) as stats:
+            rec = stats.read(int(Role.COMMIT))
+        assert rec[0] == w["pid"] and rec[1] == State.READY
+        # The others were left alone.
+        for role in ("capture", "maintenance"):
+            other = _worker(store, role)
+            assert (other["pid"], other["restarts"], other["state"]) == (
+                before[role], 0, "RUNNING")
+    finally:
+        rc, err = stop_supervisor(sup)
+    assert rc == 0, err[-3000:]
+    assert "sparkcache::commit[r0] no heartbeat for" in err
+    assert instance_entries(instance) == []
+
+
+def test_restart_is_running_only_once_ready(tmp_path: Path, instance: str) -> None:
+    store, stall = tmp_path / "store", tmp_path / "stall"
+    env = {FAULT_ROLE_ENV: "commit", STALL_FILE_ENV: str(stall)}
+    sup = start_supervisor(store, instance, "--startsecs", "0.5", env=env)
+    try:
+        first = _worker(store, "commit")["pid"]
+        time.sleep(1.0)  # past --startsecs
+        stall.touch()  # from now on a new commit stays STARTING
+        os.kill(first, signal.SIGKILL)
+        _wait(lambda: _worker(store, "commit")["restarts"] == 1, 30, "commit restarted")
+        # Up for four times --startsecs, beating, but never READY: not RUNNING.
+        time.sleep(2.0)
+        w = _worker(store, "commit")
+        assert w["state"] == "STARTING" and psutil.pid_exists(w["pid"]), w
+        shown = subprocess.run([*_cli(), "status", "--store-dir", str(store)],
+                               capture_output=True, text=True, timeout=60).stdout
+        assert "workers=2/3 running" in shown
+        stall.unlink()  # now it reports READY
+        _wait(lambda: _worker(store, "commit")["state"] == "RUNNING", 30, "commit RUNNING")
+        assert _worker(store, "commit")["pid"] == w["pid"]
+    finally:
+        rc, err = stop_supervisor(sup)
+    assert rc == 0, err[-3000:]
+    assert instance_entries(instance) == []
+
+
+# ------------------------------------------------------------------ refusals at start-up
+
+def _refused(store: Path, instance: str, *extra: str) -> str:
+    """Run ``supervise``; it must exit 1 within 60 s with one line and no traceback,
+    having started no worker (nothing of the instance in /dev/shm, no runtime.json).
+    Returns that line."""
+    return _refused_env(store, instance, None, *extra)
+
+
+def _refused_env(store: Path, instance: str, env: dict | None, *extra: str) -> str:
+    sup = start_supervisor(store, instance, *extra, env=env, wait_ready=False)
+    try:
+        _, err = sup.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        sup.kill()
+        sup.communicate(timeout=10)
+        pytest.fail("supervisor did not refuse promptly")
+    lines = err.strip().splitlines()
+    assert sup.returncode == 1 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert not (store / "runtime.json").exists()
+    return lines[0]
+
+
+@pytest.mark.parametrize("kind", ["owner", "fifo"])
+def test_foreign_segment_of_the_instance_refused_in_one_line(
+    tmp_path: Path, instance: str, kind: str
+) -> None:
+    name = segments.name(instance, 0, segments.STATS)
+    path = "/dev/shm" + name
+    if kind == "owner":  # another user's segment, with a header naming a live creator
+        with Segment.create(name, SegmentSpec("stats", 1), 64) as seg:
+            seg.owner = False  # keep the name when this mapping closes
+        os.chown(path, 65534, -1)
+        what = f"{path} (owner {user(65534)}, mode 0600)"
+    else:  # a FIFO: the old sweep waited on it forever
+        os.mkfifo(path, 0o600)
+        what = f"{path} (a FIFO, owner {user(0)})"
+    try:
+        line = _refused(tmp_path / "store", instance)
+        assert line == (
+            f"sparkcache: /dev/shm holds {what} under the names of instance {instance}, not "
+            "a segment of this user's; refusing to use it: remove it (as its owner or root) "
+            "or choose another --instance"
+        )
+        assert instance_entries(instance) == [name[1:]]  # left alone, nothing else made
+    finally:
+        os.unlink(path)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "mode", "owner"])
+def test_unsafe_store_dir_refused_before_any_worker(
+    tmp_path: Path, instance: str, kind: str
+) -> None:
+    real, store = tmp_path / "real", tmp_path / "store"
+    real.mkdir(mode=0o700)
+    if kind == "symlink":
+        store.symlink_to(real)
+        reason = "is a symlink; refusing to follow it"
+    elif kind == "mode":
+        store.mkdir()
+        store.chmod(0o777)
+        reason = "has mode 0777: writable by group or others; expected 0700"
+    else:
+        store.mkdir(mode=0o700)
+        os.chown(store, 65534, -1)
+        reason = f"is owned by uid 65534, not by this user (uid {os.geteuid()})"
+    line = _refused(store, instance)
+    assert line == f"sparkcache: store dir {store} {reason}"
+    assert instance_entries(instance) == []
+    assert not (real / "supervisor.lock").exists()
+
+
+def test_lock_file_link_is_not_followed(tmp_path: Path, instance: str) -> None:
+    store, victim = tmp_path / "store", tmp_path / "elsewhere" / "created"
+    store.mkdir(mode=0o700)
+    victim.parent.mkdir()
+    (store / "supervisor.lock").symlink_to(victim)
+    line = _refused(store, instance)
+    assert line == f"sparkcache: {store / 'supervisor.lock'} is a symlink; refusing to use it"
+    assert not victim.exists()
+    assert instance_entries(instance) == []
+
+
+# ------------------------------------------------------------------ memory at start-up
+
+def test_ready_fast_with_gib_slots_prefaulted_behind_ready(tmp_path: Path, instance: str) -> None:
+    """Capture reports READY before its slots are resident (it used to fault 2 x 1 GiB in
+    first, which put the arena in its RSS before READY) and faults them in afterwards,
+    reporting progress in its stats."""
+    store, arena = tmp_path / "store", 2 * 1024**3
+    t0 = time.monotonic()
+    sup = start_supervisor(store, instance, "--capture-slots", "2",
+                           "--capture-slot-bytes", "1GiB")
+    try:
+        ready_s = time.monotonic() - t0
+        rss = psutil.Process(_worker(store, "capture")["pid"]).memory_info().rss
+        assert rss < arena / 2, rss
+        assert ready_s < 30, ready_s
+        field = WORKER_STATS.dtype.names.index("prefaulted_bytes")
+        with segments.attach_stats(make_cfg(store, instance), 0) as stats:
+            _wait(lambda: stats.read(int(Role.CAPTURE))[field] == arena, 120,
+                  "the slots to be prefaulted")
+        rss = psutil.Process(_worker(store, "capture")["pid"]).memory_info().rss
+        assert rss > arena  # resident now: counted in capture's RSS (shared memory)
+    finally:
+        rc, err = stop_supervisor(sup)
+    assert rc == 0, err[-3000:]
+    assert instance_entries(instance) == []
+
+
+def test_dev_shm_too_small_refused_in_one_line(tmp_path: Path, instance: str) -> None:
+    vfs = os.statvfs("/dev/shm")
+    free = vfs.f_bavail * vfs.f_frsize
+    # Safety net for code without the check: capture exits at once instead of faulting in
+    # more than /dev/shm holds.
+    fault = tmp_path / "crash"
+    fault.touch()
+    line = _refused_env(tmp_path / "store", instance,
+                        {FAULT_ROLE_ENV: "capture", FAULT_FILE_ENV: str(fault)},
+                        "--capture-slots", "2", "--capture-slot-bytes", str(free))
+    assert line.startswith("sparkcache: /dev/shm has "), line
+    assert f"(1 rank x (2 slots x {free / 1024**3:.1f}GiB + " in line
+    assert line.endswith("or a larger /dev/shm (docker run --shm-size)")
+    assert instance_entries(instance) == []
+
+
+def test_environment_fault_is_fatal_at_once_not_a_crash_loop(
+        tmp_path: Path, instance: str) -> None:
+    """A worker whose store directory has become unsafe (here: the rank's directory
+    replaced by a link) exits with one line and code 4, and is FATAL at once: no restart
+    could help. The other workers run on."""
+    store = tmp_path / "store"
+    sup = start_supervisor(store, instance)
+    try:
+        before = _pids(store)
+        time.sleep(1.5)  # past --startsecs
+        rank = store / "rank-0"
+        rank.rename(store / "elsewhere")
+        rank.symlink_to(store / "elsewhere")
+        os.kill(before["commit"], signal.SIGKILL)
+        _wait(lambda: _worker(store, "commit")["state"] == "FATAL", 30, "commit FATAL")
+        w = _worker(store, "commit")
+        assert w["restarts"] == 1 and w["last_exit"] == ENV_FAULT_EXIT, w
+        for role in ("capture", "maintenance"):
+            assert _worker(store, role)["state"] == "RUNNING"
+    finally:
+        rc, err = stop_supervisor(sup)
+    assert rc == 0, err[-3000:]
+    lines = [ln for ln in err.splitlines() if "sparkcache::commit[r0] cannot run" in ln]
+    assert len(lines) == 1 and "symlink" in lines[0], err[-3000:]
+    assert "Traceback" not in err
+    assert "FATAL: its environment is unusable" in err

@@ -1,15 +1,23 @@
 """The capture worker of one rank: publish ring -> capture slot -> commit.
 
-Per publication: check its deadline and registration, bounds-check every block id
-against the registered geometry, ask the store which leading pages it already holds,
-copy only the rest (the page delta) into a free slot, re-check the deadline (a copy that
-ended late may have raced the engine reusing the blocks: dropped), hand the slot to
-commit and tell the engine its blocks are free. Statuses travel on the completion ring.
+Per publication: validate every field of its records (a malformed one is dropped and
+counted by reason, never captured), check its deadline and registration, bounds-check
+every block id against the registered geometry, lease the leading pages the store
+already holds (so they are still there when commit comes), copy only the rest (the page
+delta) into a free slot, re-check the deadline (a copy that ended late may have raced the
+engine reusing the blocks: dropped), hand the slot to commit and tell the engine its
+blocks are free. Statuses (``protocol.CaptureStatus``) travel on the completion ring.
+
+Hand-overs are announced to commit on the ``filled`` ring in the order they were made,
+and again after ``REMIND_AFTER_S`` for a slot commit still holds (``workers.announce``):
+a commit that died after popping a record finds the slot through the repeat
+(workers/commit.py says why it needs one).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -20,15 +28,49 @@ from posix_ipc import SignalError
 from shm import FREE, RingClosed, RingEmpty, RingFull
 from shm.layouts import join_key
 from sparkcache import kvmem, segments
+from sparkcache.protocol import CaptureStatus
 from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT
 from sparkcache.store import PageStore
 from workers import lifecycle, slotfmt
-from workers.lifecycle import Lifecycle, WorkerSpec
+from workers.announce import SlotAnnouncer
+from workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, WorkerSpec
+from workers.prefault import Prefaulter
 
 log = logging.getLogger(__name__)
 
-OK, EXPIRED, UNREGISTERED, BAD_BLOCK, NO_SLOT, TOO_LARGE, FAILED = range(7)
 POLL_S = 0.2
+PUBLISH_CAPACITY = segments.RINGS["publish"][1]  # also the most pages of one publication
+# Clocks of two processes read at slightly different moments: a deadline this much past
+# the release timeout is still taken as the client's.
+_DEADLINE_SLACK_S = 1.0
+_UNIFORM = ("pub_id", "root_hi", "root_lo", "reg_gen", "npages", "deadline")
+
+
+def split_publications(batch: np.ndarray, capacity: int, latest_deadline: float,
+                       ) -> list[tuple[np.ndarray, str | None]]:
+    """The publications in a popped batch, each with the reason it is malformed (one of
+    ``DROP_REASONS``) or None. A publication is the run of records from one with
+    ``page_index`` 0 up to the next; records before the first such run are one malformed
+    group of their own."""
+    starts = np.flatnonzero(batch["page_index"] == 0).tolist()
+    out: list[tuple[np.ndarray, str | None]] = []
+    if not starts or starts[0] > 0:
+        out.append((batch[: starts[0] if starts else len(batch)], "framing"))
+    for s, e in zip(starts, [*starts[1:], len(batch)][: len(starts)], strict=True):
+        recs = batch[s:e]
+        n = int(recs["npages"][0])
+        reason = None
+        if not 0 < n <= capacity or len(recs) != n:
+            reason = "framing"
+        elif not (np.isfinite(recs["deadline"]).all()
+                  and (recs["deadline"] <= latest_deadline).all()):
+            reason = "deadline"
+        elif any((recs[f] != recs[f][0]).any() for f in _UNIFORM):
+            reason = "mixed"
+        elif (recs["page_index"] != np.arange(n)).any():
+            reason = "page_index"
+        out.append((recs, reason))
+    return out
 
 
 @dataclass
@@ -50,19 +92,26 @@ class Capture:
         self.completion = segments.producer(cfg, spec.rank, "completion")
         self.filled = segments.producer(cfg, spec.rank, "filled")
         self.freed = segments.consumer(cfg, spec.rank, "freed")
-        self.store = PageStore(cfg.store_dir, spec.rank, lease_seconds=cfg.lease_seconds)
+        # Its only writes are leases, which a crash may lose: no fsync at each.
+        self.store = PageStore(cfg.store_dir, spec.rank, lease_seconds=cfg.lease_seconds,
+                               durable=False)
         self.reg: _Registered | None = None
+        self.filled_records = SlotAnnouncer(self.filled, self.arena, OWNER_COMMIT)
         # Slots a dead predecessor was filling are ours to free: nobody else takes them.
         for i in range(self.arena.slots):
             if int(self.arena.state[i]["owner"]) == OWNER_CAPTURE:
                 self.arena.hand_over(i, OWNER_CAPTURE, FREE)
-        self.free = set(self.arena.free_slots())
-        # Fault the free slots in now (tmpfs allocates a page on first write), so the
-        # first publications do not pay for it inside their deadline.
-        for i in self.free:
-            self.arena.slot_array(i)[::4096] = 0
+        # Other FREE slots come with their freed record (commit repeats it while the slot
+        # stays FREE): reading them before that could overwrite bytes commit still reads.
+        mine = os.getpid()
+        self.free = {i for i in self.arena.free_slots()
+                     if self.arena.writer_dead(i) or int(self.arena.state[i]["pid"]) == mine}
+        # Fault the slots in behind READY (tmpfs allocates a page on first touch), so the
+        # first publications need not pay for it inside their deadline.
+        self.prefault = Prefaulter(self.arena, lambda n: setattr(life, "prefaulted_bytes", n))
 
     def close(self) -> None:
+        self.prefault.stop()
         if self.reg is not None:
             self.reg.opened.close()
         self.store.close()
@@ -82,28 +131,34 @@ class Capture:
 
     def _step(self, timeout: float) -> bool:
         """Handle the publications waiting in the ring; False when there were none."""
+        self.filled_records.flush()
+        self._take_freed(0)  # commit repeats its records: keep the ring from filling
         try:
-            batch = self.publish.pop_batch(self.publish_capacity(), timeout=timeout)
+            batch = self.publish.pop_batch(PUBLISH_CAPACITY, timeout=timeout)
         except (RingEmpty, RingClosed, SignalError):
             return False
-        starts = np.flatnonzero(batch["page_index"] == 0)
-        for s in starts:
-            n = int(batch["npages"][s])
-            recs = batch[s : s + n]
-            if len(recs) != n or not (recs["pub_id"] == recs["pub_id"][0]).all():
-                log.error("publication %d arrived torn; dropped", int(batch["pub_id"][s]))
-                continue
-            status, copied = self._capture(recs)
-            if status != OK:
+        latest = time.monotonic() + self.cfg.release_timeout_seconds + _DEADLINE_SLACK_S
+        for recs, malformed in split_publications(batch, PUBLISH_CAPACITY, latest):
+            pub_id = int(recs["pub_id"][0])
+            copied = 0
+            if malformed is not None:
+                self.life.drop(malformed, f"publication {pub_id} ({len(recs)} records)")
+                status = CaptureStatus.MALFORMED
+            else:
+                try:
+                    status, copied = self._capture(recs)
+                except ENVIRONMENT_FAULTS:
+                    raise
+                except Exception:
+                    self.life.item_error(f"publication {pub_id}")
+                    status = CaptureStatus.FAILED
+            if status != CaptureStatus.CAPTURED:
                 self.life.failed += 1
             try:
-                self.completion.try_push((int(recs["pub_id"][0]), status, copied))
+                self.completion.try_push((pub_id, int(status), copied))
             except RingFull:
                 log.warning("completion ring full; the client releases by deadline")
         return True
-
-    def publish_capacity(self) -> int:
-        return segments.RINGS["publish"][1]
 
     # ------------------------------------------------------------------ one publication
 
@@ -111,34 +166,54 @@ class Capture:
         if self.reg is not None and self.reg.reg_gen == reg_gen:
             return self.reg
         desc = kvmem.read_registry(self.cfg.store_dir, self.rank)
-        if desc is None or desc["reg_gen"] != reg_gen:
+        if desc is None or desc.get("reg_gen") != reg_gen:
             return None
         if self.reg is not None:
             self.reg.opened.close()
             self.reg = None
-        opened = kvmem.open_tensors(desc)
-        self.reg = _Registered(
-            reg_gen, opened, kvmem.BlockViews(opened.tensors, int(desc["block_dim"]))
-        )
+        try:
+            opened = kvmem.open_tensors(desc)
+        except Exception:
+            # The engine's registration, not capture's environment: this publication
+            # fails, and the next registration may be fine.
+            self.life.item_error(f"registration {reg_gen}")
+            return None
+        try:
+            views = kvmem.BlockViews(opened.tensors, int(desc["block_dim"]))
+        except Exception:
+            opened.close()
+            self.life.item_error(f"registration {reg_gen}")
+            return None
+        self.reg = _Registered(reg_gen, opened, views)
         return self.reg
+
+    def _take_freed(self, timeout: float) -> None:
+        """Move the slots of the freed records in the ring (waiting up to ``timeout`` for
+        one) into the free set."""
+        try:
+            records = self.freed.pop_batch(256, timeout=timeout).tolist()
+        except (RingEmpty, RingClosed, SignalError):
+            if timeout:
+                self.life.beat()
+            return
+        for slot, _, generation in records:
+            if not 0 <= slot < self.arena.slots:
+                self.life.drop("slot", f"freed record for slot {slot}")
+                continue
+            # A record may be stale (repeated, or from before this worker started, the
+            # slot taken since): only the generation commit freed is free.
+            st = self.arena.state[slot]
+            if int(st["owner"]) == FREE and int(st["generation"]) == generation:
+                self.free.add(slot)
 
     def _take_slot(self, deadline: float) -> int | None:
         timeout = 0.0
         while True:
-            try:
-                for slot, _, _ in self.freed.pop_batch(256, timeout=timeout).tolist():
-                    # A record may be stale (a slot freed before this worker started and
-                    # taken since): only a slot still FREE is free.
-                    if int(self.arena.state[slot]["owner"]) == FREE:
-                        self.free.add(slot)
-            except (RingEmpty, RingClosed, SignalError):
-                if timeout:
-                    self.life.beat()
+            self._take_freed(timeout)
             if not self.free:
-                # A slot can be FREE without a record: commit died between handing it back
-                # and pushing the record, or the ring was full. Only capture takes FREE
-                # slots, so every FREE one is ours; without this it would be lost for good.
-                self.free.update(self.arena.free_slots())
+                # A slot can be FREE without a record when commit died between handing it
+                # back and pushing the record: its writer is dead, so it may be taken.
+                self.free.update(i for i in self.arena.free_slots() if self.arena.writer_dead(i))
             if self.free:
                 return self.free.pop()
             left = deadline - time.monotonic()
@@ -146,41 +221,45 @@ class Capture:
                 return None
             timeout = min(left, POLL_S)
 
-    def _capture(self, recs: np.ndarray) -> tuple[int, int]:
+    def _capture(self, recs: np.ndarray) -> tuple[CaptureStatus, int]:
         deadline = float(recs["deadline"][0])
         if time.monotonic() >= deadline:
-            return EXPIRED, 0
+            return CaptureStatus.EXPIRED, 0
         reg = self._registration(int(recs["reg_gen"][0]))
         if reg is None:
-            return UNREGISTERED, 0
+            return CaptureStatus.UNREGISTERED, 0
         blocks = recs["block_id"]
         if (blocks < 0).any() or (blocks >= reg.views.num_blocks).any():
-            log.warning("publication with block ids outside 0-%d refused",
-                        reg.views.num_blocks - 1)
-            return BAD_BLOCK, 0
+            self.life.drop("block", f"publication with block ids outside "
+                           f"0-{reg.views.num_blocks - 1}")
+            return CaptureStatus.BAD_BLOCK, 0
         keys = [join_key(h, lo) for h, lo in zip(recs["key_hi"], recs["key_lo"], strict=True)]
         n = len(keys)
-        stored = self.store.lookup(keys)
+        # Leased, not only looked up: under pressure the root holding these pages could
+        # otherwise be evicted before commit, which then has no bytes for them.
+        stored = self.store.lease_prefix(keys, self.cfg.lookup_lease_seconds)
         if slotfmt.needed(n, n - stored, reg.views.run_bytes) > self.arena.slot_bytes:
-            return TOO_LARGE, 0
+            return CaptureStatus.TOO_LARGE, 0
         slot = self._take_slot(deadline)
         if slot is None:
-            return NO_SLOT, 0
+            return CaptureStatus.NO_SLOT, 0
         self.arena.hand_over(slot, FREE, OWNER_CAPTURE)
         lifecycle.checkpoint("capture.slot_taken")
         try:
             status = self._fill(slot, recs, reg, stored, deadline)
+        except ENVIRONMENT_FAULTS:
+            raise
         except Exception:
-            log.exception("capture of publication %d failed", int(recs["pub_id"][0]))
-            status = FAILED
-        if status != OK:
+            self.life.item_error(f"the copy of publication {int(recs['pub_id'][0])}")
+            status = CaptureStatus.FAILED
+        if status != CaptureStatus.CAPTURED:
             self.arena.hand_over(slot, OWNER_CAPTURE, FREE)
             self.free.add(slot)
             return status, 0
-        return OK, n - stored
+        return CaptureStatus.CAPTURED, n - stored
 
     def _fill(self, slot: int, recs: np.ndarray, reg: _Registered, stored: int,
-              deadline: float) -> int:
+              deadline: float) -> CaptureStatus:
         n, runs = len(recs), reg.views.run_bytes
         buf = self.arena.slot_array(slot)
         # CPU time, not wall: on a host without spare cores the wall clock would also
@@ -191,21 +270,17 @@ class Capture:
         self.life.copy_seconds += time.thread_time() - t0
         self.life.copy_bytes += (n - stored) * reg.views.page_bytes
         if time.monotonic() >= deadline:
-            return EXPIRED  # the engine may have reused the blocks while we copied
+            return CaptureStatus.EXPIRED  # the engine may have reused the blocks meanwhile
         root = (int(recs["root_hi"][0]), int(recs["root_lo"][0]))
         slotfmt.write_header(buf, int(recs["pub_id"][0]), root, recs, stored, runs)
         used = slotfmt.needed(n, n - stored, runs)
         lifecycle.checkpoint("capture.copied")
         self.arena.hand_over(slot, OWNER_CAPTURE, OWNER_COMMIT, used)
         lifecycle.checkpoint("capture.handed")
-        generation = int(self.arena.state[slot]["generation"])
-        try:
-            self.filled.try_push((slot, 0, generation))
-        except RingFull:
-            log.warning("filled ring full; commit finds slot %d by its owner", slot)
+        self.filled_records.add(slot)
         lifecycle.checkpoint("capture.filled")
         self.life.processed += 1
-        return OK
+        return CaptureStatus.CAPTURED
 
 
 def _body(life: Lifecycle) -> None:

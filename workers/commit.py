@@ -1,12 +1,27 @@
-"""The commit worker of one rank: filled slot -> ``PageStore.commit`` -> slot FREE.
+"""The commit worker of one rank: filled slot -> ``PageStore.commit`` -> slot FREE, and
+the durable acknowledgement of each root to the engine.
 
-A slot is committed when its ``filled`` record arrives (the ring orders the slot's bytes)
-or, for a slot this role has held for a while without a record (a predecessor died
-after popping it, or capture died before pushing it), from the slot alone: committing a
-root twice stores the same root, so a redo is harmless. Pages capture did not copy (the
-store held them) are given to the store as a guard buffer that refuses to be written: if
-such a page was collected in between, the commit fails rather than store wrong bytes.
-Also applies the access touches that clients' restores send.
+Which slots commit may read. Python cannot fence, and on arm64 a slot's owner may become
+visible before the bytes capture wrote into it, so commit reads a slot only when a
+synchronisation covers capture's writes or their writer is known dead:
+
+* a ``filled`` record popped for (slot, generation): the ring's semaphore orders every
+  write capture made before pushing it; that includes the slots the *same* capture
+  process handed over earlier (it handles one publication at a time, in order), which
+  commit therefore takes first, in hand-over order;
+* a slot whose hand-over was made by a process that is now dead (the arena records its
+  pid and start time): a dead process writes nothing more.
+
+A slot commit held when it died, whose ``filled`` record it had already popped, is
+therefore found again in one of two ways: its capture is dead (the second rule), or the
+live capture pushes its record again (capture repeats the record of every slot it handed
+over and still sees held by commit, after ``REMIND_AFTER_S``). Committing a root twice
+stores the same root, so a redo is harmless; committing an older turn of a sequence after
+a newer one is not, hence the hand-over order.
+
+Pages capture did not copy (the store held them; capture leased them until this commit)
+are given to the store as a guard buffer that refuses to be written: if such a page
+vanished anyway, the commit fails rather than store wrong bytes.
 """
 
 from __future__ import annotations
@@ -20,18 +35,21 @@ from posix_ipc import SignalError
 
 from shm import FREE, RingClosed, RingEmpty, RingFull
 from shm.layouts import join_key
+from shm.segment import creator_alive
 from sparkcache import segments
+from sparkcache.protocol import DurableStatus
 from sparkcache.segments import OWNER_COMMIT
 from sparkcache.store import CommitFailed, PageData, PageStore, Root
 from sparkcache.store.fileops import FileOps
 from workers import lifecycle, slotfmt
-from workers.lifecycle import Lifecycle, WorkerSpec
+from workers.announce import SlotAnnouncer
+from workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, WorkerSpec
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1
-# A slot held by commit this long without a ring record is committed from the slot alone.
-ORPHAN_AFTER_S = 1.0
+# Hand-over records the ring may hold: a batch larger than this is taken in several pops.
+_POP = 256
 
 
 class _GuardedOps(FileOps):
@@ -62,61 +80,94 @@ class Commit:
         self.arena = segments.attach_arena(cfg, spec.rank)
         self.filled = segments.consumer(cfg, spec.rank, "filled")
         self.freed = segments.producer(cfg, spec.rank, "freed")
-        self.touch = segments.consumer(cfg, spec.rank, "touch")
+        self.durable = segments.producer(cfg, spec.rank, "durable")
         self.ops = _GuardedOps()
         self.store = PageStore(
             cfg.store_dir, spec.rank, lease_seconds=cfg.lease_seconds, fileops=self.ops,
             hook=lifecycle.checkpoint,
         )
+        # Per capture process (pid, start time): the latest hand-over a popped record
+        # covers. Every slot that process handed over no later than that may be read.
+        self._covered: dict[tuple[int, float], float] = {}
+        # Capture takes a FREE slot only on its record (which orders commit's reads of the
+        # slot before capture's writes), so none may be lost; the repeats also tell a
+        # capture that restarted about the slots its predecessor had been told of.
+        self.freed_records = SlotAnnouncer(self.freed, self.arena, FREE)
 
     def close(self) -> None:
         self.store.close()
         self.filled.close()
-        self.touch.close()
         self.freed.detach()
+        self.durable.detach()
         self.arena.close()
 
     def run(self) -> None:
-        # Recovery before READY: slots a dead predecessor held (committed or not) go first.
-        # Records behind them in the ring are newer publications, maybe later turns of the
-        # same sequence, which a redo after them would replace with the older turn.
-        self._commit_held(time.monotonic())
+        # Recovery before READY: slots whose capture died go first. Records behind them in
+        # the ring are newer publications, maybe later turns of the same sequence, which a
+        # redo after them would replace with the older turn.
+        self._commit_readable()
         self.life.serve(self._step, POLL_S)
-        self._step(0)
-        self._commit_held(time.monotonic())  # whatever capture handed over before we stop
+        # Drain: capture has stopped before commit is asked to (the supervisor stops the
+        # roles in order), so every record it pushed is in the ring by now.
+        while self._pop(0):
+            self.life.beat()  # progress: the supervisor kills only a drain that stalls
+        self._commit_readable()
 
     def _step(self, timeout: float) -> None:
-        try:
-            for slot, _, generation in self.filled.pop_batch(256, timeout=timeout).tolist():
-                lifecycle.checkpoint("commit.popped")
-                st = self.arena.state[slot]
-                if int(st["owner"]) == OWNER_COMMIT and int(st["generation"]) == generation:
-                    # Held slots handed over before this one go first: one whose record a
-                    # dead capture never pushed may hold an earlier turn of the same root.
-                    # Its bytes are visible here: the same capture wrote them before this
-                    # record's post, or a dead one before its successor was started.
-                    self._commit_held(float(st["since"]))
-        except (RingEmpty, RingClosed, SignalError):
-            pass
-        self._commit_held(time.monotonic() - ORPHAN_AFTER_S)
-        self._touches()
+        self._pop(timeout)
+        self._commit_readable()
+        self.freed_records.flush()
 
-    def _commit_held(self, until: float) -> None:
-        """Commit every slot this role holds that was handed over at ``until`` or before,
-        in hand-over order: two turns of a sequence share a root, and the later turn must
-        be committed last. (``since`` is CLOCK_MONOTONIC, one clock for every process.)"""
-        held = [
-            i for i in range(self.arena.slots)
-            if int(self.arena.state[i]["owner"]) == OWNER_COMMIT
-            and float(self.arena.state[i]["since"]) <= until
-        ]
-        for slot in sorted(held, key=lambda j: float(self.arena.state[j]["since"])):
+
+    def _pop(self, timeout: float) -> bool:
+        """Take the records in the ring and commit what they cover; False if there were
+        none."""
+        try:
+            batch = self.filled.pop_batch(_POP, timeout=timeout)
+        except (RingEmpty, RingClosed, SignalError):
+            return False
+        for slot, _, generation in batch.tolist():
+            lifecycle.checkpoint("commit.popped")
+            if not 0 <= slot < self.arena.slots:
+                self.life.drop("slot", f"filled record for slot {slot}")
+                continue
+            st = self.arena.state[slot]
+            # A stale record (the slot was committed and taken again since) is skipped.
+            if int(st["owner"]) == OWNER_COMMIT and int(st["generation"]) == generation:
+                holder = (int(st["pid"]), float(st["pid_start"]))
+                self._covered[holder] = max(self._covered.get(holder, 0.0), float(st["since"]))
+                self._commit_readable()
+        return True
+
+    def _commit_readable(self) -> None:
+        """Commit every held slot that may be read (see the module notes), in hand-over
+        order: two turns of a sequence share a root, and the later turn must come last.
+        (``since`` is CLOCK_MONOTONIC, one clock for every process of the host.)"""
+        readable = []
+        for i in range(self.arena.slots):
+            st = self.arena.state[i]
+            if int(st["owner"]) != OWNER_COMMIT:
+                continue
+            since = float(st["since"])
+            covered = self._covered.get((int(st["pid"]), float(st["pid_start"])))
+            if (covered is not None and since <= covered) or self.arena.writer_dead(i):
+                readable.append((since, i))
+        for _, slot in sorted(readable):
             self._commit_slot(slot)
+        self._forget_dead_captures()
+
+    def _forget_dead_captures(self) -> None:
+        for pid, start in list(self._covered):
+            if not creator_alive(pid, start):
+                del self._covered[(pid, start)]
 
     def _commit_slot(self, slot: int) -> None:
         buf = self.arena.slot_array(slot)
+        pub_id, status = None, DurableStatus.BAD_SLOT
         try:
             contents = slotfmt.read(buf)
+            pub_id = contents.pub_id
+            status = DurableStatus.COMMIT_FAILED
             guard = self.ops.ensure(contents.page_bytes)
             pages = [
                 PageData(
@@ -126,29 +177,34 @@ class Commit:
                 for hi, lo, copied in contents.entries.tolist()
             ]
             root_id = join_key(*contents.root)
+            t0 = time.perf_counter()
             result = self.store.commit(Root(root_id, pages))
+            status = DurableStatus.DURABLE
             self.life.processed += 1
-            log.debug("committed %s: %s", root_id, result)
-        except (CommitFailed, ValueError) as exc:
+            log.debug("committed %s in %.3fs: %s", root_id, time.perf_counter() - t0, result)
+        except ValueError as exc:
+            self.life.failed += 1
+            log.warning("slot %d holds no readable publication: %s", slot, exc)
+        except CommitFailed as exc:
             self.life.failed += 1
             log.warning("slot %d not committed: %s", slot, exc)
+            self.store.check_usable()
+        except ENVIRONMENT_FAULTS:
+            raise
+        except Exception:
+            self.life.failed += 1
+            self.life.item_error(f"slot {slot}")
+            self.store.check_usable()
         lifecycle.checkpoint("commit.committed")
         self.arena.hand_over(slot, OWNER_COMMIT, FREE)
         lifecycle.checkpoint("commit.slot_freed")
-        try:
-            self.freed.try_push((slot, 0, int(self.arena.state[slot]["generation"])))
-        except RingFull:
-            log.warning("freed ring full; capture finds slot %d by its owner", slot)
-
-    def _touches(self) -> None:
-        try:
-            batch = self.touch.pop_batch(4096, timeout=0)
-        except (RingEmpty, RingClosed, SignalError):
-            return
-        lifecycle.checkpoint("commit.touches")
-        for hi, lo, pos, when in batch.tolist():
-            self.store.record_access(join_key(hi, lo), int(pos), when)
-        self.store.flush_touches()  # one transaction per popped batch
+        self.freed_records.add(slot)
+        if pub_id is not None:
+            try:
+                self.durable.try_push((pub_id, int(status), 0))
+            except RingFull:
+                # The engine's bookkeeping of that publication times out instead.
+                log.warning("durable ring full; acknowledgement of %d dropped", pub_id)
 
 
 def _body(life: Lifecycle) -> None:

@@ -11,17 +11,22 @@ import os
 import select
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 
+import posix_ipc
 import setproctitle
 
-from shm import StatsBlock
+from shm import SegmentError, StatsBlock
+from shm.layouts import DROP_REASONS, WORKER_STATS
 from sparkcache import segments
 from sparkcache.config import Config
+from sparkcache.ratelog import RateLimitedLog
+from sparkcache.store import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -31,21 +36,41 @@ _PR_SET_PDEATHSIG = 1
 FAULT_ROLE_ENV = "SPARKCACHE_FAULT_ROLE"
 FAULT_FILE_ENV = "SPARKCACHE_FAULT_FILE"
 CRASH_EXIT = 3
+# A fault of the worker's environment, not of one item: its segments cannot be attached or
+# its store directory is unusable. Restarting cannot help, so the supervisor marks the
+# worker FATAL at once instead of crash-looping it; the worker says why in one line.
+ENV_FAULT_EXIT = 4
+ENVIRONMENT_FAULTS: tuple[type[BaseException], ...] = (
+    SegmentError, posix_ipc.ExistentialError, StoreError,
+)
 # Test hook: a worker SIGKILLs itself at the checkpoint named $SPARKCACHE_KILL_AT while the
 # file $SPARKCACHE_KILL_FILE exists (crash tests that kill at every step of the protocol).
 KILL_AT_ENV = "SPARKCACHE_KILL_AT"
 KILL_FILE_ENV = "SPARKCACHE_KILL_FILE"
+# Test hook: a worker of role $SPARKCACHE_FAULT_ROLE stays STARTING (beating) while the
+# file $SPARKCACHE_STALL_FILE exists (a restart that never reports READY).
+STALL_FILE_ENV = "SPARKCACHE_STALL_FILE"
 # Read once: a checkpoint sits on every publication's path and must cost one compare.
 _KILL_AT = os.environ.get(KILL_AT_ENV) if os.environ.get(KILL_FILE_ENV) else None
+# This process's Lifecycle, so that checkpoints beat while a long step makes progress.
+_LIFE: Lifecycle | None = None
+# How often a step in progress beats: well inside the supervisor's heartbeat limit (>= 1 s).
+PROGRESS_BEAT_S = 0.5
 
 
 def checkpoint(step: str) -> None:
     """A step boundary of the pipeline protocol (also the workers' PageStore ``hook``).
 
+    Passing one is progress: the worker beats (at most every ``PROGRESS_BEAT_S``), so a
+    commit writing thousands of pages, or a maintenance pass, is not taken for hung by the
+    supervisor's heartbeat limit however long it runs; a worker stuck inside one step is.
+
     Why SIGKILL and not an exception: a crash test must see exactly what a power cut or
     OOM kill leaves behind (no ``finally``, no slot handed back, no ring record). Unlinking
     the file first makes the kill happen once, so the restarted worker runs on.
     """
+    if _LIFE is not None:
+        _LIFE.progress()
     if step != _KILL_AT:
         return
     try:
@@ -130,8 +155,16 @@ class Lifecycle:
         self.used_bytes = 0
         self.copy_bytes = 0
         self.copy_seconds = 0.0
+        self.item_errors = 0
+        self.drops = dict.fromkeys(DROP_REASONS, 0)
         self._stats: StatsBlock | None = None
         self._wake_fd = -1  # readable once a stop signal has arrived (signal wakeup fd)
+        self._rare = RateLimitedLog(log)
+        self.prefaulted_bytes = 0  # set by capture's prefault thread (an int store)
+        self._beat_due = 0.0  # time.monotonic() after which progress() beats
+        # Only this thread writes the stats slot (a store's fsync thread also passes
+        # checkpoints, and a slot has one writer).
+        self._thread = threading.get_ident()
 
     def to(self, state: State) -> None:
         if state not in TRANSITIONS[self.state]:
@@ -163,26 +196,51 @@ class Lifecycle:
         os.set_blocking(wake_w, False)
         signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         self._stats = segments.attach_stats(spec.cfg, spec.rank)
+        global _LIFE
+        _LIFE = self
         self.to(State.STARTING)
+        if os.environ.get(FAULT_ROLE_ENV) != spec.role.name.lower():
+            return
         fault = os.environ.get(FAULT_FILE_ENV)
-        if (
-            fault
-            and os.environ.get(FAULT_ROLE_ENV) == spec.role.name.lower()
-            and Path(fault).exists()
-        ):
+        if fault and Path(fault).exists():
             log.error("%s: injected start-up crash", title(spec.role, spec.rank))
             os._exit(CRASH_EXIT)
+        stall = os.environ.get(STALL_FILE_ENV)
+        while stall and Path(stall).exists() and not self.stop:
+            self.beat()
+            self.idle(0.1)
 
     def beat(self) -> None:
         if self._stats is None:
             return
+        self._beat_due = time.monotonic() + PROGRESS_BEAT_S
         self._stats.write(
             int(self.spec.role),
-            (
+            WORKER_STATS.named(
                 os.getpid(), int(self.state), time.time(), self.started, self.processed,
-                self.failed, self.backlog, self.used_bytes, self.copy_bytes, self.copy_seconds,
+                self.failed, self.item_errors, self.backlog, self.used_bytes, self.copy_bytes,
+                self.copy_seconds, self.prefaulted_bytes, *self.drops.values(),
             ),
         )
+
+    def drop(self, reason: str, what: str) -> None:
+        """Count a malformed record dropped for ``reason`` (one of DROP_REASONS)."""
+        self.drops[reason] += 1
+        self._rare.warning(reason, "%s: dropped %s (%s)", title(self.spec.role, self.spec.rank),
+                           what, reason)
+
+    def item_error(self, what: str) -> None:
+        """Count and log (with its traceback, at most once a minute) an unexpected error
+        while handling one item; the caller goes on with the next item. Call from an
+        ``except`` block."""
+        self.item_errors += 1
+        self._rare.warning(f"error:{what}", "%s: error while handling %s; going on",
+                           title(self.spec.role, self.spec.rank), what, exc_info=True)
+
+    def progress(self) -> None:
+        """Beat if the last beat is ``PROGRESS_BEAT_S`` old (a long step made progress)."""
+        if time.monotonic() >= self._beat_due and threading.get_ident() == self._thread:
+            self.beat()
 
     def serve(self, step: Callable[[float], object], poll_s: float) -> None:
         """READY: beat, then ``step(poll_s)`` (which waits at most ``poll_s`` for work),
@@ -199,6 +257,9 @@ class Lifecycle:
             select.select([self._wake_fd], [], [], seconds)
 
     def close(self) -> None:
+        global _LIFE
+        if _LIFE is self:
+            _LIFE = None
         if self._stats is not None:
             self._stats.close()
             self._stats = None
@@ -217,6 +278,12 @@ def main(spec: WorkerSpec, body: Callable[[Lifecycle], None]) -> None:
         if life.state != State.DRAINING:
             life.to(State.DRAINING)
         life.to(State.STOPPED)
+    except ENVIRONMENT_FAULTS as exc:
+        log.error("%s cannot run: %s", title(spec.role, spec.rank), exc)
+        life.state = State.FAILED
+        life.beat()
+        life.close()
+        sys.exit(ENV_FAULT_EXIT)
     except Exception:
         log.exception("%s failed", title(spec.role, spec.rank))
         life.state = State.FAILED

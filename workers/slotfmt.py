@@ -63,6 +63,7 @@ def write_header(slot: np.ndarray, pub_id: int, root: tuple[int, int], keys: np.
 class SlotContents:
     """A filled slot as commit reads it."""
 
+    pub_id: int
     root: tuple[int, int]
     entries: np.ndarray  # ENTRY records, one per page of the publication
     run_bytes: list[int]
@@ -97,5 +98,5 @@ def read(slot: np.ndarray) -> SlotContents:
     start = data_start(n, nruns)
     if start + copied * sum(run_bytes) > slot.size:
         raise ValueError("page data past the end of the slot")
-    return SlotContents((int(head["root_hi"]), int(head["root_lo"])), entries, run_bytes,
-                        copied, start)
+    return SlotContents(int(head["pub_id"]), (int(head["root_hi"]), int(head["root_lo"])),
+                        entries, run_bytes, copied, start)

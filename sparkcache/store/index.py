@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import stat
+import urllib.parse
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +22,9 @@ from sparkcache.store.records import StoreError, UnsafeStoreDir
 
 SCHEMA_VERSION = "1"
 BUSY_TIMEOUT_MS = 30_000
+# A read-only connection is the engine's: it gives up after this rather than wait (a WAL
+# reader waits only in rare moments, such as another process recovering the WAL).
+READONLY_BUSY_TIMEOUT_MS = 5
 # SQLite's default limit on host parameters is 32766 since 3.32; stay far below it.
 _CHUNK = 500
 
@@ -104,17 +108,29 @@ def _check_index_file(path: Path, create: bool) -> None:
             raise UnsafeStoreDir(f"{side} is a symlink; refusing to open the index")
 
 
-def connect(path: Path, create: bool) -> sqlite3.Connection:
-    """Open the index, creating the schema if asked; fail closed on anything unreadable."""
-    _check_index_file(path, create)
+def connect(path: Path, create: bool, readonly: bool = False,
+            durable: bool = True) -> sqlite3.Connection:
+    """Open the index, creating the schema if asked; fail closed on anything unreadable.
+    ``readonly``: the connection cannot write (SQLite refuses) and waits at most
+    READONLY_BUSY_TIMEOUT_MS for a lock. ``durable=False``: its transactions are not
+    fsynced at COMMIT (a later durable one carries them to disk), for writes a crash may
+    lose, such as leases."""
+    _check_index_file(path, create and not readonly)
     try:
-        conn = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
-        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if readonly:
+            uri = f"file:{urllib.parse.quote(str(path))}?mode=ro"
+            timeout_ms = READONLY_BUSY_TIMEOUT_MS
+            conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=timeout_ms / 1000)
+            conn.execute(f"PRAGMA busy_timeout={timeout_ms}")
+            mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+        else:
+            conn = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
         if mode != "wal":
-            raise StoreError(f"index {path} could not be switched to WAL (mode {mode})")
-        conn.execute("PRAGMA synchronous=FULL")
-        version = _schema_version(conn, path, create)
+            raise StoreError(f"index {path} is not in WAL mode (mode {mode})")
+        version = _schema_version(conn, path, create and not readonly)
     except sqlite3.DatabaseError as exc:
         raise StoreError(f"index {path} cannot be read: {exc}") from exc
     if version != SCHEMA_VERSION:

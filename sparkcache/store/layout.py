@@ -8,6 +8,12 @@ key), temporary files ``<key>.<generation>.tmp`` beside them, and
 Names are built only from validated hex digests. Directories below the rank directory are
 opened with ``O_NOFOLLOW | O_DIRECTORY`` and files relative to those descriptors with
 ``O_NOFOLLOW``, so a symlink planted anywhere under ``objects/`` is never followed.
+
+The store dir's own files (``runtime.json``, ``kv-r<r>.json``, ``supervisor.lock``) go
+through ``open_store_dir`` (the dir checked like every other, then opened without
+following a link) and ``write_file`` (a fresh temporary name opened ``O_EXCL |
+O_NOFOLLOW`` relative to that descriptor, then renamed over the target), so neither a
+planted link nor a directory swapped after the check is ever written through.
 """
 
 from __future__ import annotations
@@ -123,6 +129,63 @@ def open_subdir(name: str, dir_fd: int, create: bool) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def open_store_dir(path: Path, create: bool) -> int:
+    """The store dir itself, opened without following a link and checked (``check_stat``)
+    on the descriptor; created 0700 (with its parents) if asked and missing. Raises
+    UnsafeStoreDir naming the dir and what is wrong. Callers make files relative to it."""
+    what = f"store dir {path}"
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(path, DIR_MODE)
+        except FileExistsError:
+            pass
+    try:
+        fd = os.open(path, DIR_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            check_stat(os.lstat(path), what)  # says which: a link, or not a directory
+        raise
+    try:
+        check_stat(os.fstat(fd), what)
+    except UnsafeStoreDir:
+        os.close(fd)
+        raise
+    return fd
+
+
+FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def write_file(dir_fd: int, name: str, data: bytes) -> None:
+    """Replace ``name`` under ``dir_fd`` with ``data`` (mode 0600) atomically: written to
+    a fresh random temporary name (``O_EXCL | O_NOFOLLOW``: nothing planted there is
+    followed or reused), then renamed over ``name`` (a rename replaces a link, never its
+    target)."""
+    tmp = f".{name}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | FILE_FLAGS, FILE_MODE,
+                 dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def read_file(path: Path) -> bytes:
+    """The bytes of the plain file ``path``, never through a link (OSError otherwise)."""
+    fd = os.open(path, os.O_RDONLY | FILE_FLAGS)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a plain file")
+        return f.read()
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,13 @@ A store instance belongs to one process: open a new one after fork.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import sqlite3
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from pathlib import Path
 from sparkcache.identity import require_hex
 from sparkcache.store import index, recovery
 from sparkcache.store.fileops import FileOps, StepHook, no_hook
+from sparkcache.store.gate import LookupGate
 from sparkcache.store.layout import (
     DIR_FLAGS,
     RankLayout,
@@ -42,7 +44,8 @@ from sparkcache.store.layout import (
     object_name,
     open_subdir,
 )
-from sparkcache.store.objects import ObjectCorrupt, open_object, read_verified
+from sparkcache.store.objects import ObjectCorrupt, verify_file
+from sparkcache.store.reader import StoreReader, stored_prefix
 from sparkcache.store.records import (
     ROOT_ID_HEX_LEN,
     CollectResult,
@@ -60,8 +63,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_SECONDS = 300.0
 DEFAULT_GRACE_SECONDS = 60.0
-# Pages a restore keeps open and has the kernel read ahead while it verifies the current one.
-PREFETCH_PAGES = 4
 
 
 @dataclass
@@ -99,6 +100,7 @@ class PageStore:
         touch_batch: int = 64,
         touch_interval_s: float = 1.0,
         max_retries: int = 8,
+        durable: bool = True,
     ) -> None:
         if rank < 0:
             raise ValueError(f"rank {rank!r} must be >= 0")
@@ -112,25 +114,34 @@ class PageStore:
         self._touch_batch = touch_batch
         self._touch_interval_s = touch_interval_s
         self._max_retries = max_retries
-        self._touches: dict[tuple[str, int], float] = {}
+        self._touches: dict[tuple[str, int], float] = {}  # (key, pos) -> when accessed
+        self._leases: dict[tuple[str, int], float] = {}  # (key, pos) -> protected until
         self._touches_since = 0.0
         self._objects_fd = os.open(self.layout.objects_dir, DIR_FLAGS)
         self._quarantine_fd = os.open(self.layout.quarantine_dir, DIR_FLAGS)
         self._writer = ObjectWriter(self._ops, hook, self._objects_fd)
         try:
-            self._wconn = index.connect(self.layout.index_path, create)
+            # Created by any writer, so an older store gains it on its next open.
+            self.gate = LookupGate(self.layout.rank_dir, create=True)
+            try:
+                self._wconn = index.connect(self.layout.index_path, create, durable=durable)
+            except BaseException:
+                self.gate.close()
+                raise
         except BaseException:
             os.close(self._objects_fd)
             os.close(self._quarantine_fd)
             raise
         try:
             # Lookups and restores read here, on their own WAL snapshot.
-            self._rconn = index.connect(self.layout.index_path, create=False)
+            self._reader = StoreReader(store_dir, rank, readonly=False, fileops=self._ops)
         except BaseException:
+            self.gate.close()
             self._wconn.close()
             os.close(self._objects_fd)
             os.close(self._quarantine_fd)
             raise
+        self._rconn = self._reader.conn
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -141,7 +152,8 @@ class PageStore:
         finally:
             self._writer.close()
             self._wconn.close()
-            self._rconn.close()
+            self._reader.close()
+            self.gate.close()
             os.close(self._objects_fd)
             os.close(self._quarantine_fd)
 
@@ -311,42 +323,18 @@ class PageStore:
 
     def lookup(self, keys: Sequence[str]) -> int:
         """Number of leading ``keys`` the store holds live (the longest stored prefix)."""
-        keys = [require_hex(k, "page key") for k in keys]
-        rows = index.rows_for_keys(self._rconn, "refcount, state", keys)
-        n = 0
-        for key in keys:
-            row = rows.get(key)
-            if row is None or row[0] == 0 or row[1] != "live":
-                break
-            n += 1
-        return n
+        return self._reader.lookup(keys)
 
     def restore(self, keys: Sequence[str], into: Sequence[object]) -> int:
-        """Read and verify the leading ``keys`` into ``into`` (one writable buffer per page).
-
-        Returns how many leading pages were restored. A page that fails verification ends
-        the prefix: its buffer is zeroed, the object quarantined and counted. The next
-        ``PREFETCH_PAGES`` objects are opened and read ahead by the kernel while the current
-        one is verified; an open object stays readable even if collection unlinks it.
-        """
-        keys = [require_hex(k, "page key") for k in keys]
-        if len(into) < len(keys):
-            raise ValueError(f"restore: {len(keys)} keys but only {len(into)} buffers")
-        with index.read_txn(self._rconn) as conn:
-            rows = index.rows_for_keys(conn, "generation, bytes, refcount, state", keys)
-        plan: list[tuple[str, str, int, memoryview]] = []
-        for i, key in enumerate(keys):
-            row = rows.get(key)
-            if row is None or row[2] == 0 or row[3] != "live":
-                break
-            buf = memoryview(into[i]).cast("B")  # type: ignore[arg-type]
-            if buf.readonly or buf.nbytes < row[1]:
-                raise ValueError(
-                    f"restore: buffer {i} must be writable and hold {row[1]} bytes, "
-                    f"has {buf.nbytes}{' (read-only)' if buf.readonly else ''}"
-                )
-            plan.append((key, row[0], row[1], buf))
-        n = self._read_plan(plan)
+        """Read and verify the leading ``keys`` into ``into`` (one writable buffer per page)
+        (``StoreReader.restore``). Returns how many leading pages were restored; a page that
+        fails verification ends the prefix, and its object is quarantined and counted."""
+        result = self._reader.restore(keys, into)
+        for bad in result.bad:
+            if bad.reason == "file missing":
+                self.counters.missing_files += 1
+            self._quarantine(bad.key, bad.generation, bad.reason)
+        n = result.pages
         if n:
             self._touches[(keys[n - 1], n - 1)] = self._clock()
             try:
@@ -355,78 +343,6 @@ class PageStore:
                 # The pages were verified and are the caller's; access records can wait.
                 log.warning("could not record restore access yet: %s", exc)
         return n
-
-    def _read_plan(self, plan: list[tuple[str, str, int, memoryview]]) -> int:
-        """Open ahead, read and verify ``plan`` in order; the number of pages restored."""
-        ahead: deque[int] = deque()  # open descriptors of plan[n : opened]
-        opened = 0
-        limit = len(plan)  # cut at the first page that cannot be opened
-        n = 0
-        try:
-            for key, generation, size, buf in plan:
-                while opened < limit and len(ahead) <= PREFETCH_PAGES:
-                    fd = self._open_page(*plan[opened][:2])
-                    if fd is None:
-                        limit = opened
-                        break
-                    ahead.append(fd)
-                    opened += 1
-                if not ahead:
-                    break
-                fd = ahead.popleft()
-                try:
-                    read_verified(self._ops, fd, key, generation, size, buf)
-                except ObjectCorrupt as exc:
-                    self._quarantine(key, generation, str(exc))
-                    break
-                except OSError as exc:
-                    log.warning("object %s.%s unreadable: %s; a miss", key, generation, exc)
-                    break
-                finally:
-                    self._ops.close(fd)
-                n += 1
-        finally:
-            for fd in ahead:
-                self._ops.close(fd)
-        return n
-
-    def _open_page(self, key: str, generation: str) -> int | None:
-        """Open a page's object and start its readahead; None (handled) if it cannot be."""
-        try:
-            dir_fd = open_subdir(fanout(key), self._objects_fd, create=False)
-        except FileNotFoundError:
-            self._missing(key, generation)
-            return None
-        except StoreError as exc:
-            self._quarantine(key, generation, str(exc))
-            return None
-        try:
-            fd = open_object(self._ops, dir_fd, key, generation)
-        except FileNotFoundError:
-            self._missing(key, generation)
-            return None
-        except ObjectCorrupt as exc:
-            self._quarantine(key, generation, str(exc))
-            return None
-        except OSError as exc:
-            log.warning("object %s.%s cannot be opened: %s; a miss", key, generation, exc)
-            return None
-        finally:
-            os.close(dir_fd)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass  # readahead is an optimisation only
-        return fd
-
-    def _missing(self, key: str, generation: str) -> None:
-        """A live row without its file: a race with collection is a plain miss; else damage."""
-        row = self._rconn.execute(
-            "SELECT generation, refcount, state FROM objects WHERE key = ?", (key,)
-        ).fetchone()
-        if row is not None and row[0] == generation and row[2] == "live":
-            self.counters.missing_files += 1
-            self._quarantine(key, generation, "file missing")
 
     def quarantine(self, key: str, generation: str, reason: str) -> None:
         """Mark an object bad and move its file (or planted link) aside; never deleted here."""
@@ -465,33 +381,60 @@ class PageStore:
         ):
             self.flush_touches()
 
-    def take_touches(self) -> list[tuple[str, int, float]]:
-        """Hand the batched restore accesses to the caller instead of writing them: a
-        client that only reads sends them to the commit worker, the store's one writer."""
-        taken = [(key, pos, when) for (key, pos), when in self._touches.items()]
-        self._touches, self._touches_since = {}, 0.0
-        return taken
-
     def record_access(self, key: str, pos: int, when: float) -> None:
-        """Batch an access another process's restore made (see ``take_touches``)."""
+        """Batch an access another process's restore made: renews the lease and last
+        access of the roots holding page ``pos`` with ``key`` (chained keys make that its
+        whole prefix) at the next flush."""
         require_hex(key, "page key")
         self._touches[(key, pos)] = max(when, self._touches.get((key, pos), 0.0))
         self._maybe_flush_touches()
 
+    def record_lease(self, key: str, pos: int, until: float) -> None:
+        """Batch a lease another process's lookup took: protects the roots holding page
+        ``pos`` with ``key`` until ``until`` without counting as an access."""
+        require_hex(key, "page key")
+        self._leases[(key, pos)] = max(until, self._leases.get((key, pos), 0.0))
+
     def flush_touches(self) -> int:
-        """Record batched restores: renew leases and last access of the roots they read."""
-        if not self._touches:
+        """Write batched accesses and leases in one transaction; how many were written."""
+        if not self._touches and not self._leases:
             return 0
         with index.write_txn(self._wconn) as conn:
-            for (key, pos), when in self._touches.items():
+            return self._write_accesses(conn)
+
+    def _write_accesses(self, conn: sqlite3.Connection) -> int:
+        conn.executemany(
+            "UPDATE roots SET last_access = max(last_access, ?), "
+            "lease_until = max(lease_until, ?) WHERE id IN "
+            "(SELECT root_id FROM root_pages WHERE key = ? AND pos = ?)",
+            [(when, when + self.lease_seconds, key, pos)
+             for (key, pos), when in self._touches.items()],
+        )
+        conn.executemany(
+            "UPDATE roots SET lease_until = max(lease_until, ?) WHERE id IN "
+            "(SELECT root_id FROM root_pages WHERE key = ? AND pos = ?)",
+            [(until, key, pos) for (key, pos), until in self._leases.items()],
+        )
+        written = len(self._touches) + len(self._leases)
+        self._touches, self._leases, self._touches_since = {}, {}, 0.0
+        return written
+
+    def lease_prefix(self, keys: Sequence[str], seconds: float) -> int:
+        """The stored prefix of ``keys`` (as ``lookup``), protected from eviction for
+        ``seconds``, in one write transaction: what a capture that copies only the rest
+        relies on is then still there when its commit comes."""
+        keys = [require_hex(k, "page key") for k in keys]
+        if not self._reader.lookup(keys):
+            return 0  # nothing to protect: no write transaction
+        with index.write_txn(self._wconn) as conn:
+            n = stored_prefix(conn, keys)
+            if n:
                 conn.execute(
-                    "UPDATE roots SET last_access = max(last_access, ?), "
-                    "lease_until = max(lease_until, ?) WHERE id IN "
+                    "UPDATE roots SET lease_until = max(lease_until, ?) WHERE id IN "
                     "(SELECT root_id FROM root_pages WHERE key = ? AND pos = ?)",
-                    (when, when + self.lease_seconds, key, pos),
+                    (self._clock() + seconds, keys[n - 1], n - 1),
                 )
-        flushed, self._touches, self._touches_since = len(self._touches), {}, 0.0
-        return flushed
+        return n
 
     # ------------------------------------------------------------------ eviction
 
@@ -526,6 +469,67 @@ class PageStore:
                 removed.append(root_id)
             self._hook("evict.remove")
         return RemoveResult(tuple(removed), tuple(skipped), freed)
+
+    def evict(self, k: int, take_requests: Callable[[], object] = lambda: None) -> RemoveResult:
+        """One eviction step, as one transaction under the lookup gate (``store.gate``):
+        ``take_requests()`` moves the accesses and leases waiting for this store in
+        (``record_access``, ``record_lease``), they are written, then up to ``k`` unleased
+        roots are removed, least recently used first. ``k == 0`` only writes the requests."""
+        gate = contextlib.ExitStack()
+        with gate, index.write_txn(self._wconn) as conn:
+            # After BEGIN IMMEDIATE, so lookups are never shut out while this waits for
+            # the write lock; released (by the outer stack) only after COMMIT.
+            gate.enter_context(self.gate.exclusive())
+            take_requests()
+            self._write_accesses(conn)
+            if k <= 0:
+                return RemoveResult((), (), 0)
+            victims = [
+                r[0] for r in conn.execute(
+                    "SELECT id FROM roots WHERE lease_until <= ? "
+                    "ORDER BY lease_until, last_access LIMIT ?",
+                    (self._clock(), k),
+                )
+            ]
+            self._hook("evict.select")
+            freed = sum(self._drop_root(conn, root_id) for root_id in victims)
+            self._hook("evict.remove")
+        return RemoveResult(tuple(victims), (), freed)
+
+    def verify_and_quarantine(self, key: str, generation: str, reason: str) -> bool:
+        """Quarantine object ``key``.``generation`` if it is live and fails verification
+        here too: a reader's report alone (maybe stale, maybe garbage) never condemns an
+        object. True if it was quarantined."""
+        key = require_hex(key, "page key")
+        row = self._rconn.execute(
+            "SELECT bytes FROM objects WHERE key = ? AND generation = ? AND state = 'live'",
+            (key, generation),
+        ).fetchone()
+        if row is None:
+            return False
+        try:
+            dir_fd = open_subdir(fanout(key), self._objects_fd, create=False)
+        except (FileNotFoundError, StoreError):
+            dir_fd = -1
+        try:
+            if dir_fd >= 0:
+                verify_file(self._ops, dir_fd, key, generation, int(row[0]))
+                return False
+        except (ObjectCorrupt, OSError):
+            pass
+        finally:
+            if dir_fd >= 0:
+                os.close(dir_fd)
+        self._quarantine(key, generation, reason)
+        return True
+
+    def check_usable(self) -> None:
+        """Raise StoreError if the store's directories are gone or no longer safe: a
+        fault of the environment, which no retry of one item can mend."""
+        try:
+            self.layout.prepare(create=False)
+        except OSError as exc:
+            raise StoreError(f"store {self.layout.rank_dir} is unusable: {exc}") from exc
 
     def collect(self, n: int) -> CollectResult:
         """Delete up to ``n`` unreferenced object rows durably, then unlink their files."""

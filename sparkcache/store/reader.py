@@ -1,0 +1,190 @@
+"""``StoreReader``: the read side of one rank's store, which never writes.
+
+The engine process reads through it alone: its index connection is opened read-only with
+a busy timeout of a few milliseconds, so no call it makes can wait behind a writer's lock
+(WAL readers work on a snapshot; the rare moments a reader must wait, it gives up and
+the call is a miss). Whatever a read finds wrong (a checksum mismatch, a live row whose
+file is gone) is *reported* as a ``BadObject``, never repaired here: ``PageStore``
+quarantines what its own reads report, and the engine-side client sends what it finds to
+the maintenance worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparkcache.identity import require_hex
+from sparkcache.store import index
+from sparkcache.store.fileops import FileOps
+from sparkcache.store.gate import LookupGate
+from sparkcache.store.layout import DIR_FLAGS, RankLayout, fanout, open_subdir
+from sparkcache.store.objects import ObjectCorrupt, open_object, read_verified
+from sparkcache.store.records import StoreError
+
+log = logging.getLogger(__name__)
+
+# Pages a restore keeps open and has the kernel read ahead while it verifies the current one.
+PREFETCH_PAGES = 4
+
+
+@dataclass(frozen=True)
+class BadObject:
+    """An object a read found damaged; to be quarantined by a writer."""
+
+    key: str
+    generation: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    pages: int  # leading pages restored and verified
+    bad: tuple[BadObject, ...]
+
+
+def stored_prefix(conn: sqlite3.Connection, keys: Sequence[str]) -> int:
+    """How many leading ``keys`` have a live, referenced object, read on ``conn``."""
+    rows = index.rows_for_keys(conn, "refcount, state", keys)
+    n = 0
+    for key in keys:
+        row = rows.get(key)
+        if row is None or row[0] == 0 or row[1] != "live":
+            break
+        n += 1
+    return n
+
+
+class StoreReader:
+    """Lookups and verified restores of ``<store_dir>/rank-<rank>``."""
+
+    def __init__(self, store_dir: Path | str, rank: int, *, readonly: bool = True,
+                 fileops: FileOps | None = None) -> None:
+        self.layout = RankLayout(Path(store_dir), rank)
+        self.layout.prepare(create=False)
+        self._ops = fileops or FileOps()
+        self._objects_fd = os.open(self.layout.objects_dir, DIR_FLAGS)
+        try:
+            self.gate = LookupGate(self.layout.rank_dir, create=False)
+            try:
+                self.conn = index.connect(self.layout.index_path, create=False,
+                                          readonly=readonly)
+            except BaseException:
+                self.gate.close()
+                raise
+        except BaseException:
+            os.close(self._objects_fd)
+            raise
+
+    def close(self) -> None:
+        self.conn.close()
+        self.gate.close()
+        os.close(self._objects_fd)
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        """Number of leading ``keys`` the store holds live (the longest stored prefix)."""
+        return stored_prefix(self.conn, [require_hex(k, "page key") for k in keys])
+
+    def restore(self, keys: Sequence[str], into: Sequence[object]) -> ReadResult:
+        """Read and verify the leading ``keys`` into ``into`` (one writable buffer per page).
+
+        A page that fails verification ends the prefix and is reported in ``bad``. The next
+        ``PREFETCH_PAGES`` objects are opened and read ahead by the kernel while the current
+        one is verified; an open object stays readable even if collection unlinks it.
+        """
+        keys = [require_hex(k, "page key") for k in keys]
+        if len(into) < len(keys):
+            raise ValueError(f"restore: {len(keys)} keys but only {len(into)} buffers")
+        with index.read_txn(self.conn) as conn:
+            rows = index.rows_for_keys(conn, "generation, bytes, refcount, state", keys)
+        plan: list[tuple[str, str, int, memoryview]] = []
+        for i, key in enumerate(keys):
+            row = rows.get(key)
+            if row is None or row[2] == 0 or row[3] != "live":
+                break
+            buf = memoryview(into[i]).cast("B")  # type: ignore[arg-type]
+            if buf.readonly or buf.nbytes < row[1]:
+                raise ValueError(
+                    f"restore: buffer {i} must be writable and hold {row[1]} bytes, "
+                    f"has {buf.nbytes}{' (read-only)' if buf.readonly else ''}"
+                )
+            plan.append((key, row[0], row[1], buf))
+        bad: list[BadObject] = []
+        return ReadResult(self._read_plan(plan, bad), tuple(bad))
+
+    def _read_plan(self, plan: list[tuple[str, str, int, memoryview]],
+                   bad: list[BadObject]) -> int:
+        """Open ahead, read and verify ``plan`` in order; the number of pages restored."""
+        ahead: deque[int] = deque()  # open descriptors of plan[n : opened]
+        opened = 0
+        limit = len(plan)  # cut at the first page that cannot be opened
+        n = 0
+        try:
+            for key, generation, size, buf in plan:
+                while opened < limit and len(ahead) <= PREFETCH_PAGES:
+                    fd = self._open_page(*plan[opened][:2], bad)
+                    if fd is None:
+                        limit = opened
+                        break
+                    ahead.append(fd)
+                    opened += 1
+                if not ahead:
+                    break
+                fd = ahead.popleft()
+                try:
+                    read_verified(self._ops, fd, key, generation, size, buf)
+                except ObjectCorrupt as exc:
+                    bad.append(BadObject(key, generation, str(exc)))
+                    break
+                except OSError as exc:
+                    log.warning("object %s.%s unreadable: %s; a miss", key, generation, exc)
+                    break
+                finally:
+                    self._ops.close(fd)
+                n += 1
+        finally:
+            for fd in ahead:
+                self._ops.close(fd)
+        return n
+
+    def _open_page(self, key: str, generation: str, bad: list[BadObject]) -> int | None:
+        """Open a page's object and start its readahead; None (reported) if it cannot be."""
+        try:
+            dir_fd = open_subdir(fanout(key), self._objects_fd, create=False)
+        except FileNotFoundError:
+            self._missing(key, generation, bad)
+            return None
+        except StoreError as exc:
+            bad.append(BadObject(key, generation, str(exc)))
+            return None
+        try:
+            fd = open_object(self._ops, dir_fd, key, generation)
+        except FileNotFoundError:
+            self._missing(key, generation, bad)
+            return None
+        except ObjectCorrupt as exc:
+            bad.append(BadObject(key, generation, str(exc)))
+            return None
+        except OSError as exc:
+            log.warning("object %s.%s cannot be opened: %s; a miss", key, generation, exc)
+            return None
+        finally:
+            os.close(dir_fd)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass  # readahead is an optimisation only
+        return fd
+
+    def _missing(self, key: str, generation: str, bad: list[BadObject]) -> None:
+        """A live row without its file: a race with collection is a plain miss; else damage."""
+        row = self.conn.execute(
+            "SELECT generation, refcount, state FROM objects WHERE key = ?", (key,)
+        ).fetchone()
+        if row is not None and row[0] == generation and row[2] == "live":
+            bad.append(BadObject(key, generation, "file missing"))

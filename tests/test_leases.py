@@ -1,0 +1,68 @@
+"""Leases where the data is relied on, with a real supervisor whose store sits at its cap
+and evicts all the time (every root's own lease is zero): a publication whose prefix the
+store held at capture time commits (capture leased it), and a restore made within a
+lookup's lease gets the whole prefix the lookup counted."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+from pipeline_util import pipeline, sequences
+
+from sparkcache.store import PageStore
+
+pytestmark = pytest.mark.slow
+
+AT_THE_CAP = {
+    # 16 KiB pages: a few conversations fill it; every root is a victim once its lease
+    # (zero) is over, so maintenance evicts whenever used bytes pass max_bytes.
+    "max_bytes": "640KiB", "low_watermark_bytes": "320KiB", "lease_seconds": "0",
+    "lookup_lease_seconds": "5", "capture_slots": "2",
+}
+
+
+def test_at_the_cap_relied_on_pages_and_looked_up_prefixes_stay(
+        tmp_path: Path, instance: str) -> None:
+    rng = random.Random(7)
+    store = tmp_path / "store"
+    with pipeline(store, instance, AT_THE_CAP) as engine:
+        page = engine.client.cfg.page_tokens
+        convs = sequences(12, page, seed=9)
+        turns = 0
+        lookups = restores_full = 0
+        deadline = time.monotonic() + 25
+        with PageStore(store, 0, create=False) as ps:
+            while time.monotonic() < deadline:
+                # A turn of a few conversations: the prefix grows, the store keeps it.
+                for sid in rng.sample(sorted(convs), 3):
+                    convs[sid] = convs[sid] + [rng.randrange(50000) for _ in range(2 * page)]
+                    if len(convs[sid]) > 20 * page:
+                        convs[sid] = convs[sid][: 4 * page]  # a new conversation, shared start
+                    engine.publish(sid, convs[sid], tries=50)
+                    turns += 1
+                engine.drain(timeout=30)
+                # Lookups of stored conversations, each followed at once by a restore.
+                for sid in rng.sample(sorted(engine.accepted), min(4, len(engine.accepted))):
+                    tokens = engine.accepted[sid]
+                    counted = engine.client.lookup(tokens)
+                    if counted == 0:
+                        continue
+                    lookups += 1
+                    restored, exact = engine.restore_exact(tokens)
+                    assert restored * page >= counted, (sid, counted, restored)
+                    assert exact == restored
+                    restores_full += 1
+            used = ps.usage().used_bytes
+        counters = engine.client.counters
+        # The store really was at its cap and evicting: not every conversation is still in.
+        evicted = [s for s, t in engine.accepted.items() if engine.client.lookup(t) < len(t)]
+        assert evicted and used > engine.client.cfg.low_watermark_bytes, (len(evicted), used)
+        assert turns >= 30 and lookups >= 10, (turns, lookups, counters)
+        relied = engine.relied_on_store
+        assert relied, "no publication relied on stored pages: the test proves nothing"
+        failed = {s: why for s, why in engine.not_durable.items() if s in relied}
+        assert failed == {}, (failed, counters)
+        assert restores_full == lookups

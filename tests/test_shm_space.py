@@ -1,0 +1,78 @@
+"""The free-space check of /dev/shm before a rank's segments are created."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from sparkcache import config, segments
+from sparkcache.config import GiB, MiB
+
+
+class _Vfs:
+    def __init__(self, free: int, blocks: int = 1 << 20) -> None:
+        self.f_frsize, self.f_bavail, self.f_blocks = 4096, free // 4096, blocks
+
+
+def _cfg(tmp_path: Path, **more: str) -> config.Config:
+    return config.load(env={}, overrides={"store_dir": str(tmp_path), **more})
+
+
+def _statvfs(monkeypatch: pytest.MonkeyPatch, vfs: _Vfs) -> list[str]:
+    asked: list[str] = []
+    monkeypatch.setattr(segments.os, "statvfs", lambda p: asked.append(str(p)) or vfs)
+    return asked
+
+
+def test_a_container_sized_dev_shm_is_refused_naming_what_is_needed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked = _statvfs(monkeypatch, _Vfs(64 * MiB))  # docker's default --shm-size
+    cfg = _cfg(tmp_path, ranks="2")  # default slots: 2 x 3 GiB per rank
+    with pytest.raises(segments.ShmSpaceError) as e:
+        segments.check_shm_space(cfg)
+    assert asked == ["/dev/shm"]
+    assert str(e.value) == (
+        "/dev/shm has 64.0MiB free; rank segments need 12.0GiB (2 ranks x (2 slots x 3.0GiB "
+        "+ 2.1MiB of rings and stats)); use fewer or smaller capture slots "
+        "(SPARKCACHE_CAPTURE_SLOTS, SPARKCACHE_CAPTURE_SLOT_BYTES) or a larger /dev/shm "
+        "(docker run --shm-size)"
+    )
+
+
+def test_enough_space_an_unlimited_tmpfs_and_restore_only_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = _cfg(tmp_path, ranks="2")
+    need = 2 * sum(segments.shm_needed(cfg).values())
+    assert 12 * GiB < need < 12 * GiB + 8 * MiB
+    _statvfs(monkeypatch, _Vfs(need))
+    segments.check_shm_space(cfg)
+    _statvfs(monkeypatch, _Vfs(need - 4096))
+    with pytest.raises(segments.ShmSpaceError):
+        segments.check_shm_space(cfg)
+    _statvfs(monkeypatch, _Vfs(0, blocks=0))  # tmpfs mounted with size=0: no limit
+    segments.check_shm_space(cfg)
+    # Without capture nobody touches the arena, and tmpfs allocates nothing for it.
+    _statvfs(monkeypatch, _Vfs(64 * MiB))
+    segments.check_shm_space(_cfg(tmp_path, ranks="2", access_mode="restore-only"))
+
+
+def test_estimate_covers_what_create_makes(tmp_path: Path, instance: str) -> None:
+    cfg = _cfg(tmp_path, instance=instance, capture_slots="3", capture_slot_bytes="1MiB")
+    need = segments.shm_needed(cfg)
+    rank = segments.RankSegments.create(cfg, 0, 3)
+    try:
+        used = {}
+        for entry in os.scandir("/dev/shm"):
+            if instance in entry.name:
+                size = -(-entry.stat().st_size // 4096) * 4096
+                kind = entry.name.rsplit(".", 1)[-1]
+                kind = kind if kind in ("arena", "stats") else "rings"
+                used[kind] = used.get(kind, 0) + size
+    finally:
+        rank.close()
+    for kind in ("arena", "rings", "stats"):
+        assert used[kind] <= need[kind] <= used[kind] + 8192, kind

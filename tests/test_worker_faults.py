@@ -1,0 +1,155 @@
+"""What a worker does with what it should never get: malformed records in every ring, a
+slot whose writer is alive but whose record never came, an item whose handling raises.
+The workers run in the test's process on real segments and a real store (worker_rig), so
+every step is deterministic."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pipeline_util import check_restores, sequences
+from worker_rig import Rig, rig
+
+from shm import FREE, RingFull, SlotArena
+from shm.layouts import DROP_REASONS
+from sparkcache import kvmem, segments
+from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT
+
+SETTINGS = {"release_timeout_seconds": "5"}
+
+
+def _hand_over_unannounced(cfg, slot: int) -> None:
+    """What capture does up to the hand-over, without the ``filled`` record: on arm64 a
+    reader can see such a slot's owner before its bytes."""
+    arena = segments.attach_arena(cfg, 0)
+    try:
+        arena.hand_over(slot, FREE, OWNER_CAPTURE)
+        arena.slot_array(slot)[:4096] = 7  # not a publication: reading it would be a bug
+        arena.hand_over(slot, OWNER_CAPTURE, OWNER_COMMIT, 4096)
+    finally:
+        arena.close()
+
+
+def test_commit_reads_a_slot_only_under_a_record_or_after_its_writer_died(
+        tmp_path: Path, instance: str) -> None:
+    with rig(tmp_path / "store", instance, **SETTINGS) as r:
+        arena: SlotArena = r.commit.arena
+        _hand_over_unannounced(r.cfg, 0)  # by this process, which lives on
+        deadline = time.monotonic() + 2.5  # the old orphan path took it after 1 s
+        while time.monotonic() < deadline:
+            r.commit._step(0.05)
+        assert int(arena.state[0]["owner"]) == OWNER_COMMIT
+        assert r.commit.life.failed == 0
+
+        child = mp.get_context("spawn").Process(target=_hand_over_unannounced,
+                                                args=(r.cfg, 1))
+        child.start()
+        child.join(30)
+        assert child.exitcode == 0
+        r.commit._step(0)  # its writer is dead: its writes are complete, commit takes it
+        assert int(arena.state[1]["owner"]) == FREE
+        assert r.commit.life.failed == 1  # it held no publication: refused, not stored
+        assert int(arena.state[0]["owner"]) == OWNER_COMMIT  # still not read
+        arena.hand_over(0, OWNER_COMMIT, FREE)  # tidy for the rig's close
+
+
+def _record_bytes(layout_itemsize: int) -> st.SearchStrategy[bytes]:
+    return st.integers(1, 6).flatmap(
+        lambda n: st.binary(min_size=n * layout_itemsize, max_size=n * layout_itemsize))
+
+
+def _ring_ends(r: Rig) -> dict:
+    """Ring name -> (the producer end this process can push through, its layout)."""
+    conn = r.engine.client._connection()
+    assert conn is not None
+    return {
+        "publish": conn.publish, "request": conn.request,
+        "completion": r.capture.completion, "filled": r.capture.filled,
+        "freed": r.commit.freed, "durable": r.commit.durable,
+    }
+
+
+def test_malformed_records_in_every_ring_are_dropped_and_counted(
+        tmp_path: Path, instance: str) -> None:
+    with rig(tmp_path / "store", instance, **SETTINGS) as r:
+        ends = _ring_ends(r)
+        layouts = {name: segments.RINGS[name][0] for name in ends}
+
+        @settings(max_examples=60, deadline=None,
+                  suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                         HealthCheck.too_slow])
+        @given(st.lists(st.sampled_from(sorted(ends)).flatmap(
+            lambda name: st.tuples(st.just(name), _record_bytes(layouts[name].itemsize))),
+            min_size=1, max_size=6))
+        def garbage_never_hurts(pushes: list[tuple[str, bytes]]) -> None:
+            for name, raw in pushes:
+                with contextlib.suppress(RingFull):  # a full ring is a state like another
+                    ends[name].push_batch(np.frombuffer(raw, layouts[name].dtype).copy())
+            r.step()  # raises if any worker or the client would have crashed
+
+        garbage_never_hurts()
+        assert r.commit.store.usage().entries == 0  # nothing stored from garbage
+        drops = {reason: sum(w.life.drops[reason] for w in
+                             (r.capture, r.commit, r.maintenance)) for reason in DROP_REASONS}
+        assert drops["framing"] and drops["request"], drops
+        assert r.engine.client.counters.ring_errors == 0
+
+        # Well-formed publications made afterwards are durable and restore byte-exact.
+        seqs = sequences(10, r.cfg.page_tokens, seed=11)
+        for sid, tokens in seqs.items():
+            assert r.engine.publish(sid, tokens, tries=1), r.engine.client.counters
+            r.step(2)
+        r.step(3)
+        assert set(seqs) <= r.engine.acknowledged, r.engine.client.counters
+        check_restores(r.engine, seqs)
+
+
+def test_a_failing_item_is_counted_and_the_worker_goes_on(
+        tmp_path: Path, instance: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with rig(tmp_path / "store", instance, **SETTINGS) as r:
+        seqs = sequences(3, r.cfg.page_tokens, seed=2)
+        (s1, t1), (s2, t2), (s3, t3) = seqs.items()
+        real_commit = r.commit.store.commit
+        calls = []
+
+        def commit_once_broken(root):
+            calls.append(root.root_id)
+            if len(calls) == 1:
+                raise RuntimeError("injected fault in one commit")
+            return real_commit(root)
+
+        monkeypatch.setattr(r.commit.store, "commit", commit_once_broken)
+        assert r.engine.publish(s1, t1, tries=1)
+        r.step(3)
+        assert r.engine.publish(s2, t2, tries=1)
+        r.step(3)
+        durable = r.engine.client.counters
+        assert s1 in r.engine.captured and s1 not in r.engine.acknowledged
+        assert durable.not_durable["commit_failed"] == 1
+        assert s2 in r.engine.acknowledged
+        assert r.commit.life.item_errors == 1 and r.commit.life.failed == 1
+
+        # A registration capture cannot open fails that publication, not capture.
+        path = kvmem.registry_path(r.cfg.store_dir, 0)
+        good = json.loads(path.read_text())
+        bad = {**good, "tensors": [{**good["tensors"][0], "segment": "/sparkcache.nope.r0.kv"}]}
+        path.write_text(json.dumps(bad))
+        r.capture.reg.opened.close()
+        r.capture.reg = None
+        assert r.engine.publish(s3, t3, tries=1)
+        r.step(3)
+        assert r.engine.client.counters.capture_failed["unregistered"] == 1
+        assert r.capture.life.item_errors == 1
+        path.write_text(json.dumps(good))
+        assert r.engine.publish(s3, t3, tries=1)
+        r.step(3)
+        assert s3 in r.engine.acknowledged
+        check_restores(r.engine, {s2: t2, s3: t3})

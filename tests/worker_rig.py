@@ -1,0 +1,72 @@
+"""Capture, commit and maintenance run in the test's own process, stepped by hand, on real
+segments and a real store: for tests that need to reach into a worker (push what no
+well-behaved peer would, make one item fail) and step it deterministically."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline_util import make_cfg
+
+from sparkcache import config, segments
+from sparkcache.synthetic import SyntheticEngine
+from workers.capture import Capture
+from workers.commit import Commit
+from workers.lifecycle import Lifecycle, Role, State, WorkerSpec
+from workers.maintenance import Maintenance
+
+
+def ready_life(cfg: config.Config, role: Role) -> Lifecycle:
+    """A lifecycle that reports READY in the rank's stats block, without the signal
+    handlers and parent-death signal of a real worker process."""
+    life = Lifecycle(WorkerSpec(cfg, 0, role, os.getppid()))
+    life._stats = segments.attach_stats(cfg, 0)
+    life.state = State.READY
+    life.beat()
+    return life
+
+
+@dataclass
+class Rig:
+    cfg: config.Config
+    engine: SyntheticEngine
+    capture: Capture
+    commit: Commit
+    maintenance: Maintenance
+
+    def step(self, rounds: int = 1) -> None:
+        """One turn of every worker, then the engine's polls."""
+        for _ in range(rounds):
+            for w in (self.capture, self.commit, self.maintenance):
+                w.life.beat()
+            self.capture._step(0)
+            self.commit._step(0)
+            self.maintenance._pass()
+            self.engine.poll()
+
+
+@contextlib.contextmanager
+def rig(store: Path, instance: str, **settings: str) -> Iterator[Rig]:
+    cfg = make_cfg(store, instance, **settings)
+    segs = segments.RankSegments.create(cfg, 0, len(Role))
+    made: list = []
+    try:
+        cap = Capture(ready_life(cfg, Role.CAPTURE))
+        made.append(cap)
+        com = Commit(ready_life(cfg, Role.COMMIT))
+        made.append(com)
+        mai = Maintenance(ready_life(cfg, Role.MAINTENANCE))
+        made.append(mai)
+        engine = SyntheticEngine.create(cfg)
+        made.append(engine)
+        yield Rig(cfg, engine, cap, com, mai)
+    finally:
+        for part in reversed(made):
+            part.close()
+            if hasattr(part, "life"):
+                part.life.close()
+        segs.close()
