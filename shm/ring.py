@@ -152,11 +152,11 @@ class _RingMapping:
         self.itemsize = itemsize
         self.records_at = self.base + _records_at(capacity)
         self._check_records(version, rname.rstrip(b"\0").decode(errors="replace"))
-        self.words = memoryview(self.mm)[: self.records_at].cast("Q")
-        self.table_word = self.word(_TABLE_AT)
         data_name, space_name = _sem_names(seg.name)
         # Checked like the segment: ours, mode 0600 (shm.segment.open_semaphore).
         self.data, self.space = open_semaphore(data_name), open_semaphore(space_name)
+        self.words = memoryview(self.mm)[: self.records_at].cast("Q")  # last: see close
+        self.table_word = self.word(_TABLE_AT)
 
     def _check_records(self, version: int, rname: str) -> None:
         if (rname, version, self.itemsize) != (
