@@ -437,16 +437,30 @@ class Producer:
         head = self._head
         if head + n > self._limit:
             self._reserve(n, timeout)
-        try:
-            self._copy_in(head, records)
-        except ValueError:  # not contiguous (checking first costs as much as the copy)
-            self._copy_in(head, np.ascontiguousarray(records))
-        self._publish(head + n)
-
-    def _copy_in(self, head: int, records: np.ndarray) -> None:
-        """Copy a contiguous structured array's bytes to ring position ``head``."""
-        n = len(records)
         pos = head % self.capacity
+        try:
+            if pos + n <= self.capacity:  # the common case, inlined: no wrap
+                at = self._records_at + pos * self._size
+                self._mm[at : at + n * self._size] = records  # its buffer is the raw bytes
+            else:
+                self._copy_wrapped(pos, records)
+        except ValueError:  # not contiguous (checking first costs as much as the copy)
+            self._copy_wrapped(pos, np.ascontiguousarray(records))
+        # _publish(head + n), inlined like try_push's
+        k = self._k
+        w = self._words
+        i = self._table_word + _ENTRY_WORDS * (k % self._entries)
+        w[i] = head + n
+        w[i + 1] = k
+        self._post()
+        w[self._posted_word] = k + 1
+        self._k = k + 1
+        self._head = head + n
+
+    def _copy_wrapped(self, pos: int, records: np.ndarray) -> None:
+        """Copy a contiguous structured array's bytes to ring index ``pos``, wrapping
+        at the end of the ring if they do not fit before it."""
+        n = len(records)
         at = self._records_at + pos * self._size
         if pos + n <= self.capacity:
             self._mm[at : at + n * self._size] = records  # its buffer is the raw bytes
