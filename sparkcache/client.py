@@ -21,6 +21,7 @@ finds are requests to the maintenance worker.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -38,7 +39,7 @@ from shm import FREE, Producer, RingEmpty, RingFull
 from shm.layouts import PUBLISH, split_key
 from sparkcache import kvmem, segments
 from sparkcache.config import AccessMode, Config
-from sparkcache.identity import KeyExtras, Namespace, sequence_keys
+from sparkcache.identity import KeyExtras, Namespace, require_hex, sequence_keys
 from sparkcache.protocol import (
     CaptureStatus,
     DurableStatus,
@@ -202,13 +203,19 @@ class SparkCacheClient:
     # ---------------------------------------------------------------- registration
 
     def register_kv_caches(self, tensors: Sequence[torch.Tensor], block_dim: int = 1,
-                           block_size_dim: int | None = None) -> bool:
+                           block_size_dim: int | None = None, *,
+                           kv_layout: str | None = None) -> bool:
         """Register the layer tensors (block ``b`` of a page is ``t.select(block_dim, b)``
         of each; dimension ``block_size_dim``, by default the next one, is ``page_tokens``
         long: vLLM 0.33's ``[blocks, heads, block size, K+V head size]`` views take
         ``block_dim=0, block_size_dim=2``). False if refused (logged). The namespace takes
         the per-page layout only (``kvmem.page_layout``), not the number of blocks:
-        re-registering after a restart finds the pages stored before."""
+        re-registering after a restart finds the pages stored before.
+
+        ``kv_layout`` is for tensors that stage another set's pages (an engine whose KV no
+        other process can open copies its pages through shared ones): the page layout of
+        the tensors whose bytes these stand for. The namespace is also written to the
+        registry, so a process without tensors (vLLM's scheduler) computes the same keys."""
         try:
             tensors = list(tensors)
             shape = tensors[0].shape
@@ -221,12 +228,13 @@ class SparkCacheClient:
             views = kvmem.BlockViews(tensors, block_dim)
             self.cfg.check_page_fits(views.page_bytes)
             reg_gen = int.from_bytes(os.urandom(4), "little") or 1
-            kvmem.write_registry(
-                self.cfg.store_dir, self.rank, reg_gen, block_dim, kvmem.describe(tensors)
-            )
             ns = Namespace(
-                self.model_id, str(tensors[0].dtype), views.page_layout(),
+                self.model_id, str(tensors[0].dtype), kv_layout or views.page_layout(),
                 self.tp_size, self.rank, self.cfg.page_tokens,
+            )
+            kvmem.write_registry(
+                self.cfg.store_dir, self.rank, reg_gen, block_dim,
+                {**kvmem.describe(tensors), "namespace": dataclasses.asdict(ns)},
             )
             self._reg = _Registration(views, reg_gen, ns, ns.seed())
             return True
@@ -295,7 +303,7 @@ class SparkCacheClient:
         try:
             reason = self._admission()
             if reason is None:
-                reason = self._push(seq_id, token_ids, block_ids, extra)
+                reason = self._push(seq_id, self._keys(token_ids, extra), block_ids)
         except Exception:
             self._ring_fault("publish")
             reason = "error"
@@ -304,11 +312,29 @@ class SparkCacheClient:
             return False
         return True
 
-    def _push(self, seq_id: str | int, token_ids: Sequence[int] | np.ndarray,
-              block_ids: Sequence[int], extra: KeyExtras | None = None) -> str | None:
+    def publish_keys(self, seq_id: str | int, keys: Sequence[str],
+                     block_ids: Sequence[int]) -> bool:
+        """``publish`` for a caller that computed the page keys itself (vLLM's scheduler
+        does, incrementally): page ``i`` of ``keys`` is held in ``block_ids[i]``."""
+        try:
+            reason = self._admission()
+            if reason is None:
+                reason = self._push(seq_id, [require_hex(k, "page key") for k in keys],
+                                    block_ids)
+        except ValueError:
+            reason = "bad_request"
+        except Exception:
+            self._ring_fault("publish")
+            reason = "error"
+        if reason is not None:
+            self.counters.skipped[reason] += 1
+            return False
+        return True
+
+    def _push(self, seq_id: str | int, keys: Sequence[str],
+              block_ids: Sequence[int]) -> str | None:
         reg, conn = self._reg, self._conn
         assert reg is not None and conn is not None
-        keys = self._keys(token_ids, extra)
         n = len(keys)
         if n == 0 or len(block_ids) < n:
             return "bad_request"
@@ -501,10 +527,26 @@ class SparkCacheClient:
 
     def _restore(self, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int],
                  extra: KeyExtras | None = None) -> int:
-        reg = self._reg
-        if self.cfg.access_mode is AccessMode.OFF or reg is None:
+        if self.cfg.access_mode is AccessMode.OFF or self._reg is None:
             return 0
-        keys = self._keys(token_ids, extra)[: len(block_ids)]
+        got = self._restore_keys(self._keys(token_ids, extra)[: len(block_ids)], block_ids)
+        return min(got * self.cfg.page_tokens, len(token_ids))
+
+    def restore_keys(self, keys: Sequence[str], block_ids: Sequence[int]) -> int:
+        """``restore`` by page keys: the number of leading pages restored into
+        ``block_ids`` (0 on any fault)."""
+        try:
+            if self.cfg.access_mode is AccessMode.OFF or self._reg is None:
+                return 0
+            return self._restore_keys(list(keys)[: len(block_ids)], block_ids)
+        except Exception:
+            log.warning("restore failed; a miss", exc_info=True)
+            self.counters.misses["error"] += 1
+            return 0
+
+    def _restore_keys(self, keys: Sequence[str], block_ids: Sequence[int]) -> int:
+        reg = self._reg
+        assert reg is not None
         if any(not 0 <= b < reg.views.num_blocks for b in block_ids[: len(keys)]):
             self.counters.misses["bad_block"] += 1
             return 0
@@ -528,7 +570,7 @@ class SparkCacheClient:
         if got:
             # Only an access time is lost if this cannot be sent; the lease then ends early.
             self._request(RequestKind.TOUCH, keys[got - 1], got - 1)
-        return min(got * self.cfg.page_tokens, len(token_ids))
+        return got
 
     def close(self) -> None:
         """Detach from the rings (without closing them: a new client may attach)."""

@@ -24,6 +24,9 @@ RINGS: dict[str, tuple[RecordLayout, int]] = {
     "freed": (FREED, 256),
     "durable": (DURABLE, 1024),
     "request": (REQUEST, 4096),
+    # The same requests (leases only) from the vLLM scheduler's process: a ring has one
+    # producer, and the scheduler is not the engine worker that owns "request".
+    "lease": (REQUEST, 4096),
 }
 ARENA = "arena"
 STATS = "stats"

@@ -18,7 +18,7 @@ import time
 
 from posix_ipc import SignalError
 
-from shm import RingClosed, RingEmpty
+from shm import Consumer, RingClosed, RingEmpty
 from shm.layouts import join_key
 from sparkcache import segments
 from sparkcache.protocol import RequestKind
@@ -42,7 +42,9 @@ class Maintenance:
         cfg = life.spec.cfg
         self.life = life
         self.cfg = cfg
-        self.requests = segments.consumer(cfg, life.spec.rank, "request")
+        # The engine worker's requests, and the leases the vLLM scheduler's lookups take.
+        self.requests = [segments.consumer(cfg, life.spec.rank, ring)
+                         for ring in ("request", "lease")]
         self.store = PageStore(
             cfg.store_dir, life.spec.rank, lease_seconds=cfg.lease_seconds,
             hook=lifecycle.checkpoint,
@@ -52,7 +54,8 @@ class Maintenance:
 
     def close(self) -> None:
         self.store.close()
-        self.requests.close()
+        for ring in self.requests:
+            ring.close()
 
     def run(self) -> None:
         self.store.reconcile()
@@ -100,13 +103,16 @@ class Maintenance:
         return worked
 
     def _take_requests(self) -> int:
-        """Move every request in the ring into the store's batch (or the quarantine list);
-        the number taken. Drains the ring whole: under the gate, what a finished lookup
+        """Move every request in the rings into the store's batch (or the quarantine list);
+        the number taken. Drains the rings whole: under the gate, what a finished lookup
         pushed must be in the batch."""
+        return sum(self._take_from(ring) for ring in self.requests)
+
+    def _take_from(self, ring: Consumer) -> int:
         taken = 0
         while True:
             try:
-                batch = self.requests.pop_batch(4096, timeout=0)
+                batch = ring.pop_batch(4096, timeout=0)
             except (RingEmpty, RingClosed, SignalError):
                 return taken
             lifecycle.checkpoint("maintenance.requests")

@@ -1,0 +1,126 @@
+"""``PrefixLookup``: how much of a request's prefix every tensor-parallel rank holds,
+leased, asked from a process that holds no KV tensors (vLLM's scheduler).
+
+A prefix is usable only if every rank can restore it, so the answer is the shortest
+stored prefix across ranks. Each rank's index is read through a read-only
+``StoreReader`` under that rank's lookup gate (shared), and the prefix found is leased
+through the rank's ``lease`` ring before the gates are released: maintenance drains that
+ring inside its eviction transaction, which takes the gate exclusively, so no eviction
+can fall between the read and the lease (see ``sparkcache/store/gate.py``). A fault
+anywhere is a miss, counted by reason, never an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+from shm import Producer, RingFull
+from shm.layouts import split_key
+from sparkcache import segments
+from sparkcache.config import AccessMode, Config
+from sparkcache.protocol import RequestKind
+from sparkcache.store.reader import StoreReader
+
+log = logging.getLogger(__name__)
+
+RETRY_INTERVAL_S = 1.0
+
+
+class PrefixLookup:
+    """Leased lookups of key chains across ``tp_size`` ranks of one instance."""
+
+    def __init__(self, cfg: Config, tp_size: int) -> None:
+        self.cfg = cfg
+        self.tp_size = tp_size
+        self.misses: Counter = Counter()
+        self.lookups = 0
+        self._readers: list[StoreReader | None] = [None] * tp_size
+        self._leases: list[Producer | None] = [None] * tp_size
+        self._retry_at = 0.0
+
+    def _reader(self, rank: int) -> StoreReader:
+        reader = self._readers[rank]
+        if reader is None:
+            reader = self._readers[rank] = StoreReader(self.cfg.store_dir, rank)
+        return reader
+
+    def _lease_ring(self, rank: int) -> Producer:
+        ring = self._leases[rank]
+        if ring is None:
+            ring = self._leases[rank] = segments.producer(self.cfg, rank, "lease")
+        return ring
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        """Leading ``keys`` every rank holds, leased for ``lookup_lease_seconds``; 0 on
+        any fault (a miss, counted in ``misses`` by reason)."""
+        if self.cfg.access_mode is AccessMode.OFF or not keys:
+            return 0
+        self.lookups += 1
+        now = time.monotonic()
+        if now < self._retry_at:
+            self.misses["unavailable"] += 1
+            return 0
+        try:
+            return self._lookup(keys)
+        except Exception as exc:
+            # A store not created yet, a supervisor gone: try again a little later, and
+            # drop every handle (a new supervisor makes new rings).
+            log.warning("prefix lookup failed, a miss: %s", exc)
+            self.misses["unavailable"] += 1
+            self._retry_at = now + RETRY_INTERVAL_S
+            self.close()
+            return 0
+
+    def _lookup(self, keys: Sequence[str]) -> int:
+        readers = [self._reader(r) for r in range(self.tp_size)]
+        held = []
+        try:
+            for reader in readers:
+                if not reader.gate.try_shared():
+                    self.misses["evicting"] += 1
+                    return 0
+                held.append(reader)
+            pages = len(keys)
+            for reader in readers:
+                pages = reader.lookup(keys[:pages])
+                if not pages:
+                    self.misses["not_stored"] += 1
+                    return 0
+            if not self._lease(keys[pages - 1], pages - 1):
+                return 0
+            return pages
+        finally:
+            for reader in held:
+                reader.gate.release()
+
+    def _lease(self, key: str, pos: int) -> bool:
+        """Lease the prefix ending at ``key`` (page ``pos``) on every rank; False (a miss)
+        if any rank's ring cannot take it at once."""
+        record = (int(RequestKind.LEASE), 0, *split_key(key), pos, time.time(),
+                  self.cfg.lookup_lease_seconds)
+        for rank in range(self.tp_size):
+            try:
+                self._lease_ring(rank).try_push(record)
+            except RingFull:
+                self.misses["no_lease"] += 1
+                return False
+        return True
+
+    def close(self) -> None:
+        for i, reader in enumerate(self._readers):
+            if reader is not None:
+                try:
+                    reader.close()
+                except Exception:
+                    log.debug("closing a store reader failed", exc_info=True)
+                self._readers[i] = None
+        for i, ring in enumerate(self._leases):
+            if ring is not None:
+                try:
+                    ring.detach()
+                except Exception:
+                    log.debug("detaching a lease ring failed", exc_info=True)
+                self._leases[i] = None

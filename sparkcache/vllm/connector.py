@@ -1,0 +1,171 @@
+"""``SparkCacheConnector``: vLLM's ``KVConnectorBase_V1`` for SparkCache.
+
+A thin adapter: ``SchedulerSide`` and ``WorkerSide`` translate vLLM's calls into
+SparkCache's own (leased lookups, publications, restores); policy stays in SparkCache.
+No call raises into vLLM: a fault is logged once per kind, counted, and answered as if
+no cache existed (no hit, nothing saved, blocks released).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from sparkcache.ratelog import RateLimitedLog
+from sparkcache.vllm import settings as settings_mod
+from sparkcache.vllm.metadata import SparkCacheMetadata
+from sparkcache.vllm.scheduler_side import SchedulerSide
+from sparkcache.vllm.worker_side import WorkerSide
+
+log = logging.getLogger(__name__)
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # parallel state not initialised: a single rank
+        return 0
+
+
+class SparkCacheConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.faults: Counter = Counter()
+        self._log = RateLimitedLog(log)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        try:
+            settings = settings_mod.from_vllm(vllm_config)
+            if role == KVConnectorRole.SCHEDULER:
+                self._scheduler = SchedulerSide(settings)
+            else:
+                self._worker = WorkerSide(settings, _tp_rank())
+        except Exception as exc:
+            # A misconfiguration is the operator's to fix, but vLLM serves on without us.
+            log.error("SparkCache disabled: %s", exc)
+            self.faults["init"] += 1
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # best effort: a load that fails is recomputed
+
+    def _fault(self, where: str) -> None:
+        self.faults[where] += 1
+        self._log.warning(where, "SparkCache: %s failed; serving on without the cache",
+                          where, exc_info=True)
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._scheduler is None:
+            return 0, False
+        try:
+            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:
+            self._fault("lookup")
+            return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self._scheduler is None:
+            return
+        try:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception:
+            self._fault("update_state_after_alloc")
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        if self._scheduler is None:
+            return SparkCacheMetadata()
+        try:
+            return self._scheduler.build_connector_meta(scheduler_output)
+        except Exception:
+            self._fault("build_connector_meta")
+            return SparkCacheMetadata()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is None:
+            return
+        try:
+            self._scheduler.update_connector_output(connector_output)
+        except Exception:
+            self._fault("update_connector_output")
+
+    def request_finished(self, request: Any,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is None:
+            return False, None
+        try:
+            return self._scheduler.request_finished(request, block_ids)
+        except Exception:
+            self._fault("request_finished")
+            return False, None
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self._worker is None:
+            return
+        try:
+            self._worker.register_kv_caches(kv_caches)
+        except Exception:
+            self._fault("register_kv_caches")
+            self._worker.close()
+            self._worker = None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is None or not self.has_connector_metadata():
+            return
+        try:
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, SparkCacheMetadata)
+            self._worker.start(meta)
+        except Exception:
+            self._fault("start_load_kv")
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: the request waits for get_finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None  # saves are whole requests, at request_finished
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        try:
+            return self._worker.get_finished(finished_req_ids)
+        except Exception:
+            self._fault("get_finished")
+            return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._worker is None:
+            return set()
+        try:
+            return self._worker.load_errors()
+        except Exception:
+            self._fault("get_block_ids_with_load_errors")
+            return set()
+
+    def shutdown(self) -> None:
+        for side in (self._scheduler, self._worker):
+            if side is not None:
+                try:
+                    side.close()
+                except Exception:
+                    log.debug("SparkCache shutdown", exc_info=True)
+        self._scheduler = self._worker = None

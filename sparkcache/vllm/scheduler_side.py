@@ -1,0 +1,155 @@
+"""The connector's scheduler side: leased lookups across every TP rank, and the loads
+and saves the workers carry out. It holds no tensors: the namespace comes from the
+registry the worker sides wrote when they registered their KV caches, the keys from the
+request (its tokens and what vLLM's own prefix hash covers)."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparkcache import kvmem
+from sparkcache.config import AccessMode
+from sparkcache.identity import KeyExtras, Namespace, sequence_keys
+from sparkcache.prefix_lookup import PrefixLookup
+from sparkcache.vllm.metadata import PageJob, SparkCacheMetadata
+from sparkcache.vllm.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    keys: list[str] = field(default_factory=list)
+    hashed_tokens: int = 0
+    load: tuple[int, int] | None = None  # pages [start, end) found by the last lookup
+    loading: bool = False  # an async load was handed to the workers and has not ended
+
+
+def request_extras(request: Any) -> KeyExtras | None:
+    """What vLLM's prefix hash covers beyond the tokens: LoRA adapter, multimodal
+    inputs, cache salt."""
+    lora = getattr(request, "lora_request", None)
+    mm = tuple(str(getattr(f, "identifier", "") or getattr(f, "mm_hash", ""))
+               for f in (getattr(request, "mm_features", None) or ()))
+    extras = KeyExtras(adapter=getattr(lora, "lora_name", None) if lora else None,
+                       mm_hashes=mm, cache_salt=getattr(request, "cache_salt", None))
+    return None if extras.empty() else extras
+
+
+class SchedulerSide:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.block = settings.block_size
+        self.lookup = PrefixLookup(settings.cfg, settings.tp_size)
+        self.counters: Counter = Counter()
+        self._ns: Namespace | None = None
+        self._reqs: dict[str, _Request] = {}
+        self._meta = SparkCacheMetadata()
+
+    # ------------------------------------------------------------------ keys
+
+    def namespace(self) -> Namespace | None:
+        """The namespace every rank registered, once they all have (same model, same
+        page layout); None until then."""
+        if self._ns is not None:
+            return self._ns
+        found = []
+        for rank in range(self.settings.tp_size):
+            reg = kvmem.read_registry(self.settings.cfg.store_dir, rank)
+            ns = (reg or {}).get("namespace")
+            if not ns:
+                return None
+            found.append({k: v for k, v in ns.items() if k != "rank"})
+        first = found[0]
+        if any(f != first for f in found) or first.get("model_id") != self.settings.model_id \
+                or first.get("tp_size") != self.settings.tp_size:
+            self.counters["namespace_mismatch"] += 1
+            return None
+        self._ns = Namespace(**first, rank=0)
+        return self._ns
+
+    def _keys(self, request: Any, tokens: int) -> list[str] | None:
+        """Keys of the full pages among the first ``tokens`` tokens of ``request``."""
+        ns = self.namespace()
+        if ns is None:
+            return None
+        state = self._reqs.setdefault(request.request_id, _Request())
+        pages = tokens // self.block
+        if len(state.keys) < pages:
+            ids = list(request.all_token_ids[: pages * self.block])
+            state.keys = list(sequence_keys(ns, ids, request_extras(request)).pages)
+        return state.keys[:pages]
+
+    # ------------------------------------------------------------------ loads
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        prompt = int(request.num_prompt_tokens)
+        # At least one prompt token is left to compute: vLLM needs a forward to sample.
+        keys = self._keys(request, prompt - 1)
+        if not keys:
+            self.counters["lookup_skipped"] += 1
+            return 0, False
+        pages = self.lookup.lookup(keys)
+        self.counters["lookups"] += 1
+        start = -(-num_computed_tokens // self.block)
+        if pages * self.block <= num_computed_tokens or pages <= start:
+            return 0, False
+        state = self._reqs[request.request_id]
+        state.load = (start, pages)
+        self.counters["hit_tokens"] += (pages - start) * self.block
+        return pages * self.block - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        state = self._reqs.get(request.request_id)
+        if state is None or state.load is None or not num_external_tokens:
+            return
+        start, end = state.load
+        state.load = None
+        block_ids = list(blocks.get_block_ids()[0])
+        if len(block_ids) < end:
+            log.warning("request %s: %d blocks for a load of pages up to %d; not loaded",
+                        request.request_id, len(block_ids), end)
+            return
+        state.loading = True
+        self._meta.loads.append(
+            PageJob(request.request_id, state.keys[start:end], block_ids[start:end]))
+
+    def build_connector_meta(self, scheduler_output: Any) -> SparkCacheMetadata:
+        meta, self._meta = self._meta, SparkCacheMetadata()
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for req_id in connector_output.finished_recving or ():
+            state = self._reqs.get(req_id)
+            if state is not None:
+                state.loading = False
+
+    # ------------------------------------------------------------------ saves
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
+        state = self._reqs.pop(request.request_id, None)
+        if state is not None and state.loading:
+            # Aborted while its load runs: the blocks stay held until the load ended,
+            # so nothing is ever written into a block vLLM gave to another request.
+            self._meta.release_after_load.append(request.request_id)
+            self.counters["aborted_while_loading"] += 1
+            return True, None
+        if self.settings.cfg.access_mode is not AccessMode.READ_WRITE:
+            return False, None
+        computed = min(int(request.num_computed_tokens), len(block_ids) * self.block)
+        if state is not None:
+            self._reqs[request.request_id] = state  # _keys reuses what it hashed
+        keys = self._keys(request, computed)
+        self._reqs.pop(request.request_id, None)
+        if not keys:
+            return False, None
+        self._meta.saves.append(PageJob(request.request_id, keys, list(block_ids[: len(keys)])))
+        self.counters["saves"] += 1
+        return True, None
+
+    def close(self) -> None:
+        self.lookup.close()

@@ -1,0 +1,53 @@
+"""The connector's settings: SparkCache's own (``SPARKCACHE_*`` variables, then the
+entries of ``kv_connector_extra_config`` named like ``Config`` fields), the model's
+identity, and the staging pool's size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sparkcache import config
+from sparkcache.config import Config
+
+DEFAULT_STAGING_BYTES = 256 << 20
+# Keys of kv_connector_extra_config that are the connector's own, not Config fields.
+OWN_KEYS = ("model_id", "staging_bytes")
+
+
+@dataclass(frozen=True)
+class Settings:
+    cfg: Config
+    model_id: str
+    tp_size: int
+    block_size: int
+    staging_bytes: int
+
+
+def from_vllm(vllm_config: Any) -> Settings:
+    """Settings for ``vllm_config``; ValueError naming what is wrong."""
+    extra: dict[str, Any] = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    unknown = sorted(set(extra) - set(config.FIELDS) - set(OWN_KEYS))
+    if unknown:
+        raise ValueError(
+            f"kv_connector_extra_config: unknown key(s) {unknown}; allowed: "
+            f"{sorted(config.FIELDS) + sorted(OWN_KEYS)}"
+        )
+    block_size = int(vllm_config.cache_config.block_size)
+    overrides = {k: str(v) for k, v in extra.items() if k in config.FIELDS}
+    # A page is one vLLM block: the keys the scheduler computes per block are page keys.
+    overrides["page_tokens"] = str(block_size)
+    cfg = config.load(overrides=overrides, check_store_dir=False)
+    model = vllm_config.model_config
+    model_id = extra.get("model_id") or (
+        f"{model.model}@{model.revision}" if getattr(model, "revision", None) else model.model
+    )
+    try:
+        staging = int(extra.get("staging_bytes", DEFAULT_STAGING_BYTES))
+    except (TypeError, ValueError):
+        staging = -1
+    if staging <= 0:
+        raise ValueError(f"staging_bytes {extra.get('staging_bytes')!r}: a positive integer "
+                         f"(bytes of shared memory per rank for an engine on the CPU)")
+    return Settings(cfg, str(model_id), int(vllm_config.parallel_config.tensor_parallel_size),
+                    block_size, staging)

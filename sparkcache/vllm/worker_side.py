@@ -1,0 +1,183 @@
+"""The connector's worker side: one per TP rank, inside vLLM's worker process.
+
+It registers the rank's KV caches with a ``SparkCacheClient`` and carries out what the
+scheduler side decided: saves (publications to capture) and loads (restores), and it
+reports both back through ``get_finished``. Where the KV lives in memory no other process
+can open (vLLM's CPU backend), pages pass through a ``StagingPool``: the one copy per
+page the engine must make itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+
+from sparkcache import kvmem
+from sparkcache.client import SparkCacheClient
+from sparkcache.staging import StagingPool
+from sparkcache.vllm.metadata import PageJob, SparkCacheMetadata
+from sparkcache.vllm.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def block_dims(shape: tuple[int, ...], num_blocks: int, block_size: int) -> tuple[int, int]:
+    """(block dimension, block-size dimension) of one layer's KV tensor: vLLM 0.33's
+    ``[blocks, kv heads, block size, K+V head size]``, or the older
+    ``[2, blocks, block size, kv heads, head size]`` / ``[2, blocks, kv heads, block size,
+    head size]``."""
+    if len(shape) == 4 and shape[0] == num_blocks and shape[2] == block_size:
+        return 0, 2
+    if len(shape) == 5 and shape[0] == 2 and shape[1] == num_blocks:
+        return 1, (2 if shape[2] == block_size else 3)
+    raise ValueError(f"KV tensor of shape {list(shape)}: expected [{num_blocks}, heads, "
+                     f"{block_size}, head size] or [2, {num_blocks}, ...]")
+
+
+class WorkerSide:
+    def __init__(self, settings: Settings, rank: int) -> None:
+        self.settings = settings
+        self.rank = rank
+        self.client = SparkCacheClient(settings.cfg, rank, model_id=settings.model_id,
+                                       tp_size=settings.tp_size)
+        self.counters: Counter = Counter()
+        self.staging: StagingPool | None = None
+        self._num_blocks = 0
+        self._staged: dict[str, list[int]] = {}  # saves: request -> staging pages held
+        self._saving: set[str] = set()  # publications of engine blocks not yet copied
+        self._sent: set[str] = set()  # saves done (or given up), not yet reported
+        self._recved: set[str] = set()  # loads done, not yet reported
+        self._loading: set[str] = set()  # loads started and not ended
+        self._finished: set[str] = set()  # ids vLLM has passed to get_finished
+        self._release_after_load: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    # ------------------------------------------------------------------ registration
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        tensors = list(kv_caches.values())
+        if not tensors:
+            raise ValueError("no KV caches to register")
+        first = tensors[0]
+        num_blocks = max(first.shape[:2])
+        block_dim, size_dim = block_dims(tuple(first.shape), num_blocks, self.settings.block_size)
+        self._num_blocks = int(first.shape[block_dim])
+        if all(t.is_cuda for t in tensors):
+            ok = self.client.register_kv_caches(tensors, block_dim, size_dim)
+        else:
+            # Private CPU memory: stage through shared pages (see StagingPool).
+            layout = kvmem.page_layout(tensors, block_dim)
+            page_bytes = sum(t.select(block_dim, 0).numel() * t.element_size() for t in tensors)
+            pages = max(1, min(self._num_blocks, self.settings.staging_bytes // page_bytes))
+            self.staging = StagingPool(self.settings.cfg.instance, self.rank, tensors,
+                                       block_dim, pages)
+            ok = self.client.register_kv_caches(
+                self.staging.tensors, 0, self._staged_size_dim(block_dim, size_dim),
+                kv_layout=layout)
+        if not ok:
+            raise RuntimeError("SparkCache refused the KV caches (see the log)")
+
+    @staticmethod
+    def _staged_size_dim(block_dim: int, size_dim: int) -> int:
+        """The block-size dimension of a staging tensor: the engine's dimensions with the
+        block dimension moved to the front."""
+        return size_dim + 1 if size_dim < block_dim else size_dim
+
+    # ------------------------------------------------------------------ per step
+
+    def start(self, meta: SparkCacheMetadata) -> None:
+        """Carry out one step's saves, loads and releases (start_load_kv)."""
+        for job in meta.saves:
+            self._save(job)
+        for job in meta.loads:
+            self._load(job)
+        self._release_after_load.update(meta.release_after_load)
+
+    def _valid(self, job: PageJob) -> bool:
+        ok = len(job.block_ids) >= len(job.keys) and all(
+            0 <= b < self._num_blocks for b in job.block_ids[: len(job.keys)])
+        if not ok:
+            self.counters["bad_job"] += 1
+        return ok
+
+    def _save(self, job: PageJob) -> None:
+        """Publish a finished request's full pages; its blocks stay held until the pages
+        are copied (by capture, or into staging here)."""
+        if not self._valid(job):
+            self._sent.add(job.req_id)
+            return
+        if self.staging is None:
+            if self.client.publish_keys(job.req_id, job.keys, job.block_ids):
+                self._saving.add(job.req_id)
+            else:
+                self._sent.add(job.req_id)
+            return
+        # The engine's blocks are free again as soon as their pages are staged.
+        self._sent.add(job.req_id)
+        pages = self.staging.take(len(job.keys))
+        if pages is None:
+            self.counters["skipped_staging_full"] += 1
+            return
+        self.staging.copy_in(job.block_ids[: len(job.keys)], pages)
+        if self.client.publish_keys(job.req_id, job.keys, pages):
+            self._staged[job.req_id] = pages
+        else:
+            self.staging.give_back(pages)
+
+    def _load(self, job: PageJob) -> None:
+        """Restore a load's pages into its blocks; the blocks of pages that could not be
+        restored are reported as load errors (vLLM recomputes them)."""
+        got = 0
+        self._loading.add(job.req_id)
+        if self._valid(job):
+            if self.staging is None:
+                got = self.client.restore_keys(job.keys, job.block_ids)
+            else:
+                pages = self.staging.take(len(job.keys))
+                if pages is None:
+                    self.counters["load_staging_full"] += 1
+                else:
+                    try:
+                        got = self.client.restore_keys(job.keys, pages)
+                        if got:
+                            self.staging.copy_out(pages[:got], job.block_ids[:got])
+                    finally:
+                        self.staging.give_back(pages)
+        self.counters["loaded_pages"] += got
+        if got < len(job.keys):
+            self.counters["load_errors"] += 1
+            self._load_errors.update(job.block_ids[got: len(job.keys)])
+        self._loading.discard(job.req_id)
+        self._recved.add(job.req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._finished |= finished_req_ids
+        for done in self.client.poll_completions():
+            req_id = str(done.seq_id)
+            pages = self._staged.pop(req_id, None)
+            if pages is not None and self.staging is not None:
+                self.staging.give_back(pages)
+            if req_id in self._saving:
+                self._saving.discard(req_id)
+                self._sent.add(req_id)
+        # An aborted request whose load has ended gives its blocks back.
+        ended = self._release_after_load - self._loading
+        self._sent |= ended
+        self._release_after_load -= ended
+        sending = self._sent & self._finished
+        self._sent -= sending
+        self._finished -= sending
+        recving, self._recved = self._recved, set()
+        return sending or None, recving or None
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        self.client.close()
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None

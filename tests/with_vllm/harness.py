@@ -1,0 +1,230 @@
+"""vLLM 0.33's real ``Scheduler`` and SparkCache's worker-side connectors, driven step by
+step on the CPU with a stand-in for the model: each step writes a value determined by
+(token, position, layer, rank) into every KV slot it computes, so a restored block can
+be checked byte for byte against what a recompute would write.
+
+The step follows the order vLLM's model runner calls a connector in: bind the metadata,
+start loads, the forward, wait for saves, collect finished transfers and load errors,
+clear the metadata; with several TP ranks a transfer counts finished once every rank
+reported it, as vLLM's output aggregator does."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.attention.backends.utils import (
+    get_supported_kv_cache_layouts,
+    resolve_kv_cache_layout,
+)
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from sparkcache.vllm import connector as connector_mod
+
+MODEL = str(Path(__file__).with_name("tiny_llama"))
+BLOCK = 16
+LAYERS = 2
+KV_HEADS = 2
+HEAD = 32
+SAMPLED = 100  # the token every decode step "samples"
+
+
+def kv_value(token: int, pos: int, layer: int, rank: int) -> float:
+    """What the stand-in forward writes for one token (exact in float16)."""
+    return float((token * 7 + pos * 3 + layer * 11 + rank * 5) % 997) / 8.0
+
+
+@dataclass
+class Rig:
+    sched: Scheduler
+    workers: list[Any]  # SparkCacheConnector, one per TP rank
+    kv: list[dict[str, torch.Tensor]]
+    tables: dict[str, list[int]] = field(default_factory=dict)
+    sent: Counter = field(default_factory=Counter)
+    recved: Counter = field(default_factory=Counter)
+    load_errors: set[int] = field(default_factory=set)
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    steps: int = 0
+
+    @property
+    def tp(self) -> int:
+        return len(self.workers)
+
+    def step(self) -> Any:
+        so = self.sched.schedule()
+        starts = {}
+        for nr in so.scheduled_new_reqs:
+            self.tables[nr.req_id] = list(nr.block_ids[0])
+            starts[nr.req_id] = nr.num_computed_tokens
+        cr = so.scheduled_cached_reqs
+        for i, rid in enumerate(cr.req_ids):
+            if cr.new_block_ids[i] is not None:
+                new = list(cr.new_block_ids[i][0])
+                resumed = rid in getattr(cr, "resumed_req_ids", ())
+                self.tables[rid] = new if resumed else self.tables[rid] + new
+            starts[rid] = cr.num_computed_tokens[i]
+        meta = so.kv_connector_metadata
+        for w in self.workers:
+            w.handle_preemptions(meta)
+            w.bind_connector_metadata(meta)
+            if so.has_sync_kv_loads:
+                w.start_load_kv(None)
+        for rid, n in so.num_scheduled_tokens.items():
+            self.forward(rid, starts[rid], n)
+        sending: set[str] = set()
+        recving: set[str] = set()
+        errors: set[int] = set()
+        for w in self.workers:
+            if not so.has_sync_kv_loads:
+                w.start_load_kv(None)
+            w.wait_for_save()
+            s, r = w.get_finished(so.finished_req_ids)
+            errors |= w.get_block_ids_with_load_errors()
+            w.clear_connector_metadata()
+            self.sent.update(s or ())
+            self.recved.update(r or ())
+        for rid in list(self.sent):
+            if self.sent[rid] >= self.tp:
+                sending.add(rid)
+                del self.sent[rid]
+        for rid in list(self.recved):
+            if self.recved[rid] >= self.tp:
+                recving.add(rid)
+                del self.recved[rid]
+        self.load_errors |= errors
+        self.finished_sending |= sending
+        self.finished_recving |= recving
+        kvo = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+                                invalid_block_ids=errors)
+        ids = list(so.num_scheduled_tokens)
+        self.sched.update_from_output(so, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            kv_connector_output=kvo,
+            sampled_token_ids=[[] if self.sched.requests[r].is_prefill_chunk else [SAMPLED]
+                               for r in ids]))
+        self.steps += 1
+        return so
+
+    def forward(self, rid: str, start: int, n: int) -> None:
+        tokens = self.sched.requests[rid].all_token_ids
+        table = self.tables[rid]
+        for rank, kv in enumerate(self.kv):
+            for li, t in enumerate(kv.values()):
+                for pos in range(start, start + n):
+                    t[table[pos // BLOCK], :, pos % BLOCK, :] = kv_value(tokens[pos], pos, li, rank)
+
+    def block_holds(self, rank: int, block: int, tokens: list[int], first_pos: int) -> bool:
+        """Does ``block`` of ``rank`` hold what the forward writes for ``tokens`` at
+        positions ``first_pos...``?"""
+        for li, t in enumerate(self.kv[rank].values()):
+            for j, tok in enumerate(tokens):
+                got = t[block, :, j, :]
+                want = kv_value(tok, first_pos + j, li, rank)
+                if not torch.equal(got, torch.full_like(got, want)):
+                    return False
+        return True
+
+    def run_until_idle(self, limit: int = 200) -> None:
+        for _ in range(limit):
+            if not self.sched.requests:
+                return
+            self.step()
+        raise AssertionError(f"requests open after {limit} steps: {list(self.sched.requests)}")
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.shutdown()
+        sched_connector = self.sched.get_kv_connector()
+        if sched_connector is not None:
+            sched_connector.shutdown()
+
+
+def request(rid: str, prompt: list[int], max_tokens: int = 2, **kw: Any) -> Request:
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sp.update_from_generation_config({}, 2)
+    return Request(request_id=rid, prompt_token_ids=prompt, sampling_params=sp,
+                   pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256),
+                   **kw)
+
+
+@contextmanager
+def rig(store: Path, instance: str, *, tp: int = 1, num_blocks: int = 128,
+        extra: dict | None = None, max_batched: int = 256):
+    """A Scheduler and ``tp`` worker connectors on ``store``/``instance``."""
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(store.parent / "vllm-cache"))
+    settings = {"store_dir": str(store), "instance": instance, "model_id": "tiny-llama-test",
+                **(extra or {})}
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=MODEL, dtype="float16", seed=0,
+                                 skip_tokenizer_init=True, max_model_len=2048),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched,
+                                         max_model_len=2048, enable_chunked_prefill=True,
+                                         is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="SparkCacheConnector", kv_connector_module_path="sparkcache.vllm",
+            kv_role="kv_both", kv_connector_extra_config=settings),
+        device_config=DeviceConfig("cpu"),
+    )
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD,
+                             dtype=torch.float16)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    layout = resolve_kv_cache_layout(
+        vllm_config, [[m.name for m in get_supported_kv_cache_layouts([])]], [spec])
+    kv_cache_config = get_kv_cache_config_from_groups(
+        vllm_config, [KVCacheGroupSpec(names, spec)], num_blocks * spec.page_size_bytes * LAYERS)
+    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    workers, kvs = [], []
+    try:
+        # Workers first, as in vLLM: they register (and write the registry) before the
+        # scheduler is made.
+        for rank in range(tp):
+            with mock.patch.object(connector_mod, "_tp_rank", return_value=rank):
+                w = KVConnectorFactory.create_connector(
+                    vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+            kv = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+            w.register_kv_caches(kv)
+            workers.append(w)
+            kvs.append(kv)
+        init_none_hash(sha256)
+        sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                          block_size=BLOCK,
+                          structured_output_manager=StructuredOutputManager(vllm_config),
+                          log_stats=True)
+    except BaseException:
+        for w in workers:
+            w.shutdown()
+        raise
+    r = Rig(sched, workers, kvs)
+    try:
+        yield r
+    finally:
+        r.close()
