@@ -44,6 +44,13 @@ class SparkCacheConnector(KVConnectorBase_V1):
         self._log = RateLimitedLog(log)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        transfer = vllm_config.kv_transfer_config
+        if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+            # A cache is best effort: a page that fails verification or vanished must be
+            # computed, not fail the request (vLLM's default policy is "fail"). The
+            # scheduler reads the policy after it made this connector.
+            log.info("SparkCache: kv_load_failure_policy set to 'recompute'")
+            transfer.kv_load_failure_policy = "recompute"
         try:
             settings = settings_mod.from_vllm(vllm_config)
             if role == KVConnectorRole.SCHEDULER:

@@ -71,6 +71,7 @@ class Rig:
     load_errors: set[int] = field(default_factory=set)
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
+    loads: dict[str, list[int]] = field(default_factory=dict)  # request -> blocks loaded
     steps: int = 0
 
     @property
@@ -91,6 +92,8 @@ class Rig:
                 self.tables[rid] = new if resumed else self.tables[rid] + new
             starts[rid] = cr.num_computed_tokens[i]
         meta = so.kv_connector_metadata
+        for job in getattr(meta, "loads", ()):
+            self.loads[job.req_id] = list(job.block_ids)
         for w in self.workers:
             w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)

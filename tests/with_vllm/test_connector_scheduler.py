@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from sparkcache import kvmem
+from sparkcache.identity import Namespace, sequence_keys
+from sparkcache.store import PageStore
+from sparkcache.store.layout import RankLayout, fanout, object_name
+from sparkcache.store.reader import StoreReader
 from tests.pipeline_util import start_supervisor, stop_supervisor
 from tests.with_vllm.harness import BLOCK, request, rig
 
@@ -35,15 +42,49 @@ def wait_stored(r, pages: int, timeout: float = 30.0) -> None:
     raise AssertionError(f"{pages} pages not stored within {timeout}s")
 
 
-@pytest.fixture
-def supervisor(tmp_path: Path, instance: str):
-    store = tmp_path / "store"
-    proc = start_supervisor(store, instance)
+def prefix_keys(store: Path, tokens: list[int]) -> list[str]:
+    """The page keys the scheduler side computes (one chain for every rank)."""
+    ns = Namespace(**kvmem.read_registry(store, 0)["namespace"])
+    return list(sequence_keys(ns, tokens).pages)
+
+
+def object_of(store: Path, rank: int, key: str) -> tuple[Path, str]:
+    """The object file of ``key`` in ``rank``'s store, and its generation."""
+    reader = StoreReader(store, rank)
+    try:
+        generation = reader.conn.execute(
+            "SELECT generation FROM objects WHERE key = ?", (key,)).fetchone()[0]
+    finally:
+        reader.close()
+    objects = RankLayout(store, rank).objects_dir
+    return objects / fanout(key) / object_name(key, generation), generation
+
+
+def load_turn(r, rid: str, prompt: list[int]):
+    """Add ``rid`` and step until its load has ended; the blocks it loaded, page by
+    page (the load starts at page 0: the scheduler has no prefix caching)."""
+    r.sched.add_request(request(rid, prompt, max_tokens=2))
+    for _ in range(30):
+        r.step()
+        if rid in r.finished_recving:
+            return r.loads[rid]
+    raise AssertionError(f"{rid}: no load ended")
+
+
+@contextmanager
+def running_supervisor(store: Path, instance: str, *extra: str):
+    proc = start_supervisor(store, instance, *extra)
     try:
         yield store
     finally:
         code, err = stop_supervisor(proc)
         assert code == 0, err[-2000:]
+
+
+@pytest.fixture
+def supervisor(tmp_path: Path, instance: str):
+    with running_supervisor(tmp_path / "store", instance) as store:
+        yield store
 
 
 def test_first_turn_saved_second_loaded_async_byte_exact(supervisor: Path, instance: str) -> None:
@@ -61,11 +102,89 @@ def test_first_turn_saved_second_loaded_async_byte_exact(supervisor: Path, insta
                 break
             r.step()
         assert "B" in r.finished_recving and not r.load_errors
-        table = r.tables.get("B") or list(
-            r.sched.kv_cache_manager.get_blocks("B").get_block_ids()[0])
+        table = r.loads["B"]
         so = r.step()
         assert so.num_scheduled_tokens["B"] == len(prefix) + 10 - 5 * BLOCK
         for page in range(5):
             assert r.block_holds(0, table[page], prefix[page * BLOCK:(page + 1) * BLOCK],
                                  page * BLOCK), f"page {page} not restored exactly"
         r.run_until_idle()
+
+
+def test_tp2_loads_the_shortest_prefix_across_ranks(tmp_path: Path, instance: str) -> None:
+    prefix = list(range(40, 40 + 5 * BLOCK))
+    with running_supervisor(tmp_path / "store", instance, "--ranks", "2") as store, \
+            rig(store, instance, tp=2) as r:
+        run_turn(r, "A", [*prefix, 1, 2])
+        wait_stored(r, 5)
+        # Rank 1 loses page 3: every rank can restore only pages 0-2.
+        keys = prefix_keys(store, prefix)
+        _, generation = object_of(store, 1, keys[3])
+        with PageStore(store, 1) as st:
+            st.quarantine(keys[3], generation, "test: rank 1 lost it")
+        table = load_turn(r, "B", [*prefix, 3, 4, 5])
+        assert not r.load_errors
+        for rank in (0, 1):
+            for page in range(3):
+                assert r.block_holds(rank, table[page], prefix[page * BLOCK:(page + 1) * BLOCK],
+                                     page * BLOCK), (rank, page)
+        so = r.step()
+        assert so.num_scheduled_tokens["B"] == len(prefix) + 3 - 3 * BLOCK
+        r.run_until_idle()
+
+
+def test_a_corrupt_page_is_a_load_error_and_recomputed(supervisor: Path, instance: str) -> None:
+    prefix = list(range(70, 70 + 5 * BLOCK))
+    with rig(supervisor, instance) as r:
+        run_turn(r, "A", [*prefix, 1])
+        wait_stored(r, 5)
+        path, _ = object_of(supervisor, 0, prefix_keys(supervisor, prefix)[2])
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        table = load_turn(r, "B", [*prefix, 2, 3])
+        # Pages 0-1 restored; page 2 failed verification: its block and the ones after
+        # are reported, and vLLM computes them.
+        assert set(table[2:5]) <= r.load_errors and not set(table[:2]) & r.load_errors
+        for page in range(2):
+            assert r.block_holds(0, table[page], prefix[page * BLOCK:(page + 1) * BLOCK],
+                                 page * BLOCK)
+        so = r.step()
+        assert so.num_scheduled_tokens["B"] == len(prefix) + 2 - 2 * BLOCK
+        r.run_until_idle()
+        for page in range(5):  # recomputed: right bytes everywhere
+            assert r.block_holds(0, table[page], prefix[page * BLOCK:(page + 1) * BLOCK],
+                                 page * BLOCK)
+        # The bad object was sent to maintenance, which quarantines it.
+        deadline = time.monotonic() + 15
+        while path.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not path.exists()
+
+
+def test_no_supervisor_every_request_completes(tmp_path: Path, instance: str) -> None:
+    prefix = list(range(5, 5 + 4 * BLOCK))
+    with rig(tmp_path / "store", instance) as r:
+        for i in range(3):
+            r.sched.add_request(request(f"R{i}", [*prefix, i], max_tokens=3))
+        r.run_until_idle()
+        assert {"R0", "R1", "R2"} <= r.finished_sending or not r.finished_sending
+        assert not r.finished_recving and not r.load_errors
+        side = r.sched.get_kv_connector()._scheduler
+        assert side.lookup.misses  # counted, not raised
+
+
+def test_at_the_hard_cap_every_request_completes(tmp_path: Path, instance: str) -> None:
+    """A store far over its cap: saves are refused and counted, lookups go on, nothing
+    is held forever and nothing raises."""
+    with running_supervisor(tmp_path / "store", instance, "--max-bytes", "16KiB",
+                            "--low-watermark-bytes", "8KiB") as store, \
+            rig(store, instance) as r:
+        for i in range(6):
+            prefix = list(range(100 * i, 100 * i + 4 * BLOCK))
+            r.sched.add_request(request(f"C{i}", [*prefix, 9], max_tokens=2))
+            r.run_until_idle()
+        assert {f"C{i}" for i in range(6)} <= r.finished_sending
+        assert not r.sched.requests
+        skipped = sum((w._worker.client.counters.skipped for w in r.workers), Counter())
+        assert sum(skipped.values()) >= 1, skipped  # refused at the cap, counted
