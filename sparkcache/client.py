@@ -37,7 +37,7 @@ import torch
 
 from shm import FREE, Producer, RingEmpty, RingFull
 from shm.layouts import PUBLISH, split_key
-from sparkcache import kvmem, segments
+from sparkcache import kvmem, runtime, segments
 from sparkcache.config import AccessMode, Config
 from sparkcache.identity import KeyExtras, Namespace, require_hex, sequence_keys
 from sparkcache.protocol import (
@@ -131,6 +131,9 @@ class _Connection:
             self.completion = self._keep(segments.consumer(cfg, rank, "completion", spin_s=0))
             self.durable = self._keep(segments.consumer(cfg, rank, "durable", spin_s=0))
             self.request = self._keep(segments.producer(cfg, rank, "request"))
+            # The running supervisor's cap, not this process's idea of it.
+            self.hard_cap = int((runtime.read(cfg.store_dir) or {}).get(
+                "hard_cap_bytes", cfg.hard_cap_bytes))
         except BaseException:
             self.close()
             raise
@@ -178,9 +181,6 @@ class SparkCacheClient:
         self.model_id = model_id
         self.tp_size = tp_size
         self.max_pending = 2 * cfg.capture_slots
-        # Beyond max_bytes by the gap between the watermarks: maintenance had that much
-        # room to catch up; past it publications are refused rather than overrunning.
-        self.hard_cap = cfg.max_bytes + (cfg.max_bytes - cfg.low_watermark_bytes)
         self.counters = ClientCounters()
         self._reg: _Registration | None = None
         self._conn: _Connection | None = None
@@ -283,7 +283,7 @@ class SparkCacheClient:
             # than the rest of a publication.
             self._health_at = now + HEALTH_CACHE_S
             self._capture_alive = conn.worker_alive(Role.CAPTURE)
-            self._store_full = conn.store_used() >= self.hard_cap
+            self._store_full = conn.store_used() >= conn.hard_cap
         if not self._capture_alive:
             # Maybe a new supervisor with new segments: attach afresh next time.
             self._disconnect()

@@ -124,6 +124,12 @@ class Config:
         metadata=_help("Port reserved for the /metrics endpoint (not served yet); 0: none."),
     )
 
+    @property
+    def hard_cap_bytes(self) -> int:
+        """Beyond max_bytes by the gap between the watermarks: maintenance had that much
+        room to catch up; past it publications are refused rather than overrunning."""
+        return self.max_bytes + (self.max_bytes - self.low_watermark_bytes)
+
     def check_page_fits(self, page_bytes: int) -> None:
         """Raise ConfigError if one page (known once the KV caches are registered) does not
         fit a capture slot."""

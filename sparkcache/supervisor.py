@@ -326,6 +326,9 @@ class Supervisor:
             # With the pid, tells this process from a later one that reuses the pid.
             "started": psutil.Process().create_time(),
             "cpus": self.cpus,
+            # The engine side refuses publications past this: the supervisor's settings
+            # are the ones enforced, whatever the engine's own environment says.
+            "hard_cap_bytes": self.cfg.hard_cap_bytes,
             "workers": [
                 {
                     "name": w.name, "rank": w.rank, "role": w.role.name.lower(),

@@ -177,14 +177,22 @@ def test_no_supervisor_every_request_completes(tmp_path: Path, instance: str) ->
 def test_at_the_hard_cap_every_request_completes(tmp_path: Path, instance: str) -> None:
     """A store far over its cap: saves are refused and counted, lookups go on, nothing
     is held forever and nothing raises."""
+    # Roots leased for an hour cannot be evicted: the store stays over its cap.
     with running_supervisor(tmp_path / "store", instance, "--max-bytes", "16KiB",
-                            "--low-watermark-bytes", "8KiB") as store, \
+                            "--low-watermark-bytes", "8KiB", "--lease-seconds", "3600") as store, \
             rig(store, instance) as r:
         for i in range(6):
             prefix = list(range(100 * i, 100 * i + 4 * BLOCK))
             r.sched.add_request(request(f"C{i}", [*prefix, 9], max_tokens=2))
             r.run_until_idle()
+            client = r.workers[0]._worker.client
+            deadline = time.monotonic() + 20
+            while (client.pending or client.awaiting_durable) and time.monotonic() < deadline:
+                r.step()
+                client.poll_durable()
+                time.sleep(0.05)
+            time.sleep(0.5)  # a maintenance pass reports the bytes used
         assert {f"C{i}" for i in range(6)} <= r.finished_sending
         assert not r.sched.requests
         skipped = sum((w._worker.client.counters.skipped for w in r.workers), Counter())
-        assert sum(skipped.values()) >= 1, skipped  # refused at the cap, counted
+        assert skipped["store_full"] >= 1, skipped  # refused at the cap, counted
