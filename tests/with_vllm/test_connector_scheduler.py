@@ -15,9 +15,10 @@ from sparkcache.store import PageStore
 from sparkcache.store.layout import RankLayout, fanout, object_name
 from sparkcache.store.reader import StoreReader
 from tests.pipeline_util import start_supervisor, stop_supervisor
-from tests.with_vllm.harness import BLOCK, request, rig
 
 pytest.importorskip("vllm.v1.core.kv_cache_planning", reason="needs vLLM 0.33's scheduler")
+
+from tests.with_vllm.harness import BLOCK, request, rig
 
 
 def run_turn(r, rid: str, prompt: list[int], max_tokens: int = 2) -> None:
