@@ -22,6 +22,7 @@ from sparkcache.ratelog import RateLimitedLog
 from sparkcache.vllm import settings as settings_mod
 from sparkcache.vllm.metadata import SparkCacheMetadata
 from sparkcache.vllm.scheduler_side import SchedulerSide
+from sparkcache.vllm.stats import Reporter, SparkCachePromMetrics, SparkCacheStats
 from sparkcache.vllm.worker_side import WorkerSide
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class SparkCacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.faults: Counter = Counter()
         self._log = RateLimitedLog(log)
+        self._reporter = Reporter()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         transfer = vllm_config.kv_transfer_config
@@ -117,6 +119,29 @@ class SparkCacheConnector(KVConnectorBase_V1):
         except Exception:
             self._fault("request_finished")
             return False, None
+
+    # ------------------------------------------------------------------ stats
+
+    def get_kv_connector_stats(self) -> SparkCacheStats | None:
+        side = self._scheduler or self._worker
+        if side is None:
+            return None
+        try:
+            return self._reporter.report(side.totals())
+        except Exception:
+            self._fault("stats")
+            return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> SparkCacheStats:
+        return SparkCacheStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> SparkCachePromMetrics:
+        return SparkCachePromMetrics(vllm_config, metric_types, labelnames,
+                                     per_engine_labelvalues)
 
     # ------------------------------------------------------------------ worker side
 

@@ -151,5 +151,17 @@ class SchedulerSide:
         self.counters["saves"] += 1
         return True, None
 
+    def totals(self) -> Counter:
+        """Everything counted so far, under the names of ``stats.METRICS`` (skips as
+        ``skipped:<reason>``)."""
+        out = Counter({k: v for k, v in self.counters.items()
+                       if k in ("lookups", "hit_tokens", "saves")})
+        for reason, n in self.lookup.misses.items():
+            out[f"skipped:lookup_{reason}"] += n
+        for reason in ("lookup_skipped", "namespace_mismatch", "aborted_while_loading"):
+            if self.counters[reason]:
+                out[f"skipped:{reason}"] = self.counters[reason]
+        return out
+
     def close(self) -> None:
         self.lookup.close()

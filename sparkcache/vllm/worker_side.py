@@ -10,6 +10,7 @@ page the engine must make itself.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 
 import torch
@@ -111,6 +112,7 @@ class WorkerSide:
         if self.staging is None:
             if self.client.publish_keys(job.req_id, job.keys, job.block_ids):
                 self._saving.add(job.req_id)
+                self.counters["saved_pages"] += len(job.keys)
             else:
                 self._sent.add(job.req_id)
             return
@@ -123,6 +125,7 @@ class WorkerSide:
         self.staging.copy_in(job.block_ids[: len(job.keys)], pages)
         if self.client.publish_keys(job.req_id, job.keys, pages):
             self._staged[job.req_id] = pages
+            self.counters["saved_pages"] += len(job.keys)
         else:
             self.staging.give_back(pages)
 
@@ -130,6 +133,7 @@ class WorkerSide:
         """Restore a load's pages into its blocks; the blocks of pages that could not be
         restored are reported as load errors (vLLM recomputes them)."""
         got = 0
+        started = time.perf_counter()
         self._loading.add(job.req_id)
         if self._valid(job):
             if self.staging is None:
@@ -146,6 +150,7 @@ class WorkerSide:
                     finally:
                         self.staging.give_back(pages)
         self.counters["loaded_pages"] += got
+        self.counters["load_seconds"] += time.perf_counter() - started
         if got < len(job.keys):
             self.counters["load_errors"] += 1
             self._load_errors.update(job.block_ids[got: len(job.keys)])
@@ -171,6 +176,22 @@ class WorkerSide:
         self._finished -= sending
         recving, self._recved = self._recved, set()
         return sending or None, recving or None
+
+    def totals(self) -> Counter:
+        """Everything counted so far, under the names of ``stats.METRICS`` (skips as
+        ``skipped:<reason>``)."""
+        c = self.counters
+        out = Counter({"loaded_tokens": c["loaded_pages"] * self.settings.block_size,
+                       "load_seconds": c["load_seconds"], "load_errors": c["load_errors"],
+                       "saved_pages": c["saved_pages"]})
+        for reason in ("bad_job", "skipped_staging_full", "load_staging_full"):
+            if c[reason]:
+                out[f"skipped:{reason}"] = c[reason]
+        for reason, n in self.client.counters.skipped.items():
+            out[f"skipped:publish_{reason}"] += n
+        for reason, n in self.client.counters.misses.items():
+            out[f"skipped:load_{reason}"] += n
+        return out
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -72,6 +72,8 @@ class Rig:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     loads: dict[str, list[int]] = field(default_factory=dict)  # request -> blocks loaded
+    # The connector stats payloads vLLM's scheduler put in its SchedulerStats.
+    stats: list[dict[str, Any]] = field(default_factory=list)
     steps: int = 0
 
     @property
@@ -104,12 +106,16 @@ class Rig:
         sending: set[str] = set()
         recving: set[str] = set()
         errors: set[int] = set()
+        worker_stats = None
         for w in self.workers:
             if not so.has_sync_kv_loads:
                 w.start_load_kv(None)
             w.wait_for_save()
             s, r = w.get_finished(so.finished_req_ids)
             errors |= w.get_block_ids_with_load_errors()
+            st = w.get_kv_connector_stats()
+            if st is not None:
+                worker_stats = st if worker_stats is None else worker_stats.aggregate(st)
             w.clear_connector_metadata()
             self.sent.update(s or ())
             self.recved.update(r or ())
@@ -125,13 +131,17 @@ class Rig:
         self.finished_sending |= sending
         self.finished_recving |= recving
         kvo = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
-                                invalid_block_ids=errors)
+                                invalid_block_ids=errors, kv_connector_stats=worker_stats)
         ids = list(so.num_scheduled_tokens)
-        self.sched.update_from_output(so, ModelRunnerOutput(
+        outputs = self.sched.update_from_output(so, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
             kv_connector_output=kvo,
             sampled_token_ids=[[] if self.sched.requests[r].is_prefill_chunk else [SAMPLED]
                                for r in ids]))
+        for out in outputs.values():
+            stats = getattr(out, "scheduler_stats", None)
+            if stats is not None and stats.kv_connector_stats:
+                self.stats.append(stats.kv_connector_stats)
         self.steps += 1
         return so
 

@@ -197,3 +197,47 @@ def test_at_the_hard_cap_every_request_completes(tmp_path: Path, instance: str) 
         assert not r.sched.requests
         skipped = sum((w._worker.client.counters.skipped for w in r.workers), Counter())
         assert skipped["store_full"] >= 1, skipped  # refused at the cap, counted
+
+
+def test_counters_reach_vllm_stats_and_a_prometheus_scrape(supervisor: Path,
+                                                            instance: str) -> None:
+    """What both sides count goes through vLLM's stats path (worker and scheduler
+    reports aggregated) into the connector's Prometheus metrics, read back by HTTP."""
+    import functools
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+    from prometheus_client import Counter as PromCounter
+
+    from sparkcache.vllm import SparkCacheConnector
+
+    prefix = list(range(900, 900 + 3 * BLOCK))
+    with rig(supervisor, instance) as r:
+        run_turn(r, "A", [*prefix, 1])
+        wait_stored(r, 3)
+        load_turn(r, "B", [*prefix, 2, 3])
+        r.run_until_idle()
+        # As vLLM's logger does: rebuild each payload and add them up.
+        total = functools.reduce(
+            lambda a, b: a.aggregate(b),
+            [SparkCacheConnector.build_kv_connector_stats(p) for p in r.stats])
+        data = total.reduce()
+        assert data["loaded_tokens"] == 3 * BLOCK and data["hit_tokens"] == 3 * BLOCK, data
+        assert data["lookups"] >= 2 and data["saves"] >= 1, data
+
+        registry = CollectorRegistry()
+        types = {t: functools.partial(t, registry=registry)
+                 for t in (PromCounter, Gauge, Histogram)}
+        prom = SparkCacheConnector.build_prom_metrics(
+            r.sched.vllm_config, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+        prom.observe(total.to_dict(), 0)
+        server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+        try:
+            port = server.server_address[1]
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
+            text = body.read().decode()
+        finally:
+            server.shutdown()
+            thread.join(10)
+        line = 'vllm:sparkcache_loaded_tokens_total{engine="0",model_name="tiny"}'
+        assert f"{line} {float(3 * BLOCK)}" in text, text
