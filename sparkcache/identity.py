@@ -1,15 +1,20 @@
 """Page identity: a namespace seed and chained, domain-separated page keys.
 
 A page key is ``h_i = H(h_{i-1}, tokens of page i)`` where ``h_{-1}`` is the namespace seed.
-Because every key folds in its whole prefix and the namespace, two pages share a key only
-if they hold the same tokens after the same prefix, for the same model, dtype, KV layout,
-tensor-parallel size, rank, page size and format: keys from another namespace never hit.
+Because every key folds in its whole prefix and the namespace, two pages share a key exactly
+when they hold the same tokens after the same prefix, for the same model, dtype, KV layout,
+tensor-parallel size, page size and format: keys from another namespace never hit.
 
 The namespace holds what determines a page's bytes and nothing else: in particular not
 the number of KV blocks, which vLLM sizes by profiling free memory at every start, so a
-restarted engine finds the pages it stored before. What a request adds beyond its tokens
-(a LoRA adapter, multimodal input hashes, a cache salt) is ``KeyExtras``, folded into the
-chain seed of that request's keys.
+restarted engine finds the pages it stored before, and not the rank. Each rank stores
+its pages in its own directory (``rank-<r>/``), so the same key at two ranks never
+meets; what differs between ranks' bytes, the heads each holds, is fixed by ``tp_size``
+and ``kv_layout``. Leaving the rank out lets the scheduler compute one chain for all
+TP ranks. ``Namespace.rank`` is kept for callers that record it, but is neither hashed
+nor compared: two namespaces that differ only in rank are equal and give equal keys.
+What a request adds beyond its tokens (a LoRA adapter, multimodal input hashes, a cache
+salt) is ``KeyExtras``, folded into the chain seed of that request's keys.
 
 H is blake2b with a 16-byte digest. Each use has its own ``person`` tag (namespace, full
 page, tail page, request extras) so a tail key can never equal a full-page key or a seed,
@@ -22,11 +27,12 @@ import hashlib
 import re
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-FORMAT_VERSION = 1
+# 2: the rank left the namespace seed (keys stored under 1 mean something else).
+FORMAT_VERSION = 2
 KEY_BYTES = 16
 KEY_HEX_LEN = 2 * KEY_BYTES
 
@@ -66,13 +72,16 @@ def _field(data: bytes) -> bytes:
 
 @dataclass(frozen=True)
 class Namespace:
-    """Everything that makes the bytes of a page mean something; part of every key."""
+    """Everything that makes the bytes of a page mean something; part of every key.
+
+    ``rank`` is not: see the module doc. It is validated, but neither hashed nor compared.
+    """
 
     model_id: str
     dtype: str
     kv_layout: str
     tp_size: int
-    rank: int
+    rank: int = field(compare=False)
     page_tokens: int
     format_version: int = FORMAT_VERSION
 
@@ -93,11 +102,11 @@ class Namespace:
             raise ValueError(f"page_tokens {self.page_tokens!r} must be >= 1")
 
     def seed(self) -> bytes:
-        """The 16-byte chain seed ``h_{-1}`` of this namespace."""
+        """The 16-byte chain seed ``h_{-1}`` of this namespace (the rank is not in it)."""
         h = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON_NAMESPACE)
         for text in (self.model_id, self.dtype, self.kv_layout):
             h.update(_field(text.encode("utf-8")))
-        for number in (self.tp_size, self.rank, self.page_tokens, self.format_version):
+        for number in (self.tp_size, self.page_tokens, self.format_version):
             h.update(_U64.pack(number))
         return h.digest()
 

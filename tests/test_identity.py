@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from sparkcache.identity import KeyExtras, Namespace, chain_seed, require_hex, sequence_keys
+from sparkcache.identity import (
+    FORMAT_VERSION,
+    KeyExtras,
+    Namespace,
+    chain_seed,
+    require_hex,
+    sequence_keys,
+)
 from sparkcache.kvmem import BlockViews, page_layout
 
 NS = Namespace("llama-3-70b", "bfloat16", "nhd-2x", tp_size=4, rank=1, page_tokens=16)
@@ -55,16 +62,26 @@ def test_numpy_and_list_tokens_agree() -> None:
         {"model_id": "llama-3-8b"},
         {"dtype": "float16"},
         {"kv_layout": "hnd-2x"},
-        {"rank": 2},
         {"tp_size": 8},
         {"page_tokens": 32},
-        {"format_version": 2},
+        {"format_version": FORMAT_VERSION + 1},
     ],
 )
-def test_every_namespace_field_changes_every_key(change: dict[str, object]) -> None:
+def test_every_namespace_field_but_rank_changes_every_key(change: dict[str, object]) -> None:
     other = dataclasses.replace(NS, **change)
     a, b = sequence_keys(NS, TOKENS), sequence_keys(other, TOKENS)
     assert not set(a.all()) & set(b.all())
+
+
+def test_rank_does_not_change_the_keys() -> None:
+    """Each rank stores in its own directory (rank-<r>/), so a key never meets another
+    rank's page, and what differs between ranks' bytes (the heads each holds) is fixed by
+    tp_size and kv_layout: the rank is left out so that the scheduler computes one chain
+    for every TP rank. Namespaces that differ only in rank are equal."""
+    others = [dataclasses.replace(NS, rank=r) for r in range(NS.tp_size)]
+    assert {ns.seed() for ns in others} == {NS.seed()}
+    assert all(ns == NS and hash(ns) == hash(NS) for ns in others)
+    assert {sequence_keys(ns, TOKENS) for ns in others} == {sequence_keys(NS, TOKENS)}
 
 
 def test_field_boundaries_cannot_shift() -> None:
