@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import struct
 
 import numpy as np
 import pytest
@@ -194,3 +196,86 @@ def test_bad_extras_rejected() -> None:
         KeyExtras(mm_hashes=(b"ab",))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="cache_salt"):
         KeyExtras(cache_salt=7)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- formula, per-page extras
+
+
+def _reference_keys(seed: bytes, tokens: list[int], step: int) -> list[str]:
+    """The documented formula, written out: h_i = blake2b-128(person=b"sparkcache-page",
+    h_{i-1} || u64le(n) || int64le tokens)."""
+    keys, prev = [], seed
+    for i in range(len(tokens) // step):
+        page = np.asarray(tokens[i * step : (i + 1) * step], dtype="<i8")
+        prev = hashlib.blake2b(
+            prev + struct.pack("<Q", step) + page.tobytes(),
+            digest_size=16, person=b"sparkcache-page",
+        ).digest()
+        keys.append(prev.hex())
+    return keys
+
+
+def test_plain_keys_follow_the_documented_formula() -> None:
+    """A plain request's page keys are what they were before per-page extras (only the
+    seed changed, with the rank); empty page extras are no extras."""
+    ref = _reference_keys(NS.seed(), TOKENS, 16)
+    assert list(sequence_keys(NS, TOKENS).pages) == ref
+    assert sequence_keys(NS, TOKENS, page_extras={}) == sequence_keys(NS, TOKENS)
+    assert sequence_keys(NS, TOKENS, page_extras={2: (), 9: []}) == sequence_keys(NS, TOKENS)
+
+
+def test_page_extras_change_their_page_and_what_follows_only() -> None:
+    plain = sequence_keys(NS, TOKENS)
+    marked = sequence_keys(NS, TOKENS, page_extras={2: ("img-1",)})
+    assert marked.pages[:2] == plain.pages[:2]
+    assert not set(marked.all()[2:]) & set(plain.all())
+    # A later page's extras leave earlier pages alone, and differ from earlier ones.
+    later = sequence_keys(NS, TOKENS, page_extras={3: ("img-1",)})
+    assert later.pages[:3] == plain.pages[:3] and later.pages[3] != plain.pages[3]
+    assert not set(later.all()[3:]) & set(marked.all())
+    # The tail has extras of its own page index.
+    tail = sequence_keys(NS, TOKENS, page_extras={5: ("img-1",)})
+    assert tail.pages == plain.pages and tail.tail != plain.tail
+
+
+PAGE_EXTRAS = [
+    ("a",), ("",), ("ab", "c"), ("a", "bc"), ("c", "ab"), ("a", "a"), ("a", ""), ("", "a"),
+]
+
+
+def test_page_extras_are_length_prefixed_and_domain_separated() -> None:
+    """Different value lists never give the same key; nor does page extras "a" and a
+    request-wide extra "a" of any kind."""
+    seen: set[str] = set(sequence_keys(NS, TOKENS).all())
+    for values in PAGE_EXTRAS:
+        keys = set(sequence_keys(NS, TOKENS, page_extras={0: values}).all())
+        assert len(keys) == 6 and not keys & seen, values
+        seen |= keys
+    for extra in (KeyExtras(adapter="a"), KeyExtras(cache_salt="a"),
+                  KeyExtras(mm_hashes=("a",))):
+        keys = set(sequence_keys(NS, TOKENS, extra).all())
+        assert not keys & seen
+        both = set(sequence_keys(NS, TOKENS, extra, page_extras={0: ("a",)}).all())
+        assert not both & seen and not both & keys
+
+
+def test_extras_page_never_equals_a_plain_page_or_tail() -> None:
+    """The extras variants have their own person tags: a page with extras () cannot be
+    forged as a page whose tokens spell out the extras' encoding."""
+    ns = dataclasses.replace(NS, page_tokens=4)
+    with_extras = sequence_keys(ns, [1, 2, 3, 4, 5], page_extras={0: ("x",), 1: ("x",)})
+    plain = sequence_keys(ns, [1, 2, 3, 4, 5])
+    assert not set(with_extras.all()) & set(plain.all())
+    tail_only = sequence_keys(dataclasses.replace(NS, page_tokens=5), [1, 2, 3, 4],
+                              page_extras={0: ("x",)})
+    assert tail_only.tail not in with_extras.all()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{-1: ("a",)}, {"0": ("a",)}, {True: ("a",)}, {0: "ab"}, {0: (b"a",)}, {0: (1,)}],
+)
+def test_bad_page_extras_rejected(bad: dict) -> None:
+    with pytest.raises(ValueError, match="page_extras"):
+        sequence_keys(NS, TOKENS, page_extras=bad)
+
