@@ -26,6 +26,9 @@ vLLM's prefix-cache block hash covers:
   of the multimodal inputs that overlap that page), folded into that page's key only, so
   pages before the first one with extras are shared with a request without them.
 
+``KeyChain`` holds the chain state of one growing sequence and hashes only the pages each
+call fills, for callers (the vLLM scheduler) that must not re-hash a long prefix every call.
+
 H is blake2b with a 16-byte digest. Each use has its own ``person`` tag (namespace, full
 page, tail page, each with and without per-page extras, request extras) so a tail key can
 never equal a full-page key or a seed, and every variable-length field is length-prefixed
@@ -305,3 +308,106 @@ def sequence_keys(
         tail = _tail_key(prev, rest, extras.get(full))
     return SequenceKeys(pages=tuple(keys), tail=tail)
 
+
+class KeyChain:
+    """The chain state of one growing token sequence: ``extend`` hashes only the pages it
+    fills; tokens past the last full page wait for the next call.
+
+    ``keys`` is the live list of full-page keys (hex), appended to in place and never
+    otherwise changed: callers may hold it but must not modify it. After any sequence of
+    ``extend`` calls, ``keys`` equals ``sequence_keys(...).pages`` of all tokens given so
+    far (with the same extras) and ``tail_key()`` its ``tail``.
+
+    Per-page extras may be given with any call up to and including the one that fills the
+    page (a later value for the same page replaces an earlier one); extras for a page
+    already hashed are a ValueError.
+    """
+
+    __slots__ = ("_extras", "_keys", "_prev", "_tail", "namespace", "page_tokens")
+
+    def __init__(self, namespace: Namespace, extra: KeyExtras | None = None) -> None:
+        self.namespace = namespace
+        self.page_tokens = namespace.page_tokens
+        self._prev = chain_seed(namespace, extra)
+        self._keys: list[str] = []
+        self._tail = b""
+        self._extras: dict[int, tuple[str, ...]] = {}
+
+    @property
+    def keys(self) -> list[str]:
+        """Full-page keys so far, as the live list (do not modify)."""
+        return self._keys
+
+    def pages(self) -> tuple[str, ...]:
+        """A copy of the full-page keys."""
+        return tuple(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens given so far, including those waiting for their page to fill."""
+        return len(self._keys) * self.page_tokens + len(self._tail) // _TOKEN_BYTES
+
+    @property
+    def state(self) -> bytes:
+        """The chain state after the last full page (the seed if there is none)."""
+        return self._prev
+
+    def extend(self, tokens: Sequence[int] | np.ndarray,
+               page_extras: PageExtras | None = None) -> int:
+        """Add ``tokens``; hash the pages they fill. Returns how many pages were added."""
+        extras = _page_extras(page_extras)
+        if extras:
+            done = len(self._keys)
+            early = [i for i in extras if i < done]
+            if early:
+                raise ValueError(
+                    f"page_extras for page(s) {sorted(early)} already hashed "
+                    f"({done} full pages): give a page's extras by the call that fills it"
+                )
+            self._extras.update(extras)
+        data = _token_bytes(tokens).tobytes()
+        if self._tail:
+            data = self._tail + data
+        step = self.page_tokens * _TOKEN_BYTES
+        full = len(data) // step
+        if full:
+            first = len(self._keys)
+            self._prev = _hash_pages(self._prev, data, self.page_tokens, first,
+                                     self._extras, self._keys)
+            if self._extras:
+                for index in range(first, first + full):
+                    self._extras.pop(index, None)
+        self._tail = data[full * step :]
+        return full
+
+    def adopt(self, keys: Sequence[str], count: int | None = None) -> None:
+        """Take the keys of pages ``len(self)..count-1`` from ``keys[:count]`` (all of
+        ``keys`` by default), the keys of a sequence known to hold the same tokens and
+        extras as this one up to its page ``count-1``; its first ``len(self)`` keys must be
+        this chain's. ``keys`` is not copied beyond what is taken. Only between pages:
+        with tokens waiting for their page, ValueError."""
+        count = len(keys) if count is None else count
+        if not 0 <= count <= len(keys):
+            raise ValueError(f"adopt: count {count} out of range for {len(keys)} keys")
+        have = len(self._keys)
+        if count <= have:
+            return
+        if self._tail:
+            raise ValueError("adopt: tokens are waiting for a page; adopt only between pages")
+        if have and keys[have - 1] != self._keys[-1]:
+            raise ValueError(f"adopt: page {have - 1} differs: not the same sequence")
+        last = require_hex(keys[count - 1], "adopted key")
+        self._keys.extend(keys[have:count])
+        self._prev = bytes.fromhex(last)
+        if self._extras:
+            for index in [i for i in self._extras if i < count]:
+                del self._extras[index]
+
+    def tail_key(self) -> str | None:
+        """The key of the tokens waiting for their page (``sequence_keys(...).tail``)."""
+        if not self._tail:
+            return None
+        return _tail_key(self._prev, self._tail, self._extras.get(len(self._keys)))

@@ -9,9 +9,12 @@ import struct
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sparkcache.identity import (
     FORMAT_VERSION,
+    KeyChain,
     KeyExtras,
     Namespace,
     chain_seed,
@@ -279,3 +282,85 @@ def test_bad_page_extras_rejected(bad: dict) -> None:
     with pytest.raises(ValueError, match="page_extras"):
         sequence_keys(NS, TOKENS, page_extras=bad)
 
+
+# ---------------------------------------------------------------- incremental chain
+
+
+def test_key_chain_extends_incrementally() -> None:
+    chain = KeyChain(NS)
+    live = chain.keys
+    assert chain.extend(TOKENS[:10]) == 0 and len(chain) == 0
+    assert chain.tail_key() == sequence_keys(NS, TOKENS[:10]).tail
+    assert chain.extend(TOKENS[10:40]) == 2 and chain.num_tokens == 40
+    assert chain.keys is live and live == list(sequence_keys(NS, TOKENS[:40]).pages)
+    chain.extend(np.asarray(TOKENS[40:], dtype=np.int32))
+    assert chain.pages() == sequence_keys(NS, TOKENS).pages
+    assert chain.tail_key() == sequence_keys(NS, TOKENS).tail
+    assert chain.state == bytes.fromhex(chain.keys[-1])
+    assert KeyChain(NS).state == NS.seed()
+
+
+def test_key_chain_page_extras_rules() -> None:
+    want = sequence_keys(NS, TOKENS, KeyExtras(cache_salt="s"), page_extras={1: ("i",)})
+    chain = KeyChain(NS, KeyExtras(cache_salt="s"))
+    chain.extend(TOKENS[:20], page_extras={1: ("old",)})
+    chain.extend(TOKENS[20:30], page_extras={1: ("i",)})  # replaces: page 1 not full yet
+    chain.extend(TOKENS[30:])
+    assert chain.pages() == want.pages and chain.tail_key() == want.tail
+    with pytest.raises(ValueError, match=r"page\(s\) \[1\] already hashed"):
+        chain.extend([], page_extras={1: ("i",)})
+
+
+def test_key_chain_adopts_a_known_prefix() -> None:
+    full = sequence_keys(NS, TOKENS).pages
+    chain = KeyChain(NS)
+    chain.extend(TOKENS[:16])
+    chain.adopt(full, 3)
+    assert chain.keys == list(full[:3])
+    chain.extend(TOKENS[48:])
+    assert chain.pages() == full and chain.tail_key() == sequence_keys(NS, TOKENS).tail
+    chain.adopt(full[:2])  # nothing new: no-op
+    with pytest.raises(ValueError, match="count 9 out of range"):
+        chain.adopt(full, 9)
+    other = KeyChain(NS)
+    other.extend(TOKENS[16:32])
+    with pytest.raises(ValueError, match="page 0 differs"):
+        other.adopt(full[:3])
+    waiting = KeyChain(NS)
+    waiting.extend(TOKENS[:3])
+    with pytest.raises(ValueError, match="waiting"):
+        waiting.adopt(full[:2])
+
+
+@st.composite
+def _chunked(draw: st.DrawFn) -> tuple[int, list[int], list[int], dict[int, tuple[str, ...]]]:
+    step = draw(st.integers(1, 6))
+    tokens = draw(st.lists(st.integers(-(2**40), 2**40), max_size=60))
+    cuts = sorted(draw(st.lists(st.integers(0, len(tokens)), max_size=8)))
+    pages = len(tokens) // step + 1
+    extras = draw(st.dictionaries(st.integers(0, pages), st.lists(st.text(max_size=3),
+                                                                  max_size=2).map(tuple)))
+    return step, tokens, cuts, extras
+
+
+@settings(max_examples=300, deadline=None)
+@given(_chunked(), st.randoms(use_true_random=False))
+def test_key_chain_in_any_chunks_equals_sequence_keys(case: tuple, rnd) -> None:
+    """Extending in arbitrary chunks, each page's extras given with a random call up to
+    the one that fills it, gives exactly the keys of the whole sequence."""
+    step, tokens, cuts, extras = case
+    ns = dataclasses.replace(NS, page_tokens=step)
+    bounds = [0, *cuts, len(tokens)]
+    calls: list[dict[int, tuple[str, ...]]] = [{} for _ in range(len(bounds) - 1)]
+    for page, values in extras.items():
+        # The call that fills the page (or the last call, for the tail and beyond).
+        filling = next((c for c in range(len(calls)) if bounds[c + 1] >= (page + 1) * step),
+                       len(calls) - 1)
+        calls[rnd.randint(0, filling)][page] = values
+    chain = KeyChain(ns, KeyExtras(adapter="lora"))
+    for c in range(len(calls)):
+        chain.extend(tokens[bounds[c] : bounds[c + 1]], page_extras=calls[c])
+    want = sequence_keys(ns, tokens, KeyExtras(adapter="lora"), page_extras=extras)
+    assert chain.pages() == want.pages
+    assert chain.tail_key() == want.tail
+    assert chain.num_tokens == len(tokens)
