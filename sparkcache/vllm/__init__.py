@@ -1,0 +1,1 @@
+"""SparkCache's vLLM integration (imports vLLM; not imported by the rest of SparkCache)."""
