@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import struct
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from sparkcache.identity import KeyExtras, Namespace, chain_seed, require_hex, sequence_keys
+from sparkcache.identity import (
+    FORMAT_VERSION,
+    KeyChain,
+    KeyExtras,
+    Namespace,
+    chain_seed,
+    require_hex,
+    sequence_keys,
+)
 from sparkcache.kvmem import BlockViews, page_layout
 
 NS = Namespace("llama-3-70b", "bfloat16", "nhd-2x", tp_size=4, rank=1, page_tokens=16)
@@ -55,16 +67,26 @@ def test_numpy_and_list_tokens_agree() -> None:
         {"model_id": "llama-3-8b"},
         {"dtype": "float16"},
         {"kv_layout": "hnd-2x"},
-        {"rank": 2},
         {"tp_size": 8},
         {"page_tokens": 32},
-        {"format_version": 2},
+        {"format_version": FORMAT_VERSION + 1},
     ],
 )
-def test_every_namespace_field_changes_every_key(change: dict[str, object]) -> None:
+def test_every_namespace_field_but_rank_changes_every_key(change: dict[str, object]) -> None:
     other = dataclasses.replace(NS, **change)
     a, b = sequence_keys(NS, TOKENS), sequence_keys(other, TOKENS)
     assert not set(a.all()) & set(b.all())
+
+
+def test_rank_does_not_change_the_keys() -> None:
+    """Each rank stores in its own directory (rank-<r>/), so a key never meets another
+    rank's page, and what differs between ranks' bytes (the heads each holds) is fixed by
+    tp_size and kv_layout: the rank is left out so that the scheduler computes one chain
+    for every TP rank. Namespaces that differ only in rank are equal."""
+    others = [dataclasses.replace(NS, rank=r) for r in range(NS.tp_size)]
+    assert {ns.seed() for ns in others} == {NS.seed()}
+    assert all(ns == NS and hash(ns) == hash(NS) for ns in others)
+    assert {sequence_keys(ns, TOKENS) for ns in others} == {sequence_keys(NS, TOKENS)}
 
 
 def test_field_boundaries_cannot_shift() -> None:
@@ -177,3 +199,168 @@ def test_bad_extras_rejected() -> None:
         KeyExtras(mm_hashes=(b"ab",))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="cache_salt"):
         KeyExtras(cache_salt=7)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- formula, per-page extras
+
+
+def _reference_keys(seed: bytes, tokens: list[int], step: int) -> list[str]:
+    """The documented formula, written out: h_i = blake2b-128(person=b"sparkcache-page",
+    h_{i-1} || u64le(n) || int64le tokens)."""
+    keys, prev = [], seed
+    for i in range(len(tokens) // step):
+        page = np.asarray(tokens[i * step : (i + 1) * step], dtype="<i8")
+        prev = hashlib.blake2b(
+            prev + struct.pack("<Q", step) + page.tobytes(),
+            digest_size=16, person=b"sparkcache-page",
+        ).digest()
+        keys.append(prev.hex())
+    return keys
+
+
+def test_plain_keys_follow_the_documented_formula() -> None:
+    """A plain request's page keys are what they were before per-page extras (only the
+    seed changed, with the rank); empty page extras are no extras."""
+    ref = _reference_keys(NS.seed(), TOKENS, 16)
+    assert list(sequence_keys(NS, TOKENS).pages) == ref
+    assert sequence_keys(NS, TOKENS, page_extras={}) == sequence_keys(NS, TOKENS)
+    assert sequence_keys(NS, TOKENS, page_extras={2: (), 9: []}) == sequence_keys(NS, TOKENS)
+
+
+def test_page_extras_change_their_page_and_what_follows_only() -> None:
+    plain = sequence_keys(NS, TOKENS)
+    marked = sequence_keys(NS, TOKENS, page_extras={2: ("img-1",)})
+    assert marked.pages[:2] == plain.pages[:2]
+    assert not set(marked.all()[2:]) & set(plain.all())
+    # A later page's extras leave earlier pages alone, and differ from earlier ones.
+    later = sequence_keys(NS, TOKENS, page_extras={3: ("img-1",)})
+    assert later.pages[:3] == plain.pages[:3] and later.pages[3] != plain.pages[3]
+    assert not set(later.all()[3:]) & set(marked.all())
+    # The tail has extras of its own page index.
+    tail = sequence_keys(NS, TOKENS, page_extras={5: ("img-1",)})
+    assert tail.pages == plain.pages and tail.tail != plain.tail
+
+
+PAGE_EXTRAS = [
+    ("a",), ("",), ("ab", "c"), ("a", "bc"), ("c", "ab"), ("a", "a"), ("a", ""), ("", "a"),
+]
+
+
+def test_page_extras_are_length_prefixed_and_domain_separated() -> None:
+    """Different value lists never give the same key; nor does page extras "a" and a
+    request-wide extra "a" of any kind."""
+    seen: set[str] = set(sequence_keys(NS, TOKENS).all())
+    for values in PAGE_EXTRAS:
+        keys = set(sequence_keys(NS, TOKENS, page_extras={0: values}).all())
+        assert len(keys) == 6 and not keys & seen, values
+        seen |= keys
+    for extra in (KeyExtras(adapter="a"), KeyExtras(cache_salt="a"),
+                  KeyExtras(mm_hashes=("a",))):
+        keys = set(sequence_keys(NS, TOKENS, extra).all())
+        assert not keys & seen
+        both = set(sequence_keys(NS, TOKENS, extra, page_extras={0: ("a",)}).all())
+        assert not both & seen and not both & keys
+
+
+def test_extras_page_never_equals_a_plain_page_or_tail() -> None:
+    """The extras variants have their own person tags: a page with extras () cannot be
+    forged as a page whose tokens spell out the extras' encoding."""
+    ns = dataclasses.replace(NS, page_tokens=4)
+    with_extras = sequence_keys(ns, [1, 2, 3, 4, 5], page_extras={0: ("x",), 1: ("x",)})
+    plain = sequence_keys(ns, [1, 2, 3, 4, 5])
+    assert not set(with_extras.all()) & set(plain.all())
+    tail_only = sequence_keys(dataclasses.replace(NS, page_tokens=5), [1, 2, 3, 4],
+                              page_extras={0: ("x",)})
+    assert tail_only.tail not in with_extras.all()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{-1: ("a",)}, {"0": ("a",)}, {True: ("a",)}, {0: "ab"}, {0: (b"a",)}, {0: (1,)}],
+)
+def test_bad_page_extras_rejected(bad: dict) -> None:
+    with pytest.raises(ValueError, match="page_extras"):
+        sequence_keys(NS, TOKENS, page_extras=bad)
+
+
+# ---------------------------------------------------------------- incremental chain
+
+
+def test_key_chain_extends_incrementally() -> None:
+    chain = KeyChain(NS)
+    live = chain.keys
+    assert chain.extend(TOKENS[:10]) == 0 and len(chain) == 0
+    assert chain.tail_key() == sequence_keys(NS, TOKENS[:10]).tail
+    assert chain.extend(TOKENS[10:40]) == 2 and chain.num_tokens == 40
+    assert chain.keys is live and live == list(sequence_keys(NS, TOKENS[:40]).pages)
+    chain.extend(np.asarray(TOKENS[40:], dtype=np.int32))
+    assert chain.pages() == sequence_keys(NS, TOKENS).pages
+    assert chain.tail_key() == sequence_keys(NS, TOKENS).tail
+    assert chain.state == bytes.fromhex(chain.keys[-1])
+    assert KeyChain(NS).state == NS.seed()
+
+
+def test_key_chain_page_extras_rules() -> None:
+    want = sequence_keys(NS, TOKENS, KeyExtras(cache_salt="s"), page_extras={1: ("i",)})
+    chain = KeyChain(NS, KeyExtras(cache_salt="s"))
+    chain.extend(TOKENS[:20], page_extras={1: ("old",)})
+    chain.extend(TOKENS[20:30], page_extras={1: ("i",)})  # replaces: page 1 not full yet
+    chain.extend(TOKENS[30:])
+    assert chain.pages() == want.pages and chain.tail_key() == want.tail
+    with pytest.raises(ValueError, match=r"page\(s\) \[1\] already hashed"):
+        chain.extend([], page_extras={1: ("i",)})
+
+
+def test_key_chain_adopts_a_known_prefix() -> None:
+    full = sequence_keys(NS, TOKENS).pages
+    chain = KeyChain(NS)
+    chain.extend(TOKENS[:16])
+    chain.adopt(full, 3)
+    assert chain.keys == list(full[:3])
+    chain.extend(TOKENS[48:])
+    assert chain.pages() == full and chain.tail_key() == sequence_keys(NS, TOKENS).tail
+    chain.adopt(full[:2])  # nothing new: no-op
+    with pytest.raises(ValueError, match="count 9 out of range"):
+        chain.adopt(full, 9)
+    other = KeyChain(NS)
+    other.extend(TOKENS[16:32])
+    with pytest.raises(ValueError, match="page 0 differs"):
+        other.adopt(full[:3])
+    waiting = KeyChain(NS)
+    waiting.extend(TOKENS[:3])
+    with pytest.raises(ValueError, match="waiting"):
+        waiting.adopt(full[:2])
+
+
+@st.composite
+def _chunked(draw: st.DrawFn) -> tuple[int, list[int], list[int], dict[int, tuple[str, ...]]]:
+    step = draw(st.integers(1, 6))
+    tokens = draw(st.lists(st.integers(-(2**40), 2**40), max_size=60))
+    cuts = sorted(draw(st.lists(st.integers(0, len(tokens)), max_size=8)))
+    pages = len(tokens) // step + 1
+    extras = draw(st.dictionaries(st.integers(0, pages), st.lists(st.text(max_size=3),
+                                                                  max_size=2).map(tuple)))
+    return step, tokens, cuts, extras
+
+
+@settings(max_examples=300, deadline=None)
+@given(_chunked(), st.randoms(use_true_random=False))
+def test_key_chain_in_any_chunks_equals_sequence_keys(case: tuple, rnd) -> None:
+    """Extending in arbitrary chunks, each page's extras given with a random call up to
+    the one that fills it, gives exactly the keys of the whole sequence."""
+    step, tokens, cuts, extras = case
+    ns = dataclasses.replace(NS, page_tokens=step)
+    bounds = [0, *cuts, len(tokens)]
+    calls: list[dict[int, tuple[str, ...]]] = [{} for _ in range(len(bounds) - 1)]
+    for page, values in extras.items():
+        # The call that fills the page (or the last call, for the tail and beyond).
+        filling = next((c for c in range(len(calls)) if bounds[c + 1] >= (page + 1) * step),
+                       len(calls) - 1)
+        calls[rnd.randint(0, filling)][page] = values
+    chain = KeyChain(ns, KeyExtras(adapter="lora"))
+    for c in range(len(calls)):
+        chain.extend(tokens[bounds[c] : bounds[c + 1]], page_extras=calls[c])
+    want = sequence_keys(ns, tokens, KeyExtras(adapter="lora"), page_extras=extras)
+    assert chain.pages() == want.pages
+    assert chain.tail_key() == want.tail
+    assert chain.num_tokens == len(tokens)

@@ -106,7 +106,7 @@ def test_non_hex_keys_and_ids_are_refused(store: PageStore) -> None:
         Namespace("model-b", "bfloat16", "nhd", tp_size=2, rank=0, page_tokens=8),
         Namespace("model-a", "float16", "nhd", tp_size=2, rank=0, page_tokens=8),
         Namespace("model-a", "bfloat16", "hnd", tp_size=2, rank=0, page_tokens=8),
-        Namespace("model-a", "bfloat16", "nhd", tp_size=2, rank=1, page_tokens=8),
+        Namespace("model-a", "bfloat16", "nhd", tp_size=4, rank=0, page_tokens=8),
     ],
 )
 def test_namespace_mismatch_is_a_miss(store: PageStore, other: Namespace) -> None:

@@ -56,7 +56,9 @@ class SparkCacheConnector(KVConnectorBase_V1):
         try:
             settings = settings_mod.from_vllm(vllm_config)
             if role == KVConnectorRole.SCHEDULER:
-                self._scheduler = SchedulerSide(settings)
+                self._scheduler = SchedulerSide(
+                    settings, getattr(kv_cache_config, "hash_block_size", None),
+                    int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0))
             else:
                 self._worker = WorkerSide(settings, _tp_rank())
         except Exception as exc:

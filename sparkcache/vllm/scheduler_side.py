@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sparkcache import kvmem
 from sparkcache.config import AccessMode
-from sparkcache.identity import KeyExtras, Namespace, sequence_keys
+from sparkcache.identity import Namespace
 from sparkcache.prefix_lookup import PrefixLookup
 from sparkcache.vllm.metadata import PageJob, SparkCacheMetadata
+from sparkcache.vllm.request_keys import RequestKeys
 from sparkcache.vllm.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -22,26 +23,20 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Request:
-    keys: list[str] = field(default_factory=list)
-    hashed_tokens: int = 0
+    keys: RequestKeys
     load: tuple[int, int] | None = None  # pages [start, end) found by the last lookup
     loading: bool = False  # an async load was handed to the workers and has not ended
 
 
-def request_extras(request: Any) -> KeyExtras | None:
-    """What vLLM's prefix hash covers beyond the tokens: LoRA adapter, multimodal
-    inputs, cache salt."""
-    lora = getattr(request, "lora_request", None)
-    mm = tuple(str(getattr(f, "identifier", "") or getattr(f, "mm_hash", ""))
-               for f in (getattr(request, "mm_features", None) or ()))
-    extras = KeyExtras(adapter=getattr(lora, "lora_name", None) if lora else None,
-                       mm_hashes=mm, cache_salt=getattr(request, "cache_salt", None))
-    return None if extras.empty() else extras
-
-
 class SchedulerSide:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, hash_block_size: int | None = None,
+                 lookahead_tokens: int = 0) -> None:
+        """``hash_block_size`` and ``lookahead_tokens``: how vLLM hashes blocks (its
+        ``kv_cache_config.hash_block_size``, ``num_hash_lookahead_tokens``), which lets keys
+        of a prefix seen before be taken from ``KeyMemo`` instead of hashed again."""
         self.settings = settings
+        self._hash_block_size = hash_block_size
+        self._lookahead = lookahead_tokens
         self.block = settings.block_size
         self.lookup = PrefixLookup(settings.cfg, settings.tp_size)
         self.counters: Counter = Counter()
@@ -72,16 +67,18 @@ class SchedulerSide:
         return self._ns
 
     def _keys(self, request: Any, tokens: int) -> list[str] | None:
-        """Keys of the full pages among the first ``tokens`` tokens of ``request``."""
+        """Keys of the full pages among the first ``tokens`` tokens of ``request``,
+        hashed incrementally as the request grows (``RequestKeys``)."""
         ns = self.namespace()
         if ns is None:
             return None
-        state = self._reqs.setdefault(request.request_id, _Request())
-        pages = tokens // self.block
-        if len(state.keys) < pages:
-            ids = list(request.all_token_ids[: pages * self.block])
-            state.keys = list(sequence_keys(ns, ids, request_extras(request)).pages)
-        return state.keys[:pages]
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = self._reqs[request.request_id] = _Request(RequestKeys(
+                ns, hash_block_size=self._hash_block_size,
+                lookahead_tokens=self._lookahead))
+        keys = state.keys.update(request)
+        return keys[: tokens // self.block]
 
     # ------------------------------------------------------------------ loads
 
@@ -116,7 +113,7 @@ class SchedulerSide:
             return
         state.loading = True
         self._meta.loads.append(
-            PageJob(request.request_id, state.keys[start:end], block_ids[start:end]))
+            PageJob(request.request_id, state.keys.keys[start:end], block_ids[start:end]))
 
     def build_connector_meta(self, scheduler_output: Any) -> SparkCacheMetadata:
         meta, self._meta = self._meta, SparkCacheMetadata()

@@ -14,6 +14,7 @@ from sparkcache.identity import Namespace, sequence_keys
 from sparkcache.store import PageStore
 from sparkcache.store.layout import RankLayout, fanout, object_name
 from sparkcache.store.reader import StoreReader
+from sparkcache.store.records import PageData, Root
 from tests.pipeline_util import start_supervisor, stop_supervisor
 
 pytest.importorskip("vllm.v1.core.kv_cache_planning", reason="needs vLLM 0.33's scheduler")
@@ -118,11 +119,23 @@ def test_tp2_loads_the_shortest_prefix_across_ranks(tmp_path: Path, instance: st
             rig(store, instance, tp=2) as r:
         run_turn(r, "A", [*prefix, 1, 2])
         wait_stored(r, 5)
-        # Rank 1 loses page 3: every rank can restore only pages 0-2.
+        # Rank 1 keeps only pages 0-2 (its root replaced by a shorter one with the same
+        # bytes): every rank can restore only those.
         keys = prefix_keys(store, prefix)
-        _, generation = object_of(store, 1, keys[3])
+        reader = StoreReader(store, 1)
+        try:
+            size = reader.conn.execute("SELECT bytes FROM objects WHERE key = ?",
+                                       (keys[0],)).fetchone()[0]
+            pages = [bytearray(size) for _ in range(3)]
+            assert reader.restore(keys[:3], pages).pages == 3
+        finally:
+            reader.close()
+        with PageStore(store, 1, clock=lambda: float("inf")) as st:  # every lease over
+            ids = [row[0] for row in st._wconn.execute("SELECT id FROM roots")]
+            assert st.remove_roots(ids).removed
         with PageStore(store, 1) as st:
-            st.quarantine(keys[3], generation, "test: rank 1 lost it")
+            st.commit(Root("c" * 32, [PageData(k, bytes(p))
+                                      for k, p in zip(keys[:3], pages, strict=True)]))
         table = load_turn(r, "B", [*prefix, 3, 4, 5])
         assert not r.load_errors
         for rank in (0, 1):

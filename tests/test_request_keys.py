@@ -1,0 +1,425 @@
+"""Page keys of vLLM requests (sparkcache.vllm.request_keys), against vLLM's own Request and
+block hasher. Needs vLLM: run with the scheduler venv, e.g.
+``PYTHONPATH=$PWD /work/main/.vllm/sched/bin/python -m pytest -q tests/test_request_keys.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm import SamplingParams
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+
+from sparkcache.identity import KeyExtras, Namespace, sequence_keys
+from sparkcache.vllm.request_keys import (
+    KeyMemo,
+    RequestKeys,
+    extra_key_text,
+    request_extras,
+    vllm_namespace,
+)
+
+P = 16
+NS = Namespace("tiny", "bfloat16", "vllm/v1:L2:H2:D64:B16:mha:LBHNC", 2, 0, P)
+
+
+def _hasher(algo: str = "sha256", block: int = P, lookahead: int = 0):
+    fn = get_hash_fn_by_name(algo)
+    init_none_hash(fn)
+    return get_request_block_hasher(block, fn, lookahead)
+
+
+HASHER = _hasher()
+_MODULE_HASHER: object = object()
+
+
+def _request(tokens, *, rid: str = "r", hasher=_MODULE_HASHER, mm=(), lora=None,
+             salt=None) -> Request:
+    if hasher is _MODULE_HASHER:
+        hasher = HASHER
+    sp = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
+    sp.update_from_generation_config({}, 2)
+    features = [
+        MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                              mm_position=PlaceholderRange(offset=offset, length=length))
+        for ident, offset, length in mm
+    ]
+    return Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=sp,
+                   pooling_params=None, mm_features=features or None, lora_request=lora,
+                   cache_salt=salt, block_hasher=hasher)
+
+
+def _tokens(n: int, seed: int = 0) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(1, 150_000) for _ in range(n)]
+
+
+def _cold(request: Request) -> list[str]:
+    return list(RequestKeys(NS, request, memo=None).keys)
+
+
+def _keys(request: Request, memo: KeyMemo | None, **kw) -> RequestKeys:
+    return RequestKeys(NS, request, hash_block_size=P, memo=memo, **kw)
+
+
+# ---------------------------------------------------------------- keys = sequence_keys
+
+
+@pytest.mark.parametrize("n", [0, 5, 16, 17, 1000])
+def test_plain_request_keys_are_sequence_keys(n: int) -> None:
+    tokens = _tokens(n)
+    want = list(sequence_keys(NS, tokens).pages)
+    assert _cold(_request(tokens)) == want
+    assert _keys(_request(tokens), KeyMemo()).keys == want
+
+
+def test_growth_hashes_only_new_pages() -> None:
+    tokens = _tokens(100)
+    request = _request(tokens[:40])
+    rk = _keys(request, KeyMemo())
+    live = rk.keys
+    for i, token in enumerate(tokens[40:], 40):
+        request.append_output_token_ids(token)
+        assert rk.update(request) is live
+        assert live == list(sequence_keys(NS, tokens[: i + 1]).pages)
+    assert rk.hashed_pages == 100 // P and rk.restarts == 0 and len(rk) == 100 // P
+
+
+def test_request_wide_extras_are_read_as_vllm_reads_them() -> None:
+    lora = LoRARequest("ad", 7, "/p")
+    extra = request_extras(_request([1], lora=lora, salt="s"))
+    assert extra == KeyExtras(adapter=json.dumps(["ad", "/p"]), cache_salt="s")
+    assert request_extras(_request([1], salt="")) == KeyExtras()  # vLLM: `if cache_salt`
+    tokens = _tokens(50)
+    want = sequence_keys(NS, tokens, extra).pages
+    assert _cold(_request(tokens, lora=lora, salt="s")) == list(want)
+
+
+def test_extra_key_text_is_canonical_and_refuses_unknown_types() -> None:
+    assert extra_key_text(("mm", "abc", -3)) == '["mm","abc",-3]'
+    texts = {extra_key_text(k) for k in [
+        ("mm", "a", 1), ("mm", "a", "1"), ("mm", "a", True), ["mm", "a", 1],
+        ("e", b"\x01"), ("e", "01"), ("e", None), ("e", ""),
+    ]}
+    assert len(texts) == 8
+    with pytest.raises(TypeError, match="cannot be keyed"):
+        extra_key_text(("x", 1.5))
+
+
+# ---------------------------------------------------------------- same sharing as vLLM
+
+BASE = _tokens(10 * P + 5, seed=1)
+IMAGE = ("img-a", 3 * P + 4, 2 * P)  # pages 3..5
+
+
+def _variants() -> list[tuple[str, dict, dict, int | None]]:
+    """(name, base kwargs, other kwargs, first differing page; None: every page)."""
+    lora = LoRARequest("ad", 1, "/p")
+    return [
+        ("salt", {}, {"salt": "tenant"}, None),
+        ("salt-value", {"salt": "a"}, {"salt": "b"}, None),
+        ("lora", {}, {"lora": lora}, None),
+        ("lora-name", {"lora": lora}, {"lora": LoRARequest("other", 1, "/p")}, None),
+        ("lora-path", {"lora": lora}, {"lora": LoRARequest("ad", 1, "/q")}, None),
+        ("lora-id-only", {"lora": lora}, {"lora": LoRARequest("ad", 2, "/p")}, 99),
+        ("mm-vs-text", {}, {"mm": [IMAGE]}, 3),
+        ("mm-id", {"mm": [IMAGE]}, {"mm": [("img-b", *IMAGE[1:])]}, 3),
+        ("mm-later", {"mm": [IMAGE]}, {"mm": [IMAGE, ("img-c", 8 * P, 3)]}, 8),
+        ("mm-shift", {"mm": [IMAGE]}, {"mm": [(IMAGE[0], IMAGE[1] + 1, IMAGE[2])]}, 3),
+        ("same", {"mm": [IMAGE], "salt": "s"}, {"mm": [IMAGE], "salt": "s"}, 99),
+    ]
+
+
+@pytest.mark.parametrize("variant", _variants(), ids=lambda v: v[0])
+def test_pages_are_shared_exactly_when_vllm_blocks_are(variant: tuple) -> None:
+    """Page by page, two requests' keys are equal exactly when vLLM's block hashes are:
+    a salt or an adapter changes every page, an image changes its pages and the rest;
+    what vLLM ignores (the LoRA int id) changes nothing."""
+    _, base_kw, other_kw, first = variant
+    a, b = _request(BASE, **base_kw), _request(BASE, **other_kw)
+    ka, kb = _cold(a), _cold(b)
+    assert len(ka) == len(a.block_hashes) == 10
+    same_vllm = [x == y for x, y in zip(a.block_hashes, b.block_hashes, strict=True)]
+    same_ours = [x == y for x, y in zip(ka, kb, strict=True)]
+    assert same_ours == same_vllm
+    first = len(ka) if first == 99 else (0 if first is None else first)
+    assert same_ours == [i < first for i in range(len(ka))]
+    # The memo changes nothing: b's keys through a memo that remembers a.
+    memo = KeyMemo(grid=2)
+    _keys(a, memo)
+    assert _keys(b, memo).keys == kb
+
+
+# ---------------------------------------------------------------- the memo
+
+
+def _conversation(memo: KeyMemo | None, turns: int = 4, mm=(), salt=None) -> list[RequestKeys]:
+    """Each turn: the previous turn's tokens (prompt + 20 decoded) + 300 new tokens."""
+    out, tokens = [], _tokens(1000, seed=7)
+    for t in range(turns):
+        request = _request(tokens, rid=f"t{t}", mm=mm, salt=salt)
+        rk = _keys(request, memo)
+        for token in _tokens(20, seed=100 + t):  # decode steps
+            request.append_output_token_ids(token)
+            rk.update(request)
+        assert rk.keys == _cold(request)
+        out.append(rk)
+        tokens = list(request.all_token_ids) + _tokens(300, seed=200 + t)
+    return out
+
+
+@pytest.mark.parametrize("extras", [{}, {"mm": [IMAGE], "salt": "s"}], ids=["plain", "mm+salt"])
+def test_next_turn_takes_the_prefix_from_the_memo(extras: dict) -> None:
+    memo = KeyMemo()
+    turns = _conversation(memo, **extras)
+    for prev, rk in itertools.pairwise(turns):
+        # All of the previous turn's pages (prompt and decoded), none re-hashed.
+        assert rk.memo_pages == len(prev.keys) > 0
+        assert rk.hashed_pages == len(rk.keys) - len(prev.keys)
+    # Each turn re-pointed its predecessor's anchors: one key list per conversation.
+    assert memo.entries == 1 and memo.pages == len(turns[-1].keys)
+
+
+def test_a_branch_takes_the_prefix_to_within_a_grid() -> None:
+    memo = KeyMemo(grid=8)
+    tokens = _tokens(100 * P, seed=3)
+    _keys(_request(tokens), memo)
+    branched = tokens[: 61 * P + 3] + _tokens(30 * P, seed=4)
+    rk = _keys(_request(branched), memo)
+    assert rk.keys == _cold(_request(branched))
+    assert rk.memo_pages == 56  # the grid page at or below page 60, the last one shared
+
+
+def test_requests_running_side_by_side_share_and_stay_right() -> None:
+    """Parallel sampling: requests with the same prompt run at once; each takes the
+    prompt from the one before and takes over its anchors, and all keep decoding."""
+    memo, prompt = KeyMemo(grid=4), _tokens(30 * P + 7, seed=8)
+    running = [(_request(prompt, rid=str(i)), None) for i in range(3)]
+    running = [(r, _keys(r, memo)) for r, _ in running]
+    assert [rk.memo_pages for _, rk in running] == [0, 30, 30]
+    for step in range(5 * P):
+        for i, (request, rk) in enumerate(running):
+            request.append_output_token_ids(1000 * i + step)
+            rk.update(request)
+    for request, rk in running:
+        assert rk.keys == _cold(request)
+    # Each request's own pages are anchored: a follow-up of each finds all of them.
+    for i, (request, rk) in enumerate(running):
+        follow = _keys(_request(list(request.all_token_ids) + [1] * P, rid=f"f{i}"), memo)
+        assert follow.memo_pages == len(rk.keys)
+    assert len(memo) <= memo.pages
+
+
+def test_memo_is_per_namespace() -> None:
+    memo, tokens = KeyMemo(), _tokens(40 * P)
+    _keys(_request(tokens), memo)
+    other = dataclasses.replace(NS, model_id="other-model")
+    rk = RequestKeys(other, _request(tokens), hash_block_size=P, memo=memo)
+    assert rk.memo_pages == 0 and rk.keys == list(sequence_keys(other, tokens).pages)
+
+
+def test_memory_bound_holds_and_evicted_keys_stay_right() -> None:
+    memo = KeyMemo(max_pages=100, grid=4)
+    rnd = random.Random(5)
+    prefixes = [_tokens(20 * P, seed=s) for s in range(4)]
+    seen = []
+    for i in range(40):
+        tokens = rnd.choice(prefixes) + _tokens(rnd.randrange(0, 15 * P), seed=1000 + i)
+        rk = _keys(_request(tokens, rid=str(i)), memo)
+        assert rk.keys == list(sequence_keys(NS, tokens).pages)
+        assert memo.pages <= 100
+        # At most one anchor per remembered page (mostly one in four: the grid).
+        assert len(memo) <= memo.pages
+        seen.append(rk.memo_pages)
+    assert memo.evicted > 0 and sum(seen) > 0
+    # A request longer than the bound is not remembered, and evicts nothing for it.
+    big = _keys(_request(_tokens(200 * P, seed=9)), memo)
+    assert len(big.keys) == 200 and memo.pages <= 100
+    memo.clear()
+    assert len(memo) == 0 and memo.pages == 0 and memo.entries == 0
+
+
+def test_least_recently_used_list_goes_first() -> None:
+    memo = KeyMemo(max_pages=50, grid=4)
+    a, b = _tokens(20 * P, seed=1), _tokens(20 * P, seed=2)
+    _keys(_request(a), memo)
+    _keys(_request(b), memo)
+    assert _keys(_request(a + _tokens(P, 5)), memo).memo_pages == 20  # a, used last
+    _keys(_request(_tokens(20 * P, seed=3)), memo)  # over 50: b goes, not a
+    assert _keys(_request(a), memo).memo_pages == 20
+    assert _keys(_request(b), memo).memo_pages == 0
+
+
+def _check_memo(memo: KeyMemo) -> None:
+    """Every anchor points at a remembered list, at a page it has, with its vLLM hash;
+    the accounting adds up."""
+    assert memo.pages <= memo.max_pages and len(memo) <= memo.pages
+    live: dict[int, int] = {}
+    for entry, page in memo._anchors.values():
+        assert entry.in_lru and page < len(entry.keys)
+        live[id(entry)] = live.get(id(entry), 0) + 1
+    assert sum(e.pages for e in memo._lru) == memo.pages
+    assert all(live.get(id(e), 0) == e.live > 0 for e in memo._lru)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_traffic_keys_always_equal_cold(seed: int) -> None:
+    """Requests from random prefixes of earlier ones, with random decode steps, images,
+    salts and restarts, through a small memo: keys always equal a cold computation."""
+    rnd = random.Random(seed)
+    memo = KeyMemo(max_pages=rnd.choice([60, 200, 10_000]), grid=rnd.choice([1, 3, 8]))
+    history: list[list[int]] = [_tokens(rnd.randrange(0, 40 * P), seed=seed)]
+    running: list[tuple[Request, RequestKeys]] = []
+    for i in range(60):
+        base = rnd.choice(history)
+        tokens = base[: rnd.randrange(len(base) + 1)] + _tokens(rnd.randrange(0, 6 * P),
+                                                                 seed=1000 * seed + i)
+        extras = rnd.choice([{}, {}, {"salt": "s"}, {"mm": [IMAGE]}])
+        request = _request(tokens, rid=str(i), **extras)
+        running.append((request, _keys(request, memo)))
+        for request, rk in rnd.sample(running, min(3, len(running))):
+            for _ in range(rnd.randrange(0, 2 * P)):
+                request.append_output_token_ids(rnd.randrange(100))
+                rk.update(request)
+            assert rk.keys == _cold(request)
+            history.append(list(request.all_token_ids))
+        if len(running) > 6:
+            running.pop(rnd.randrange(len(running)))
+        _check_memo(memo)
+    assert memo.hits > 0
+
+
+# ---------------------------------------------------------------- falling back to hashing
+
+
+def test_memo_is_used_only_with_vllm_hashes_at_a_known_size() -> None:
+    tokens = _tokens(40 * P + 1)  # one token: fewer than the lookahead past the page
+    for kwargs, hasher, used in [
+        ({"hash_block_size": None}, HASHER, False),  # size unknown
+        ({"hash_block_size": 12}, _hasher(block=12), False),  # does not divide the page
+        ({"hash_block_size": P // 2}, HASHER, False),  # claimed 8, hashed at 16: lengths
+        ({"hash_block_size": P}, None, False),  # no block hashes at all
+        ({"hash_block_size": P // 2}, _hasher(block=P // 2), True),  # two blocks a page
+        ({"hash_block_size": P, "lookahead_tokens": 2}, _hasher(lookahead=2), True),
+        ({"hash_block_size": P}, _hasher(lookahead=2), False),  # lookahead not said
+    ]:
+        memo = KeyMemo()
+        first = RequestKeys(NS, _request(tokens, hasher=hasher), memo=memo, **kwargs)
+        second = RequestKeys(NS, _request(tokens + [5] * P, hasher=hasher), memo=memo,
+                             **kwargs)
+        want = sequence_keys(NS, tokens + [5] * P).pages
+        assert second.keys == list(want) and first.keys == list(want[:-1]), kwargs
+        assert (second.memo_pages > 0) is used, kwargs
+    _hasher()  # restore sha256's NONE_HASH for the other tests
+
+
+def test_tokens_changed_under_the_request_restart_the_chain() -> None:
+    """vLLM's streaming sessions drop the last sampled token before appending the next
+    input: a full last page that held it must be re-hashed."""
+    for memo in (KeyMemo(), None):
+        request = _request(_tokens(2 * P))
+        rk = _keys(request, memo)
+        before = list(rk.keys)
+        del request._all_token_ids[2 * P - 1 :]  # as Scheduler._update_request_as_session
+        del request.block_hashes[(2 * P - 1) // P :]
+        request._all_token_ids.extend([7, 8])
+        request.update_block_hashes()
+        assert rk.update(request) == _cold(request) != before[:2]
+        assert rk.restarts == 1
+
+
+# ---------------------------------------------------------------- reproducibility
+
+
+def _scenario() -> dict[str, list[str]]:
+    """Keys of a two-turn conversation with an image and a salt, memo on."""
+    memo = KeyMemo(grid=4)
+    tokens = _tokens(30 * P, seed=11)
+    first = _keys(_request(tokens, mm=[IMAGE], salt="s"), memo)
+    second = _keys(_request(tokens + _tokens(5 * P, seed=12), mm=[IMAGE], salt="s"), memo)
+    assert second.memo_pages == 30
+    return {"first": list(first.keys), "second": list(second.keys)}
+
+
+def test_keys_do_not_depend_on_pythonhashseed_or_vllms_hash_algorithm() -> None:
+    """vLLM's block hashes change with PYTHONHASHSEED (NONE_HASH's seed) and the hash
+    algorithm; SparkCache keys must not (they are stored across restarts)."""
+    here = _scenario()
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import test_request_keys as t; "
+        "t.HASHER = t._hasher('sha256_cbor'); print(json.dumps(t._scenario()))"
+    )
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]),
+                                         env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env,
+                         capture_output=True, text=True, timeout=300, check=True)
+    there = json.loads(out.stdout.strip().splitlines()[-1])
+    assert there == here
+
+
+# ---------------------------------------------------------------- namespace
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+        "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6, "torch_dtype": "float16", "head_dim": 64,
+    }))
+    return path
+
+
+def _config(model_dir: Path, cache_dtype: str = "auto", revision: str | None = None,
+            extra: dict | None = None):
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+
+    return VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), dtype="bfloat16", seed=0,
+                                 skip_tokenizer_init=True, max_model_len=1024,
+                                 revision=revision),
+        cache_config=CacheConfig(block_size=P, cache_dtype=cache_dtype),
+        kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector",
+                                            kv_role="kv_both",
+                                            kv_connector_extra_config=extra or {}),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def test_namespace_from_the_vllm_config(model_dir: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ns = vllm_namespace(_config(model_dir), "LBHNC")
+    assert ns == Namespace(str(model_dir), "bfloat16", "vllm/v1:L2:H2:D64:B16:mha:LBHNC",
+                           1, 0, P)
+    # An explicit float16/bfloat16 cache dtype is the model's: the same pages.
+    assert vllm_namespace(_config(model_dir, "bfloat16"), "LBHNC") == ns
+    # Quantized formats keep their names (all are uint8 in storage).
+    fp8 = {vllm_namespace(_config(model_dir, d), "LBHNC").dtype for d in ("fp8", "fp8_e5m2")}
+    assert fp8 == {"fp8", "fp8_e5m2"}
+    assert vllm_namespace(_config(model_dir, revision="r1"), "LBHNC").model_id == json.dumps(
+        [str(model_dir), "r1"])
+    named = vllm_namespace(_config(model_dir, extra={"model_id": "tiny@r1"}), "KBNHC")
+    assert named.model_id == "tiny@r1" and named.kv_layout.endswith(":KBNHC")
+    assert named.seed() != ns.seed()
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        vllm_namespace(_config(model_dir), "LBHNC", tp_size=2)
+    with pytest.raises(ValueError, match="memory_order"):
+        vllm_namespace(_config(model_dir), "")
