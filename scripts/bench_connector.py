@@ -71,7 +71,7 @@ def start_supervisor(store: Path, instance: str) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "sparkcache", "supervise", "--store-dir", str(store),
          "--instance", instance, "--page-tokens", "16", "--capture-slots", "4",
-         "--capture-slot-bytes", "16MiB", "--metrics-port", "0"],
+         "--capture-slot-bytes", "16MiB", "--metrics-port", "0", "--cpus", str(WORKER_CORE)],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 90
     while not (store / "runtime.json").exists():
@@ -81,6 +81,12 @@ def start_supervisor(store: Path, instance: str) -> subprocess.Popen:
         time.sleep(0.05)
     return proc
 
+
+# As deployed: SparkCache's workers on their own core, the engine (here, this process)
+# on the others. On a 2-core machine that is one core each.
+_CORES = sorted(os.sched_getaffinity(0))
+WORKER_CORE = _CORES[-1]
+ENGINE_CORES = set(_CORES[:-1]) or {_CORES[0]}
 
 SCHED_CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                "update_connector_output", "request_finished", "get_kv_connector_stats")
@@ -108,6 +114,7 @@ def step_times(tmp: Path, steps: int) -> dict:
 
     store, instance = tmp / "step-store", f"bs{uuid.uuid4().hex[:8]}"
     sup = start_supervisor(store, instance)
+    os.sched_setaffinity(0, ENGINE_CORES)
     sched_acc, worker_acc = [0.0], [0.0]
     per_step: dict[str, list[float]] = defaultdict(list)
     try:
