@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,15 @@ from shm.segment import Segment, SegmentSpec, segment_name
 from sparkcache.store import layout
 
 KV_SPEC = SegmentSpec("kvcache", 1)
+# An engine's own segment (its KV, or a staging pool) is named <instance>.r<rank>.kv<pid>:
+# it belongs to the engine, not to a supervisor, and outlives supervisor restarts.
+_ENGINE_ROLE = "kv"
+_ENGINE_ENTRY_RE = re.compile(r"\.r\d+\.kv\d+$")
+
+
+def is_engine_segment(entry: str) -> bool:
+    """Is ``/dev/shm`` entry ``entry`` an engine's own segment (``SharedKVCaches``)?"""
+    return _ENGINE_ENTRY_RE.search(entry) is not None
 _ALIGN = 4096
 # Payload address range -> segment name, for every SharedKVCaches alive in this process.
 _LIVE: dict[tuple[int, int], str] = {}
@@ -52,7 +62,8 @@ class SharedKVCaches:
         for size in sizes:
             offsets.append(total)
             total += (size + _ALIGN - 1) // _ALIGN * _ALIGN
-        seg = Segment.create(segment_name(instance, rank, f"kv{os.getpid()}"), KV_SPEC, total)
+        seg = Segment.create(segment_name(instance, rank, f"{_ENGINE_ROLE}{os.getpid()}"),
+                             KV_SPEC, total)
         base = seg.array(np.uint8, 0, total)
         tensors = [
             torch.from_numpy(base[off : off + size]).view(dtype).view(shape)

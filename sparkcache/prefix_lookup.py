@@ -17,12 +17,14 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from shm import Producer, RingFull
+from shm import Producer, RingFull, StatsBlock
 from shm.layouts import split_key
 from sparkcache import segments
 from sparkcache.config import AccessMode, Config
-from sparkcache.protocol import RequestKind
+from sparkcache.protocol import RequestKind, worker_alive
+from sparkcache.ratelog import RateLimitedLog
 from sparkcache.store.reader import StoreReader
+from workers.lifecycle import Role
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,9 @@ class PrefixLookup:
         self.lookups = 0
         self._readers: list[StoreReader | None] = [None] * tp_size
         self._leases: list[Producer | None] = [None] * tp_size
+        self._stats: list[StatsBlock | None] = [None] * tp_size
         self._retry_at = 0.0
+        self._log = RateLimitedLog(log)
 
     def _reader(self, rank: int) -> StoreReader:
         reader = self._readers[rank]
@@ -52,6 +56,16 @@ class PrefixLookup:
         if ring is None:
             ring = self._leases[rank] = segments.producer(self.cfg, rank, "lease")
         return ring
+
+    def _maintenance_alive(self, rank: int) -> bool:
+        """Whether the worker that takes this rank's leases is running. A stopped
+        supervisor's rings are still mapped here: without this check leases would go
+        into a ring nobody reads, until it filled (and a new supervisor's store never
+        saw them)."""
+        stats = self._stats[rank]
+        if stats is None:
+            stats = self._stats[rank] = segments.attach_stats(self.cfg, rank)
+        return worker_alive(stats.read(int(Role.MAINTENANCE)), self.cfg.heartbeat_timeout_s)
 
     def lookup(self, keys: Sequence[str]) -> int:
         """Leading ``keys`` every rank holds, leased for ``lookup_lease_seconds``; 0 on
@@ -68,13 +82,15 @@ class PrefixLookup:
         except Exception as exc:
             # A store not created yet, a supervisor gone: try again a little later, and
             # drop every handle (a new supervisor makes new rings).
-            log.warning("prefix lookup failed, a miss: %s", exc)
+            self._log.warning("unavailable", "prefix lookups miss: %s", exc)
             self.misses["unavailable"] += 1
             self._retry_at = now + RETRY_INTERVAL_S
             self.close()
             return 0
 
     def _lookup(self, keys: Sequence[str]) -> int:
+        if not all(self._maintenance_alive(r) for r in range(self.tp_size)):
+            raise RuntimeError("no maintenance worker running: no supervisor, or stopped")
         readers = [self._reader(r) for r in range(self.tp_size)]
         held = []
         try:
@@ -117,6 +133,10 @@ class PrefixLookup:
                 except Exception:
                     log.debug("closing a store reader failed", exc_info=True)
                 self._readers[i] = None
+        for i, stats in enumerate(self._stats):
+            if stats is not None:
+                stats.close()
+                self._stats[i] = None
         for i, ring in enumerate(self._leases):
             if ring is not None:
                 try:

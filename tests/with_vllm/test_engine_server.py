@@ -277,10 +277,6 @@ def test_without_the_supervisor_the_server_serves_on(server) -> None:
     assert_no_faults(server)
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
-    "a supervisor cannot start while a CPU engine of its instance runs: the worker's "
-    "staging segment (sparkcache.<instance>.r<rank>.kv<pid>, creator alive) fails the "
-    "supervisor's start-up check 'nothing of this instance left in /dev/shm'"))
 def test_a_supervisor_started_under_a_running_server_serves_it(server) -> None:
     """A supervisor restarted (after an upgrade, a crash) under a running server: saves
     resume and a second turn restores from the new supervisor's store."""

@@ -1,0 +1,43 @@
+"""``PrefixLookup`` (the vLLM scheduler's lookups) against real supervisors."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from sparkcache.identity import Namespace, sequence_keys
+from sparkcache.prefix_lookup import RETRY_INTERVAL_S, PrefixLookup
+from sparkcache.store import PageStore
+from sparkcache.store.testing import make_root
+from tests.pipeline_util import make_cfg, start_supervisor, stop_supervisor
+
+NS = Namespace("m", "float16", "pages", 1, 0, 16)
+
+
+def test_no_supervisor_is_a_miss_and_a_restarted_one_is_found(tmp_path: Path,
+                                                               instance: str) -> None:
+    store = tmp_path / "store"
+    cfg = make_cfg(store, instance)
+    keys = list(sequence_keys(NS, list(range(16 * 8))).pages)
+    lookup = PrefixLookup(cfg, 1)
+    try:
+        assert lookup.lookup(keys) == 0 and lookup.misses["unavailable"] == 1
+        sup = start_supervisor(store, instance)
+        try:
+            with PageStore(store, 0) as st:
+                st.commit(make_root("ab" * 16, keys[:5], 64))
+            time.sleep(RETRY_INTERVAL_S)
+            assert lookup.lookup(keys) == 5
+        finally:
+            stop_supervisor(sup)
+        # Its rings are still mapped here, but nobody reads them: a miss, not a lease
+        # into a dead ring.
+        assert lookup.lookup(keys) == 0
+        sup = start_supervisor(store, instance)
+        try:
+            time.sleep(RETRY_INTERVAL_S)
+            assert lookup.lookup(keys) == 5  # reattached to the new supervisor's rings
+        finally:
+            stop_supervisor(sup)
+    finally:
+        lookup.close()
