@@ -9,17 +9,19 @@ storage offset. ``open_tensors`` turns either back into tensors in the capture p
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from shm.segment import Segment, SegmentSpec, segment_name
-from sparkcache.store import layout
+from sparkcache.registry import (  # noqa: F401  (where callers have found them)
+    read_registry,
+    registry_path,
+    write_registry,
+)
 
 KV_SPEC = SegmentSpec("kvcache", 1)
 _ALIGN = 4096
@@ -154,29 +156,6 @@ def _open_cuda(d: dict[str, Any]) -> torch.Tensor:
     flat = torch.empty(0, dtype=_dtype(d["dtype"]), device=f"cuda:{index}")
     flat.set_(storage.untyped() if hasattr(storage, "untyped") else storage)
     return flat.as_strided(d["shape"], d["stride"], d["storage_offset"])
-
-
-def registry_path(store_dir: Path, rank: int) -> Path:
-    return store_dir / f"kv-r{rank}.json"
-
-
-def write_registry(store_dir: Path, rank: int, reg_gen: int, block_dim: int,
-                   desc: dict[str, Any]) -> None:
-    """Atomically write the descriptor capture reads (0600), inside the store dir once it
-    is checked, never through a link (UnsafeStoreDir if the dir is not safe)."""
-    dir_fd = layout.open_store_dir(store_dir, create=True)
-    try:
-        data = {"reg_gen": reg_gen, "block_dim": block_dim, **desc}
-        layout.write_file(dir_fd, registry_path(store_dir, rank).name, json.dumps(data).encode())
-    finally:
-        os.close(dir_fd)
-
-
-def read_registry(store_dir: Path, rank: int) -> dict[str, Any] | None:
-    try:
-        return json.loads(layout.read_file(registry_path(store_dir, rank)))
-    except (OSError, ValueError):
-        return None
 
 
 def page_layout(tensors: list[torch.Tensor], block_dim: int) -> str:
