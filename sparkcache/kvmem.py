@@ -9,6 +9,7 @@ storage offset. ``open_tensors`` turns either back into tensors in the capture p
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -274,6 +275,69 @@ class BlockViews:
             torch.index_select(grid, 1, idx, out=staged.view(outer, n, inner))
             host[off : off + size].copy_(staged)
             off += size
+
+    def scatter_pages(self, blocks: list[int], pages: np.ndarray,
+                      stream: torch.cuda.Stream | None = None) -> None:
+        """Write ``pages`` (``len(blocks)`` rows of ``page_bytes``, each a page as
+        ``gather`` gives it: the form a store object holds) into ``blocks``, and return
+        once the bytes are in place. Each run of each contiguous CPU tensor is one C-level
+        assignment over the blocks. On a CUDA device the pages cross in one host-to-device
+        copy (asynchronous when ``pages`` is page-locked) and are placed with one
+        ``index_copy_`` per tensor, all on ``stream`` (else the current stream), which is
+        synchronised before returning. Callers bounds-check blocks."""
+        n = len(blocks)
+        if (pages.dtype != np.uint8 or pages.ndim != 2 or pages.shape[0] < n
+                or pages.shape[1] != self.page_bytes or not pages.flags.c_contiguous):
+            raise ValueError(f"pages: expected {n} contiguous rows of {self.page_bytes} bytes")
+        if n == 0:
+            return
+        if self._device:
+            self._scatter_device(blocks, pages[:n], stream)
+            return
+        if any(t.is_cuda for t in self.tensors):  # not contiguous: block by block
+            stream = stream or torch.cuda.current_stream(self.tensors[0].device)
+            with torch.cuda.stream(stream):
+                for block, page in zip(blocks, pages, strict=False):
+                    self.scatter(block, page)
+            stream.synchronize()
+            return
+        idx = np.asarray(blocks, dtype=np.intp)
+        off = 0
+        for t, host in zip(self.tensors, self._host, strict=True):
+            if host is None:  # not contiguous: through torch, block by block
+                size = t.select(self.block_dim, 0).numel() * t.element_size()
+                for j, block in enumerate(blocks):
+                    dst = t.select(self.block_dim, block)
+                    src = torch.from_numpy(pages[j, off : off + size])
+                    dst.copy_(src.view(t.dtype).view(dst.shape))
+                off += size
+                continue
+            outer, _, inner = host.shape
+            for o in range(outer):
+                host[o][idx] = pages[:n, off : off + inner]
+                off += inner
+
+    def _scatter_device(self, blocks: list[int], pages: np.ndarray,
+                        stream: torch.cuda.Stream | None) -> None:
+        n, device = len(blocks), self.tensors[0].device
+        cuda = device.type == "cuda"  # (tests run this path on CPU tensors too)
+        if cuda:
+            stream = stream or torch.cuda.current_stream(device)
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            size = n * self.page_bytes
+            if self._staging is None or self._staging.numel() < size:
+                self._staging = torch.empty(size, dtype=torch.uint8, device=device)
+            staged = self._staging[:size].view(n, self.page_bytes)
+            staged.copy_(torch.from_numpy(pages), non_blocking=True)
+            idx = torch.tensor(blocks, dtype=torch.long).to(device, non_blocking=True)
+            off = 0
+            for grid in self._grids:
+                outer, _, inner = grid.shape
+                src = staged[:, off : off + outer * inner].view(n, outer, inner)
+                grid.index_copy_(1, idx, src.transpose(0, 1))
+                off += outer * inner
+        if cuda:  # the host rows may be reused, and the caller reports the blocks written
+            stream.synchronize()
 
     def scatter(self, block: int, data: np.ndarray) -> None:
         """The inverse of ``gather``: write the page ``data`` into block ``block``."""

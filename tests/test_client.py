@@ -213,6 +213,34 @@ def test_gather_runs_is_run_major(instance: str, path: str) -> None:
         kv.close()
 
 
+@pytest.mark.parametrize("path", ["host", "strided", "device"])
+def test_scatter_pages_is_the_inverse_of_gather(instance: str, path: str) -> None:
+    """Pages as the store holds them (each page's runs in order) land in their blocks the
+    same way on every path; the device path (one upload, ``index_copy_`` per tensor) runs
+    here on CPU tensors."""
+    from sparkcache.kvmem import BlockViews
+
+    kv = SharedKVCaches.create(instance, 0, [(2, 9, 16, 2, 8), (2, 9, 16, 2, 8)], torch.float16)
+    try:
+        for t in kv.tensors:
+            t.normal_()
+        tensors = [t.transpose(3, 4) for t in kv.tensors] if path == "strided" else kv.tensors
+        views = BlockViews(tensors, 1)
+        views._device = path == "device"
+        sources, targets = [7, 0, 3, 8], [1, 2, 5, 6]
+        pages = np.stack([np.frombuffer(_page(tensors, b), np.uint8) for b in sources])
+        before = [t.clone() for t in tensors]
+        views.scatter_pages(targets, pages)
+        for t, old in zip(tensors, before, strict=True):
+            for s, d in zip(sources, targets, strict=True):
+                assert torch.equal(t[:, d], t[:, s])
+            for b in (0, 3, 4, 7, 8):  # nothing else written
+                assert torch.equal(t[:, b], old[:, b])
+        with pytest.raises(ValueError, match="expected"):
+            views.scatter_pages(targets, pages[:, :-1].copy())
+    finally:
+        kv.close()
+
 
 def test_ring_faults_are_skips_and_misses_never_exceptions(tmp_path: Path, instance: str) -> None:
     """The supervisor goes away under a connected client (its rings closed and unlinked),
