@@ -1,4 +1,4 @@
-"""Capture, commit and maintenance run in the test's own process, stepped by hand, on real
+"""Capture, commit, maintenance and restore run in the test's own process, stepped by hand, on real
 segments and a real store: for tests that need to reach into a worker (push what no
 well-behaved peer would, make one item fail) and step it deterministically."""
 
@@ -18,6 +18,7 @@ from workers.capture import Capture
 from workers.commit import Commit
 from workers.lifecycle import Lifecycle, Role, State, WorkerSpec
 from workers.maintenance import Maintenance
+from workers.restore import Restore
 
 
 def ready_life(cfg: config.Config, role: Role) -> Lifecycle:
@@ -37,15 +38,17 @@ class Rig:
     capture: Capture
     commit: Commit
     maintenance: Maintenance
+    restore: Restore
 
     def step(self, rounds: int = 1) -> None:
         """One turn of every worker, then the engine's polls."""
         for _ in range(rounds):
-            for w in (self.capture, self.commit, self.maintenance):
+            for w in (self.capture, self.commit, self.maintenance, self.restore):
                 w.life.beat()
             self.capture._step(0)
             self.commit._step(0)
             self.maintenance._pass()
+            self.restore._step(0)
             self.engine.poll()
 
 
@@ -61,9 +64,11 @@ def rig(store: Path, instance: str, **settings: str) -> Iterator[Rig]:
         made.append(com)
         mai = Maintenance(ready_life(cfg, Role.MAINTENANCE))
         made.append(mai)
+        res = Restore(ready_life(cfg, Role.RESTORE))
+        made.append(res)
         engine = SyntheticEngine.create(cfg)
         made.append(engine)
-        yield Rig(cfg, engine, cap, com, mai)
+        yield Rig(cfg, engine, cap, com, mai, res)
     finally:
         for part in reversed(made):
             part.close()
