@@ -67,6 +67,8 @@ STAGED_CHUNKS = 2 * READERS
 READER_BUSY_MS = 1000
 # How often an idle worker looks for a CUDA registration to open ahead of its first load.
 WARM_CHECK_S = 1.0
+# Opening a registration (importing torch, a CUDA context) beats for at most this long.
+SLOW_OPEN_S = 60.0
 _UNIFORM = ("load_id", "reg_gen", "npages", "worker_pid", "worker_start")
 
 
@@ -324,27 +326,39 @@ class Restore:
         if desc is None or desc.get("reg_gen") != reg_gen:
             return None
         self._close_registration()
-        kvmem, torch = _kvmem()
         try:
-            opened = kvmem.open_tensors(desc)
+            self.reg = self._beating(lambda: _open_registration(desc, reg_gen))
         except Exception:
             # The engine's registration, not this worker's environment: this load fails,
             # and the next registration may be fine.
             self.life.item_error(f"registration {reg_gen}")
             return None
-        try:
-            views = kvmem.BlockViews(opened.tensors, int(desc["block_dim"]))
-            chunk = max(1, CHUNK_BYTES // views.page_bytes)
-            cuda = views.tensors[0].is_cuda
-            staging = [_staging(chunk, views.page_bytes, pinned=cuda)
-                       for _ in range(STAGED_CHUNKS)]
-            stream = torch.cuda.Stream(device=views.tensors[0].device) if cuda else None
-        except Exception:
-            opened.close()
-            self.life.item_error(f"registration {reg_gen}")
-            return None
-        self.reg = _Registered(reg_gen, opened, views, staging, chunk, stream)
         return self.reg
+
+    def _beating(self, fn: Callable[[], _Registered]) -> _Registered:
+        """``fn()`` on a helper thread while this one beats, for up to ``SLOW_OPEN_S``:
+        the first registration imports torch and may create a CUDA context, seconds of
+        work in one call with no checkpoint inside, which the supervisor's heartbeat
+        limit (1 s at the least) must not take for a hang. One that takes longer than
+        SLOW_OPEN_S is left to that limit."""
+        box: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # re-raised in the calling thread
+                box["error"] = exc
+
+        helper = threading.Thread(target=run, name="restore-open", daemon=True)
+        helper.start()
+        until = time.monotonic() + SLOW_OPEN_S
+        while helper.is_alive():
+            helper.join(lifecycle.PROGRESS_BEAT_S / 2)
+            if time.monotonic() < until:
+                self.life.progress()
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box["value"]  # type: ignore[return-value]
 
     def _load(self, recs: np.ndarray) -> _Outcome:
         reg = self._registration(int(recs["reg_gen"][0]))
@@ -421,6 +435,23 @@ class Restore:
                 if quiet:
                     return ReadResult(0, ())
                 raise
+
+
+def _open_registration(desc: dict, reg_gen: int) -> _Registered:
+    """Open the registered tensors, their block views, staging and (on a CUDA device)
+    this worker's own stream."""
+    kvmem, torch = _kvmem()
+    opened = kvmem.open_tensors(desc)
+    try:
+        views = kvmem.BlockViews(opened.tensors, int(desc["block_dim"]))
+        chunk = max(1, CHUNK_BYTES // views.page_bytes)
+        cuda = views.tensors[0].is_cuda
+        staging = [_staging(chunk, views.page_bytes, pinned=cuda) for _ in range(STAGED_CHUNKS)]
+        stream = torch.cuda.Stream(device=views.tensors[0].device) if cuda else None
+    except BaseException:
+        opened.close()
+        raise
+    return _Registered(reg_gen, opened, views, staging, chunk, stream)
 
 
 def _kvmem() -> tuple:
