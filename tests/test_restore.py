@@ -6,12 +6,14 @@ restarted worker drops the records meant for its predecessor."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from pipeline_util import SyntheticEngine, pipeline, runtime, sequences, wait_committed
 
@@ -22,6 +24,7 @@ from workers.lifecycle import KILL_AT_ENV, KILL_FILE_ENV, Role
 pytestmark = pytest.mark.slow
 
 SENTINEL = 0x5A
+HEARTBEAT_S = 2.0
 
 
 def _published(engine: SyntheticEngine, n: int, seed: int) -> dict[str, list[int]]:
@@ -157,13 +160,15 @@ def test_a_corrupt_page_is_reported_never_written_and_quarantined(
 def test_restore_worker_killed_with_loads_in_flight(tmp_path: Path, instance: str) -> None:
     """Killed after writing the first chunk of the first load (the rest of the batch it
     popped dies with it): every load is reported, and no write reaches a reported load's
-    blocks afterwards. Then a worker SIGSTOPped with loads queued is killed: its
-    successor drops those records as stale (they name the dead process) and writes
-    nothing."""
+    blocks afterwards. Then a worker SIGSTOPped with loads queued: nothing is reported
+    while it is merely silent; once the supervisor has killed it (heartbeat limit) every
+    load is, and its successor drops those records as stale (they name the dead process)
+    and writes nothing."""
     store = tmp_path / "store"
     kill = tmp_path / "kill"
     env = {KILL_AT_ENV: "restore.written", KILL_FILE_ENV: str(kill)}
-    with pipeline(store, instance, env=env) as engine:
+    with pipeline(store, instance, {"heartbeat_timeout_s": str(HEARTBEAT_S)},
+                  env=env) as engine:
         seqs = _published(engine, 16, seed=41)
         first = _worker(store, "restore")["pid"]
         plans: dict[str, list[int]] = {}
@@ -185,18 +190,25 @@ def test_restore_worker_killed_with_loads_in_flight(tmp_path: Path, instance: st
         time.sleep(1.0)
         assert all(_holds_sentinel(engine, every)), "a write after the load was reported"
 
-        # A stopped worker with loads queued, killed: its successor drops them as stale.
+        # A stopped worker with loads queued: silent, not dead, so nothing is reported
+        # until the supervisor's heartbeat limit has it killed; then its successor drops
+        # those loads as stale.
         second = _worker(store, "restore")["pid"]
         os.kill(second, signal.SIGSTOP)
         try:
             for sid, tokens in seqs.items():
                 assert engine.client.load(f"{sid}-again", tokens, plans[sid])
-            time.sleep(0.3)
-            assert engine.client.poll_loads() == []  # stopped, not dead: nothing reported
+            stopped = time.monotonic()
+            while time.monotonic() - stopped < HEARTBEAT_S - 0.5:
+                assert engine.client.poll_loads() == []  # stopped, not dead: no report
+                time.sleep(0.05)
             assert engine.client.loads_in_flight == len(seqs)
+            again = engine.wait_loaded([f"{s}-again" for s in seqs], timeout=30)
+            assert not psutil.pid_exists(second) or \
+                psutil.Process(second).status() == psutil.STATUS_ZOMBIE
         finally:
-            os.kill(second, signal.SIGKILL)
-        again = engine.wait_loaded([f"{s}-again" for s in seqs], timeout=30)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(second, signal.SIGKILL)
         assert {r.status for r in again.values()} == {"worker_gone"}
         _wait(lambda: _worker(store, "restore")["pid"] not in (None, first, second)
               and _worker(store, "restore")["state"] == "RUNNING", 30, "restore restarted")
