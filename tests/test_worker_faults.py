@@ -22,6 +22,7 @@ from shm import FREE, RingFull, SlotArena
 from shm.layouts import DROP_REASONS, LOAD
 from sparkcache import kvmem, segments
 from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT
+from sparkcache.store.reader import StoreReader
 
 SETTINGS = {"release_timeout_seconds": "5"}
 
@@ -174,3 +175,22 @@ def test_a_failing_item_is_counted_and_the_worker_goes_on(
         r.step(3)
         assert s3 in r.engine.acknowledged
         check_restores(r.engine, {s2: t2, s3: t3})
+
+        # A load whose handling raises fails alone (answered, nothing after it lost).
+        real_plan = StoreReader.plan
+        planned = []
+
+        def plan_once_broken(reader, keys):
+            planned.append(keys)
+            if len(planned) == 1:
+                raise RuntimeError("injected fault in one load")
+            return real_plan(reader, keys)
+
+        monkeypatch.setattr(StoreReader, "plan", plan_once_broken)
+        assert r.engine.client.load("broken", t2, r.engine.free[:8])
+        assert r.engine.client.load("fine", t2, r.engine.free[8:16])
+        r.step()
+        assert r.engine.loaded["broken"].status == "failed"
+        assert r.engine.loaded["fine"].status == "ok"
+        assert all(r.engine.exact_pages(t2, r.engine.free[8:16]))
+        assert r.restore.life.item_errors == 1 and r.restore.life.failed == 1
