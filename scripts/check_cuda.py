@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Capture and restore through CUDA IPC, on KV tensors in vLLM's layouts, through a real
 supervisor: publish sequences, wait until each root is durable, zero the tensors, restore
-every sequence and compare every page byte for byte. Prints one JSON object.
+every sequence and compare every page byte for byte; then zero them again and load every
+sequence through the restore worker (``load``/``poll_loads``), compared the same way.
+Prints one JSON object.
 
     .venv/bin/python scripts/check_cuda.py [--device cuda] [--sequences 40]
 
@@ -139,6 +141,37 @@ def _run(layout: str, device: str, n: int, work: Path) -> dict:
             for k, b in zip(ks, blocks[s], strict=True):
                 views.gather(b, out)
                 exact += out.tobytes() == page_bytes(k, views.page_bytes)
+        # The same through the restore worker: every load in flight at once.
+        for t in tensors:
+            t.zero_()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        loaded: dict[str, object] = {}
+        # Untimed: the worker's first load opens the registration (and may import torch).
+        first = next(iter(seqs))
+        if not client.load("warm-up", seqs[first][:TOKENS], blocks[first][:1]):
+            raise RuntimeError(f"load refused: {client.counters.misses}")
+        warm_until = time.monotonic() + 60
+        while not any(r.load_id == "warm-up" for r in client.poll_loads()):
+            if time.monotonic() > warm_until:
+                raise RuntimeError("the restore worker never answered its first load")
+            time.sleep(0.001)
+        views.scatter(blocks[first][0], np.zeros(views.page_bytes, np.uint8))
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for s, t in seqs.items():
+            if not client.load(s, t, blocks[s]):
+                raise RuntimeError(f"load refused: {client.counters.misses}")
+        while len(loaded) < len(seqs) and time.monotonic() < deadline + 60:
+            loaded.update((r.load_id, r) for r in client.poll_loads())
+            time.sleep(0.0005)
+        t_load = time.perf_counter() - t0
+        loaded_exact = 0
+        for s, ks in keys.items():
+            for k, b in zip(ks, blocks[s], strict=True):
+                views.gather(b, out)
+                loaded_exact += out.tobytes() == page_bytes(k, views.page_bytes)
         with segments.attach_stats(cfg, 0) as stats:
             cap = stats.read(int(Role.CAPTURE))
         return {
@@ -151,6 +184,9 @@ def _run(layout: str, device: str, n: int, work: Path) -> dict:
             "capture_gib_s": round(cap.copy_bytes / cap.copy_seconds / GIB, 2)
             if cap.copy_seconds else None,
             "restore_gib_s": round(pages * views.page_bytes / t_restore / GIB, 3),
+            "loads_ok": sum(getattr(r, "status", "") == "ok" for r in loaded.values()),
+            "pages_loaded_byte_exact": loaded_exact,
+            "load_gib_s": round(pages * views.page_bytes / t_load / GIB, 3),
             "skipped": dict(client.counters.skipped), "misses": dict(client.counters.misses),
         }
     finally:
@@ -177,7 +213,8 @@ def main() -> int:
                           for layout in ("vllm-0.33", "kv-blocks")]
     print(json.dumps(out, indent=1))
     ok = all(r["pages_byte_exact"] == r["pages"] == r["pages_restored"]
-             and r["durable"] == r["sequences"] for r in out["layouts"])
+             == r["pages_loaded_byte_exact"] and r["durable"] == r["sequences"]
+             == r["loads_ok"] for r in out["layouts"])
     return 0 if ok else 1
 
 

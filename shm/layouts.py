@@ -76,6 +76,52 @@ REQUEST = RecordLayout(
     ),
 )
 
+# client -> restore: one record per page, one batch per load. Page ``page_index`` of load
+# ``load_id`` (``npages`` pages) is the object ``key`` of the stored prefix, to be written
+# into block ``block_id`` of registration ``reg_gen``. ``worker_pid`` and ``worker_start``
+# name the restore worker the client expects to do it (its pid and start time from its
+# stats slot): any other process drops the load as stale, so a restarted worker never
+# writes into blocks the client already gave back to the engine when its predecessor died.
+LOAD = RecordLayout(
+    "load",
+    1,
+    np.dtype(
+        [
+            ("load_id", "<u8"),
+            ("key_hi", "<u8"),
+            ("key_lo", "<u8"),
+            ("block_id", "<i8"),
+            ("worker_start", "<f8"),  # psutil create_time of the addressed worker
+            ("worker_pid", "<u4"),
+            ("reg_gen", "<u4"),
+            ("page_index", "<u4"),
+            ("npages", "<u4"),
+        ]
+    ),
+)
+
+# restore -> client: load ``load_id`` is finished; the restore worker writes nothing more
+# into its blocks. ``pages``: pages 0..pages-1 were verified and written (a prefix);
+# ``status``: a sparkcache.protocol.LoadStatus. For a verification failure, ``bad_index``
+# is the page that failed (== ``pages``) and ``bad_key``/``bad_generation`` name its
+# object, for the client to ask maintenance to quarantine it; otherwise bad_index is -1.
+LOADED = RecordLayout(
+    "loaded",
+    1,
+    np.dtype(
+        [
+            ("load_id", "<u8"),
+            ("status", "<i4"),
+            ("pages", "<u4"),
+            ("bad_index", "<i4"),
+            ("pad", "<u4"),
+            ("bad_key_hi", "<u8"),
+            ("bad_key_lo", "<u8"),
+            ("bad_generation", "<u8"),
+        ]
+    ),
+)
+
 # Why a worker dropped a record it popped as malformed; one stats counter each. Names
 # are append-only: their order is the order of the stats fields.
 DROP_REASONS = (
@@ -86,28 +132,33 @@ DROP_REASONS = (
     "block",  # a block id outside the registered geometry
     "slot",  # a slot id outside the arena
     "request",  # a request of unknown kind, or a field out of range
+    "stale",  # a load addressed to another restore worker (a predecessor, now dead)
 )
 
 # One slot per worker of a rank (see workers.lifecycle.Role), written by that worker.
 WORKER_STATS = RecordLayout(
     "worker_stats",
-    2,
+    3,  # 2 had no pid_start and no drop_stale
     np.dtype(
         [
             ("pid", "<u4"),
             ("state", "<u4"),
             ("heartbeat", "<f8"),  # time.time() of the last loop iteration
             ("started", "<f8"),
-            ("processed", "<u8"),  # publications captured / roots committed / slices run
+            # publications captured / roots committed / slices run / loads answered
+            ("processed", "<u8"),
             ("failed", "<u8"),  # items refused or failed (each also counted by its cause)
             ("item_errors", "<u8"),  # unexpected exceptions while handling one item
             ("backlog", "<u8"),  # bytes above the low watermark (maintenance)
             ("used_bytes", "<u8"),  # store bytes (maintenance)
-            ("copy_bytes", "<u8"),  # capture: bytes copied into slots
-            ("copy_seconds", "<f8"),  # capture: time spent copying them
+            ("copy_bytes", "<u8"),  # capture: bytes copied into slots; restore: into blocks
+            ("copy_seconds", "<f8"),  # capture: time spent copying them; restore: loading
             # capture: bytes of its slots faulted in so far, by the background prefault
             # (workers/prefault.py); slots x slot bytes once done.
             ("prefaulted_bytes", "<u8"),
+            # The worker's start time (psutil create_time): with pid, tells it from a later
+            # process given the same pid. A load is addressed to this pair.
+            ("pid_start", "<f8"),
             *[(f"drop_{reason}", "<u8") for reason in DROP_REASONS],
         ]
     ),

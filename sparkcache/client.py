@@ -17,6 +17,14 @@ byte ranges). Two acknowledgements come back:
 The read side opens the index read-only (``StoreReader``) and writes nothing: the lease
 a lookup takes, the access a restore records and the quarantine of a corrupt object it
 finds are requests to the maintenance worker.
+
+``load`` hands a restore to the rank's restore worker, which reads, verifies and writes
+the pages into the blocks while the engine serves; ``poll_loads`` reports each load once
+the worker writes nothing more into its blocks: it answered, or it is known dead (its
+process gone, never only silent). Each load is addressed to the worker process the stats
+block names, and any other process refuses it (``stale``), so a restarted worker never
+writes into blocks whose load was already reported. ``restore`` is the synchronous form,
+in the engine's own thread.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import logging
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,14 +44,16 @@ import numpy as np
 import torch
 
 from shm import FREE, Producer, RingEmpty, RingFull
-from shm.layouts import PUBLISH, split_key
+from shm.layouts import LOAD, PUBLISH, join_key, split_key
 from sparkcache import kvmem, runtime, segments
 from sparkcache.config import AccessMode, Config
 from sparkcache.identity import KeyExtras, Namespace, require_hex, sequence_keys
 from sparkcache.protocol import (
     CaptureStatus,
     DurableStatus,
+    LoadStatus,
     RequestKind,
+    process_gone,
     status_name,
     worker_alive,
 )
@@ -59,6 +69,11 @@ HEALTH_CACHE_S = 0.05
 # durable ring was full.
 DURABLE_TIMEOUT_S = 120.0
 SETTLED_KEPT = 65536
+# Loads handed to the restore worker and not yet reported; fewer than the loaded ring
+# holds, so the worker's reports never wait for room while the engine polls.
+MAX_LOADS = 256
+# How often poll_loads looks whether the restore worker of a load in flight is gone.
+LOAD_REAP_S = 0.1
 
 
 @dataclass
@@ -79,6 +94,9 @@ class ClientCounters:
     misses: Counter = field(default_factory=Counter)
     requests_dropped: int = 0
     ring_errors: int = 0
+    loads: int = 0  # handed to the restore worker
+    loaded_pages: int = 0  # written into blocks by it
+    load_status: Counter = field(default_factory=Counter)  # reported loads, by status
 
 
 @dataclass(frozen=True)
@@ -98,6 +116,30 @@ class Durability:
     seq_id: str | int
     durable: bool
     reason: str  # "durable", or why not (a DurableStatus name, or "no_answer")
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """A load the restore worker is done with: it writes nothing more into its blocks, so
+    the engine may use (or reuse) them. ``tokens``: the tokens loaded, a prefix (pages
+    0..n-1 verified and written). ``status``: ``ok`` (all asked for), ``partial`` (the
+    store held less), ``corrupt`` (page ``bad_page`` failed verification; it was never
+    written, and maintenance is asked to quarantine it), ``worker_gone`` (the worker died
+    with it: nothing about the blocks is known), or why the worker refused it
+    (``unregistered``, ``bad_block``, ``failed``, ``malformed``, ``stale``)."""
+
+    load_id: Hashable
+    tokens: int
+    status: str
+    bad_page: int | None = None
+
+
+@dataclass
+class _Load:
+    load_id: Hashable
+    keys: list[str]
+    ntokens: int
+    worker: tuple[int, float]  # the restore worker asked: pid, start time
 
 
 @dataclass
@@ -134,6 +176,8 @@ class _Connection:
             # The running supervisor's cap, not this process's idea of it.
             self.hard_cap = int((runtime.read(cfg.store_dir) or {}).get(
                 "hard_cap_bytes", cfg.hard_cap_bytes))
+            self.load = self._keep(segments.producer(cfg, rank, "load"))
+            self.loaded = self._keep(segments.consumer(cfg, rank, "loaded", spin_s=0))
         except BaseException:
             self.close()
             raise
@@ -144,6 +188,13 @@ class _Connection:
 
     def worker_alive(self, role: Role) -> bool:
         return worker_alive(self.stats.read(int(role)), self.stale_after_s)
+
+    def restore_worker(self) -> tuple[int, float] | None:
+        """The live restore worker's pid and start time, or None if it is not up."""
+        report = self.stats.read(int(Role.RESTORE))
+        if not worker_alive(report, self.stale_after_s):
+            return None
+        return int(report.pid), float(report.pid_start)
 
     def store_used(self) -> int:
         report = self.stats.read(int(Role.MAINTENANCE))
@@ -199,6 +250,11 @@ class SparkCacheClient:
         self._store_full = False
         self._pub_ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
         self._scratch = np.empty(0, np.uint8)
+        self._loads: dict[int, _Load] = {}  # wire id -> load in flight
+        self._load_ids: set[Hashable] = set()  # the engine's ids of those loads
+        self._load_results: list[LoadResult] = []
+        self._load_wire_ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
+        self._reap_at = 0.0
 
     # ---------------------------------------------------------------- registration
 
@@ -571,6 +627,144 @@ class SparkCacheClient:
             # Only an access time is lost if this cannot be sent; the lease then ends early.
             self._request(RequestKind.TOUCH, keys[got - 1], got - 1)
         return got
+
+    # ---------------------------------------------------------------- asynchronous loads
+
+    def load(self, load_id: Hashable, token_ids: Sequence[int] | np.ndarray,
+             block_ids: Sequence[int], *, extra: KeyExtras | None = None,
+             max_pages: int | None = None) -> bool:
+        """Queue a load of the stored prefix of ``token_ids`` (with the request's
+        ``extra``; at most ``max_pages`` pages, one per block of ``block_ids``) into those
+        blocks. True if the restore worker was asked: the blocks are then the worker's
+        until ``poll_loads`` reports ``load_id``. False if not (counted in
+        ``counters.misses`` by reason); never raises, never waits."""
+        try:
+            reason = self._queue_load(load_id, token_ids, block_ids, extra, max_pages)
+        except Exception:
+            self._ring_fault("load")
+            reason = "error"
+        if reason is not None:
+            self.counters.misses[reason] += 1
+            return False
+        return True
+
+    def _queue_load(self, load_id: Hashable, token_ids: Sequence[int] | np.ndarray,
+                    block_ids: Sequence[int], extra: KeyExtras | None,
+                    max_pages: int | None) -> str | None:
+        reg = self._reg
+        if self.cfg.access_mode is AccessMode.OFF:
+            return "mode_off"
+        if reg is None:
+            return "unregistered"
+        if load_id in self._load_ids:
+            return "duplicate_load"
+        if len(self._loads) >= MAX_LOADS:
+            return "load_limit"
+        keys = self._keys(token_ids, extra)[: len(block_ids)]
+        if max_pages is not None:
+            keys = keys[: max(0, max_pages)]
+        n = len(keys)
+        if n == 0:
+            return "empty_load"
+        if n > segments.RINGS["load"][1]:
+            return "too_large"
+        blocks = np.asarray(block_ids[:n], dtype=np.int64)
+        if (blocks < 0).any() or (blocks >= reg.views.num_blocks).any():
+            return "bad_block"
+        conn = self._connection()
+        if conn is None:
+            return "supervisor_absent"
+        worker = conn.restore_worker()
+        if worker is None:
+            # Maybe a new supervisor with new segments: attach afresh (at most once a
+            # second). Loads in flight keep their worker; only its death reports them.
+            self._disconnect()
+            return "restore_down"
+        recs = np.zeros(n, LOAD.dtype)
+        halves = np.frombuffer(bytes.fromhex("".join(keys)), "<u8").reshape(n, 2)
+        recs["key_hi"], recs["key_lo"] = halves[:, 0], halves[:, 1]
+        wire_id = next(self._load_wire_ids)
+        recs["load_id"] = wire_id
+        recs["block_id"] = blocks
+        recs["worker_pid"], recs["worker_start"] = worker
+        recs["reg_gen"] = reg.reg_gen
+        recs["page_index"] = np.arange(n, dtype=np.uint32)
+        recs["npages"] = n
+        try:
+            conn.load.push_batch(recs)
+        except RingFull:
+            return "ring_full"
+        self._loads[wire_id] = _Load(load_id, keys, len(token_ids), worker)
+        self._load_ids.add(load_id)
+        self.counters.loads += 1
+        return None
+
+    def poll_loads(self) -> list[LoadResult]:
+        """Loads whose blocks the restore worker is done with (see ``LoadResult``): it
+        answered, or the process asked is gone. Never raises."""
+        try:
+            conn = self._connection()
+            if conn is not None:
+                self._take_loaded(conn)
+        except Exception:
+            self._ring_fault("loaded poll")
+        try:
+            self._reap_loads()
+        except Exception:
+            log.warning("checking the restore worker failed", exc_info=True)
+        done, self._load_results = self._load_results, []
+        return done
+
+    def _take_loaded(self, conn: _Connection) -> None:
+        for wire_id, status, pages, bad_index, _, hi, lo, gen in self._drain(conn.loaded):
+            entry = self._loads.get(wire_id)
+            if entry is None:
+                continue  # reported already (its worker died), or not this client's
+            if status == LoadStatus.STALE:
+                # Another process answered for the one asked, which must be gone; but only
+                # its death, checked by the reaper, releases the blocks.
+                continue
+            pages = min(pages, len(entry.keys))
+            what = status_name(LoadStatus, status)
+            bad = None
+            if status == LoadStatus.CORRUPT:
+                bad = bad_index
+                self.counters.misses["corrupt"] += 1
+                self._request(RequestKind.QUARANTINE, join_key(hi, lo), gen)
+            elif status == LoadStatus.PARTIAL:
+                self.counters.misses["not_stored"] += 1
+            if pages:
+                self.counters.loaded_pages += pages
+                # Only an access time is lost if this cannot be sent.
+                self._request(RequestKind.TOUCH, entry.keys[pages - 1], pages - 1)
+            tokens = min(pages * self.cfg.page_tokens, entry.ntokens)
+            self._report_load(wire_id, LoadResult(entry.load_id, tokens, what, bad))
+
+    def _reap_loads(self) -> None:
+        """Report the loads whose restore worker is gone (after reading its answers):
+        a dead process writes nothing more. Only death counts, never silence: a stalled
+        worker may still write, and the supervisor kills one whose heartbeat stops."""
+        now = time.monotonic()
+        if not self._loads or now < self._reap_at:
+            return
+        self._reap_at = now + LOAD_REAP_S
+        workers = {entry.worker for entry in self._loads.values()}
+        gone = {w for w in workers if process_gone(*w)}
+        for wire_id, entry in list(self._loads.items()):
+            if entry.worker in gone:
+                self.counters.misses["worker_gone"] += 1
+                self._report_load(wire_id, LoadResult(entry.load_id, 0, "worker_gone"))
+
+    def _report_load(self, wire_id: int, result: LoadResult) -> None:
+        entry = self._loads.pop(wire_id)
+        self._load_ids.discard(entry.load_id)
+        self.counters.load_status[result.status] += 1
+        self._load_results.append(result)
+
+    @property
+    def loads_in_flight(self) -> int:
+        """Loads whose blocks the restore worker may still write."""
+        return len(self._loads)
 
     def close(self) -> None:
         """Detach from the rings (without closing them: a new client may attach)."""

@@ -9,18 +9,21 @@ storage offset. ``open_tensors`` turns either back into tensors in the capture p
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from shm.segment import Segment, SegmentSpec, segment_name
-from sparkcache.store import layout
+from sparkcache.registry import (  # noqa: F401  (where callers have found them)
+    read_registry,
+    registry_path,
+    write_registry,
+)
 
 KV_SPEC = SegmentSpec("kvcache", 1)
 # An engine's own segment (its KV, or a staging pool) is named <instance>.r<rank>.kv<pid>:
@@ -167,29 +170,6 @@ def _open_cuda(d: dict[str, Any]) -> torch.Tensor:
     return flat.as_strided(d["shape"], d["stride"], d["storage_offset"])
 
 
-def registry_path(store_dir: Path, rank: int) -> Path:
-    return store_dir / f"kv-r{rank}.json"
-
-
-def write_registry(store_dir: Path, rank: int, reg_gen: int, block_dim: int,
-                   desc: dict[str, Any]) -> None:
-    """Atomically write the descriptor capture reads (0600), inside the store dir once it
-    is checked, never through a link (UnsafeStoreDir if the dir is not safe)."""
-    dir_fd = layout.open_store_dir(store_dir, create=True)
-    try:
-        data = {"reg_gen": reg_gen, "block_dim": block_dim, **desc}
-        layout.write_file(dir_fd, registry_path(store_dir, rank).name, json.dumps(data).encode())
-    finally:
-        os.close(dir_fd)
-
-
-def read_registry(store_dir: Path, rank: int) -> dict[str, Any] | None:
-    try:
-        return json.loads(layout.read_file(registry_path(store_dir, rank)))
-    except (OSError, ValueError):
-        return None
-
-
 def page_layout(tensors: list[torch.Tensor], block_dim: int) -> str:
     """What fixes the bytes of one page, and nothing else: per layer tensor in order, its
     dtype and its shape without the block dimension (K/V, block size = page tokens, heads,
@@ -306,6 +286,69 @@ class BlockViews:
             torch.index_select(grid, 1, idx, out=staged.view(outer, n, inner))
             host[off : off + size].copy_(staged)
             off += size
+
+    def scatter_pages(self, blocks: list[int], pages: np.ndarray,
+                      stream: torch.cuda.Stream | None = None) -> None:
+        """Write ``pages`` (``len(blocks)`` rows of ``page_bytes``, each a page as
+        ``gather`` gives it: the form a store object holds) into ``blocks``, and return
+        once the bytes are in place. Each run of each contiguous CPU tensor is one C-level
+        assignment over the blocks. On a CUDA device the pages cross in one host-to-device
+        copy (asynchronous when ``pages`` is page-locked) and are placed with one
+        ``index_copy_`` per tensor, all on ``stream`` (else the current stream), which is
+        synchronised before returning. Callers bounds-check blocks."""
+        n = len(blocks)
+        if (pages.dtype != np.uint8 or pages.ndim != 2 or pages.shape[0] < n
+                or pages.shape[1] != self.page_bytes or not pages.flags.c_contiguous):
+            raise ValueError(f"pages: expected {n} contiguous rows of {self.page_bytes} bytes")
+        if n == 0:
+            return
+        if self._device:
+            self._scatter_device(blocks, pages[:n], stream)
+            return
+        if any(t.is_cuda for t in self.tensors):  # not contiguous: block by block
+            stream = stream or torch.cuda.current_stream(self.tensors[0].device)
+            with torch.cuda.stream(stream):
+                for block, page in zip(blocks, pages, strict=False):
+                    self.scatter(block, page)
+            stream.synchronize()
+            return
+        idx = np.asarray(blocks, dtype=np.intp)
+        off = 0
+        for t, host in zip(self.tensors, self._host, strict=True):
+            if host is None:  # not contiguous: through torch, block by block
+                size = t.select(self.block_dim, 0).numel() * t.element_size()
+                for j, block in enumerate(blocks):
+                    dst = t.select(self.block_dim, block)
+                    src = torch.from_numpy(pages[j, off : off + size])
+                    dst.copy_(src.view(t.dtype).view(dst.shape))
+                off += size
+                continue
+            outer, _, inner = host.shape
+            for o in range(outer):
+                host[o][idx] = pages[:n, off : off + inner]
+                off += inner
+
+    def _scatter_device(self, blocks: list[int], pages: np.ndarray,
+                        stream: torch.cuda.Stream | None) -> None:
+        n, device = len(blocks), self.tensors[0].device
+        cuda = device.type == "cuda"  # (tests run this path on CPU tensors too)
+        if cuda:
+            stream = stream or torch.cuda.current_stream(device)
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            size = n * self.page_bytes
+            if self._staging is None or self._staging.numel() < size:
+                self._staging = torch.empty(size, dtype=torch.uint8, device=device)
+            staged = self._staging[:size].view(n, self.page_bytes)
+            staged.copy_(torch.from_numpy(pages), non_blocking=True)
+            idx = torch.tensor(blocks, dtype=torch.long).to(device, non_blocking=True)
+            off = 0
+            for grid in self._grids:
+                outer, _, inner = grid.shape
+                src = staged[:, off : off + outer * inner].view(n, outer, inner)
+                grid.index_copy_(1, idx, src.transpose(0, 1))
+                off += outer * inner
+        if cuda:  # the host rows may be reused, and the caller reports the blocks written
+            stream.synchronize()
 
     def scatter(self, block: int, data: np.ndarray) -> None:
         """The inverse of ``gather``: write the page ``data`` into block ``block``."""

@@ -1,6 +1,7 @@
 """What the client and the workers say to each other through the rings, defined once:
-capture's completion statuses, commit's durability statuses, the kinds of request the
-engine sends maintenance, and when a worker counts as alive.
+capture's completion statuses, commit's durability statuses, restore's load statuses,
+the kinds of request the engine sends maintenance, when a worker counts as alive, and
+when a process is known to be gone.
 
 The record layouts themselves are in ``shm/layouts.py``; this module gives their numbers
 a meaning.
@@ -11,6 +12,9 @@ from __future__ import annotations
 import time
 from enum import IntEnum
 
+import psutil
+
+from shm.segment import creator_alive
 from workers.lifecycle import State
 
 
@@ -36,6 +40,21 @@ class DurableStatus(IntEnum):
     BAD_SLOT = 2  # the slot did not hold a readable publication
 
 
+class LoadStatus(IntEnum):
+    """LOADED.status: what the restore worker did with a load. Every value means the
+    worker writes nothing more into the load's blocks; ``pages`` says how many leading
+    pages it verified and wrote (0 unless stated)."""
+
+    OK = 0  # every page asked for
+    PARTIAL = 1  # the store held only the first ``pages`` of them
+    CORRUPT = 2  # page ``bad_index`` (== pages) failed verification; never written
+    UNREGISTERED = 3  # its registration generation is not the current one
+    BAD_BLOCK = 4  # a block id outside the registered geometry; nothing written
+    FAILED = 5  # an error while loading (logged by the worker); ``pages`` were written
+    MALFORMED = 6  # its records did not pass validation (counted by reason in the stats)
+    STALE = 7  # addressed to another restore worker (a dead predecessor); nothing written
+
+
 class RequestKind(IntEnum):
     """REQUEST.kind: what the engine asks maintenance to write for it."""
 
@@ -59,3 +78,21 @@ def worker_alive(report: tuple | None, stale_after_s: float, now: float | None =
         return False
     now = time.time() if now is None else now
     return report.state == State.READY and now - report.heartbeat < stale_after_s
+
+
+def process_gone(pid: int, start: float) -> bool:
+    """True once the process ``pid`` that started at ``start`` (psutil create_time) has
+    exited: the pid is gone, is a zombie (exited, not yet reaped: its memory and files
+    are released), or names a process started at another time. Whatever psutil cannot
+    tell counts as alive: reporting a live writer dead could let it write into memory
+    its reader has reused, while a late report only delays."""
+    if pid <= 0:
+        return True
+    if not creator_alive(pid, start):
+        return True
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False

@@ -9,16 +9,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shm import Consumer, Producer, Ring, SlotArena, StatsBlock, segment_name
-from shm.layouts import COMPLETION, DURABLE, FILLED, FREED, PUBLISH, REQUEST, WORKER_STATS
+from shm.layouts import (
+    COMPLETION,
+    DURABLE,
+    FILLED,
+    FREED,
+    LOAD,
+    LOADED,
+    PUBLISH,
+    REQUEST,
+    WORKER_STATS,
+)
 from shm.records import RecordLayout
 from sparkcache.config import AccessMode, Config
 
 log = logging.getLogger(__name__)
 
-# Ring capacities, in records. PUBLISH holds one record per page: a publication is pushed
-# as one batch, so this also caps the pages of one publication.
+# Ring capacities, in records. PUBLISH and LOAD hold one record per page: a publication or
+# a load is pushed as one batch, so this also caps the pages of one (300k tokens of
+# 16-token pages fit in both).
 RINGS: dict[str, tuple[RecordLayout, int]] = {
-    "publish": (PUBLISH, 16384),
+    "publish": (PUBLISH, 32768),
     "completion": (COMPLETION, 1024),
     "filled": (FILLED, 256),
     "freed": (FREED, 256),
@@ -27,9 +38,12 @@ RINGS: dict[str, tuple[RecordLayout, int]] = {
     # The same requests (leases only) from the vLLM scheduler's process: a ring has one
     # producer, and the scheduler is not the engine worker that owns "request".
     "lease": (REQUEST, 4096),
+    "load": (LOAD, 32768),
+    "loaded": (LOADED, 1024),
 }
 ARENA = "arena"
 STATS = "stats"
+STATS_SLOTS = 4  # one per worker role (workers.lifecycle.Role: its value is its slot)
 # Slot owners in the arena (FREE = 0 is shm.FREE).
 OWNER_CAPTURE = 1
 OWNER_COMMIT = 2
@@ -118,7 +132,7 @@ def shm_needed(cfg: Config) -> dict[str, int]:
         _pages(_HEADER + capacity * (layout.itemsize + 32)) + 2 * _PAGE
         for layout, capacity in RINGS.values()
     )
-    stats = _pages(_HEADER + 3 * (16 + WORKER_STATS.itemsize + 128))
+    stats = _pages(_HEADER + STATS_SLOTS * (16 + WORKER_STATS.itemsize + 128))
     return {"arena": arena, "rings": rings, "stats": stats}
 
 

@@ -1,6 +1,6 @@
 """``sparkcache supervise``: owns every shared-memory segment of an instance, starts the
-capture, commit and maintenance workers of each rank, pins them, watches them through
-their process sentinels and restarts them with backoff.
+capture, commit, maintenance and restore workers of each rank, pins them, watches them
+through their process sentinels and restarts them with backoff.
 
 Each worker's state and restart policy (supervisord's ``startsecs``/``startretries``
 and backoff, the READY handshake, the heartbeat limit) are the state machine of
@@ -99,6 +99,8 @@ class Supervisor:
         roles = [Role.COMMIT, Role.MAINTENANCE]
         if cfg.access_mode is AccessMode.READ_WRITE:
             roles.insert(0, Role.CAPTURE)
+        if cfg.access_mode is not AccessMode.OFF:
+            roles.append(Role.RESTORE)
         self.workers = [Worker(r, role, self.cpus) for r in range(cfg.ranks) for role in roles]
         self.segments: list[segments.RankSegments] = []
         self.stop = False
@@ -384,13 +386,14 @@ class Supervisor:
         return None if rec is None else float(rec.heartbeat)
 
     def shutdown(self) -> None:
-        """Stop the workers role by role (capture, then commit, then maintenance: what
-        capture hands over while it drains is still committed), each drained until it
-        exits; a worker is killed only once its heartbeat has not advanced for the
-        heartbeat limit (it beats while it makes progress). Then unlink every segment,
-        remove the runtime file, release the lock. Idempotent."""
+        """Stop the workers role by role (restore, which answers the loads queued, then
+        capture, commit, maintenance: what capture hands over while it drains is still
+        committed), each drained until it exits; a worker is killed only once its
+        heartbeat has not advanced for the heartbeat limit (it beats while it makes
+        progress). Then unlink every segment, remove the runtime file, release the lock.
+        Idempotent."""
         self.stop = True
-        for role in (Role.CAPTURE, Role.COMMIT, Role.MAINTENANCE):
+        for role in (Role.RESTORE, Role.CAPTURE, Role.COMMIT, Role.MAINTENANCE):
             self._stop_role(role)
         for w in self.workers:
             if w.proc is None or w.proc.exitcode is not None:

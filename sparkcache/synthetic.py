@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from sparkcache import config
-from sparkcache.client import SparkCacheClient
+from sparkcache.client import LoadResult, SparkCacheClient
 from sparkcache.identity import KeyExtras, sequence_keys
 from sparkcache.kvmem import SharedKVCaches
 from sparkcache.store.testing import page_bytes
@@ -49,6 +49,7 @@ class SyntheticEngine:
     not_durable: dict[str, str] = field(default_factory=dict)  # seq id -> why not
     # Captured with only part of their pages copied: the rest the store held (and leased).
     relied_on_store: set[str] = field(default_factory=set)
+    loaded: dict[object, LoadResult] = field(default_factory=dict)  # load id -> its report
     max_call_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -102,6 +103,8 @@ class SyntheticEngine:
             else:
                 self.acknowledged.discard(d.seq_id)
                 self.not_durable[d.seq_id] = d.reason
+        for result in self._timed(self.client.poll_loads):
+            self.loaded[result.load_id] = result
         return done
 
     def publish(self, seq_id: str, tokens: list[int], tries: int = 400,
@@ -128,6 +131,28 @@ class SyntheticEngine:
             time.sleep(0.01)
         self.free.extend(blocks)
         return False
+
+    def wait_loaded(self, load_ids: list, timeout: float = 60) -> dict[object, LoadResult]:
+        """Poll until every load of ``load_ids`` is reported; their reports."""
+        deadline = time.monotonic() + timeout
+        while not all(i in self.loaded for i in load_ids):
+            if time.monotonic() > deadline:
+                raise EngineStalled(f"loads never reported: {self.client.counters}")
+            self.poll()
+            time.sleep(0.002)
+        return {i: self.loaded[i] for i in load_ids}
+
+    def exact_pages(self, tokens: list[int], blocks: list[int],
+                    extra: KeyExtras | None = None) -> list[bool]:
+        """Per block of ``blocks``, whether it holds the page of ``tokens`` at its place."""
+        keys = self.keys(tokens, extra)
+        pbytes = self.client._reg.views.page_bytes
+        out = np.empty(pbytes, np.uint8)
+        exact = []
+        for k, b in zip(keys, blocks, strict=False):
+            self.client._reg.views.gather(b, out)
+            exact.append(out.tobytes() == page_bytes(k, pbytes))
+        return exact
 
     def drain(self, timeout: float = 60) -> None:
         """Wait until every publication's blocks came back and its durability is known."""

@@ -58,6 +58,15 @@ def test_no_supervisor_skips_counted_and_fast(tmp_path: Path, instance: str, kv)
     assert c.lookup(list(range(40))) == 0  # no store yet: a miss, not an error raised
     assert c.restore(list(range(40)), [0, 1, 2]) == 0
     assert c.poll_completions() == []
+    t0 = time.perf_counter()
+    for i in range(100):
+        assert c.load(i, list(range(40)), [0, 1, 2]) is False
+    assert time.perf_counter() - t0 < 0.5
+    assert c.counters.misses["supervisor_absent"] == 100
+    assert c.poll_loads() == [] and c.loads_in_flight == 0
+    errors = c.counters.misses["error"]  # the lookup and restore above: no store yet
+    assert c.load("x", list(range(40)), [0, 1, 2], extra="bad") is False  # type: ignore
+    assert c.counters.misses["error"] == errors + 1
     c.close()
 
 
@@ -82,7 +91,24 @@ def test_restore_refuses_block_ids_out_of_range(tmp_path: Path, instance: str, k
     c = _client(tmp_path, instance, kv)
     assert c.restore(list(range(20)), [0, 10**6]) == 0
     assert c.counters.misses["bad_block"] == 1
+    assert c.load("a", list(range(20)), [0, 10**6]) is False
+    assert c.load("b", list(range(20)), [-1, 0]) is False
+    assert c.counters.misses["bad_block"] == 3
+    assert c.load("c", [], [0]) is False and c.load("d", list(range(20)), []) is False
+    assert c.load("e", list(range(20)), [0, 1], max_pages=0) is False
+    assert c.counters.misses["empty_load"] == 3
     c.close()
+
+
+def test_load_in_mode_off_and_unregistered(tmp_path: Path, instance: str, kv) -> None:
+    c = _client(tmp_path, instance, kv, access_mode="off")
+    assert c.load("a", list(range(20)), [0, 1]) is False
+    assert c.counters.misses["mode_off"] == 1
+    u = SparkCacheClient(make_cfg(tmp_path / "store", instance), 0, model_id="m")
+    assert u.load("a", list(range(20)), [0, 1]) is False
+    assert u.counters.misses["unregistered"] == 1
+    c.close()
+    u.close()
 
 
 def test_model_id_is_required(tmp_path: Path, instance: str) -> None:
@@ -212,6 +238,34 @@ def test_gather_runs_is_run_major(instance: str, path: str) -> None:
     finally:
         kv.close()
 
+
+@pytest.mark.parametrize("path", ["host", "strided", "device"])
+def test_scatter_pages_is_the_inverse_of_gather(instance: str, path: str) -> None:
+    """Pages as the store holds them (each page's runs in order) land in their blocks the
+    same way on every path; the device path (one upload, ``index_copy_`` per tensor) runs
+    here on CPU tensors."""
+    from sparkcache.kvmem import BlockViews
+
+    kv = SharedKVCaches.create(instance, 0, [(2, 9, 16, 2, 8), (2, 9, 16, 2, 8)], torch.float16)
+    try:
+        for t in kv.tensors:
+            t.normal_()
+        tensors = [t.transpose(3, 4) for t in kv.tensors] if path == "strided" else kv.tensors
+        views = BlockViews(tensors, 1)
+        views._device = path == "device"
+        sources, targets = [7, 0, 3, 8], [1, 2, 5, 6]
+        pages = np.stack([np.frombuffer(_page(tensors, b), np.uint8) for b in sources])
+        before = [t.clone() for t in tensors]
+        views.scatter_pages(targets, pages)
+        for t, old in zip(tensors, before, strict=True):
+            for s, d in zip(sources, targets, strict=True):
+                assert torch.equal(t[:, d], t[:, s])
+            for b in (0, 3, 4, 7, 8):  # nothing else written
+                assert torch.equal(t[:, b], old[:, b])
+        with pytest.raises(ValueError, match="expected"):
+            views.scatter_pages(targets, pages[:, :-1].copy())
+    finally:
+        kv.close()
 
 
 def test_ring_faults_are_skips_and_misses_never_exceptions(tmp_path: Path, instance: str) -> None:

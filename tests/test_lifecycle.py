@@ -138,3 +138,7 @@ def test_idle_returns_when_a_stop_signal_arrives(tmp_path: Path, instance: str, 
             child.kill()
             child.join()
         block.close()
+
+
+def test_every_role_has_a_stats_slot() -> None:
+    assert [int(r) for r in Role] == list(range(segments.STATS_SLOTS))

@@ -124,7 +124,7 @@ def test_sigkilled_supervisor_is_swept_by_the_next(tmp_path: Path, instance: str
     (store / "runtime.json").unlink()  # so that start_supervisor waits for the new one's
     sup = start_supervisor(store, instance)
     try:
-        assert len(runtime(store)["workers"]) == 3
+        assert len(runtime(store)["workers"]) == 4
     finally:
         rc, _ = stop_supervisor(sup)
     assert rc == 0
@@ -152,6 +152,19 @@ def test_avoid_keeps_workers_off_the_avoided_cores(tmp_path: Path, instance: str
     finally:
         busy.kill()
         busy.wait(10)
+
+
+@pytest.mark.parametrize("mode,roles", [
+    ("read-write", ["capture", "commit", "maintenance", "restore"]),
+    ("restore-only", ["commit", "maintenance", "restore"]),
+    ("off", ["commit", "maintenance"]),
+])
+def test_workers_of_each_access_mode(tmp_path: Path, instance: str, mode: str,
+                                     roles: list[str]) -> None:
+    """A restore worker whenever restores happen: in every mode but off."""
+    sup = Supervisor(make_cfg(tmp_path, instance, access_mode=mode, ranks="2"))
+    assert [(w.rank, w.role.name.lower()) for w in sup.workers] == [
+        (rank, role) for rank in (0, 1) for role in roles]
 
 
 def test_cpus_flag_and_default(tmp_path: Path, instance: str) -> None:
@@ -219,7 +232,7 @@ def test_restart_is_running_only_once_ready(tmp_path: Path, instance: str) -> No
         assert w["state"] == "STARTING" and psutil.pid_exists(w["pid"]), w
         shown = subprocess.run([*_cli(), "status", "--store-dir", str(store)],
                                capture_output=True, text=True, timeout=60).stdout
-        assert "workers=2/3 running" in shown
+        assert "workers=3/4 running" in shown
         stall.unlink()  # now it reports READY
         _wait(lambda: _worker(store, "commit")["state"] == "RUNNING", 30, "commit RUNNING")
         assert _worker(store, "commit")["pid"] == w["pid"]

@@ -19,9 +19,10 @@ from pipeline_util import check_restores, sequences
 from worker_rig import Rig, rig
 
 from shm import FREE, RingFull, SlotArena
-from shm.layouts import DROP_REASONS
+from shm.layouts import DROP_REASONS, LOAD
 from sparkcache import kvmem, segments
 from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT
+from sparkcache.store.reader import StoreReader
 
 SETTINGS = {"release_timeout_seconds": "5"}
 
@@ -71,9 +72,10 @@ def _ring_ends(r: Rig) -> dict:
     conn = r.engine.client._connection()
     assert conn is not None
     return {
-        "publish": conn.publish, "request": conn.request,
+        "publish": conn.publish, "request": conn.request, "load": conn.load,
         "completion": r.capture.completion, "filled": r.capture.filled,
-        "freed": r.commit.freed, "durable": r.commit.durable,
+        "freed": r.commit.freed, "durable": r.commit.durable, "loaded": r.restore.loaded,
+        "lease": r.lease,
     }
 
 
@@ -81,6 +83,7 @@ def test_malformed_records_in_every_ring_are_dropped_and_counted(
         tmp_path: Path, instance: str) -> None:
     with rig(tmp_path / "store", instance, **SETTINGS) as r:
         ends = _ring_ends(r)
+        assert set(ends) == set(segments.RINGS)  # every ring
         layouts = {name: segments.RINGS[name][0] for name in ends}
 
         @settings(max_examples=60, deadline=None,
@@ -97,10 +100,13 @@ def test_malformed_records_in_every_ring_are_dropped_and_counted(
 
         garbage_never_hurts()
         assert r.commit.store.usage().entries == 0  # nothing stored from garbage
-        drops = {reason: sum(w.life.drops[reason] for w in
-                             (r.capture, r.commit, r.maintenance)) for reason in DROP_REASONS}
+        workers = (r.capture, r.commit, r.maintenance, r.restore)
+        drops = {reason: sum(w.life.drops[reason] for w in workers) for reason in DROP_REASONS}
         assert drops["framing"] and drops["request"], drops
+        assert r.restore.life.drops["framing"], r.restore.life.drops
+        assert r.restore.life.item_errors == 0 and r.restore.life.copy_bytes == 0
         assert r.engine.client.counters.ring_errors == 0
+        assert r.engine.loaded == {}  # no report of garbage reached the engine as a load
 
         # Well-formed publications made afterwards are durable and restore byte-exact.
         seqs = sequences(10, r.cfg.page_tokens, seed=11)
@@ -110,6 +116,23 @@ def test_malformed_records_in_every_ring_are_dropped_and_counted(
         r.step(3)
         assert set(seqs) <= r.engine.acknowledged, r.engine.client.counters
         check_restores(r.engine, seqs)
+
+        # Well-formed loads afterwards load byte-exact; one addressed to another restore
+        # worker (a dead predecessor) is dropped as stale and answered so.
+        blocks = {sid: [r.engine.free[i] for i in range(j * 8, j * 8 + 8)]
+                  for j, sid in enumerate(seqs)}
+        for sid, tokens in seqs.items():
+            assert r.engine.client.load(sid, tokens, blocks[sid]), r.engine.client.counters
+        r.step(2)
+        for sid, tokens in seqs.items():
+            assert r.engine.loaded[sid].status == "ok", r.engine.loaded[sid]
+            assert all(r.engine.exact_pages(tokens, blocks[sid]))
+        stale = np.zeros(1, LOAD.dtype)
+        stale["npages"], stale["worker_pid"], stale["load_id"] = 1, 1, 7
+        ends["load"].push_batch(stale)
+        before = r.restore.life.drops["stale"]
+        r.step()
+        assert r.restore.life.drops["stale"] == before + 1
 
 
 def test_a_failing_item_is_counted_and_the_worker_goes_on(
@@ -153,3 +176,22 @@ def test_a_failing_item_is_counted_and_the_worker_goes_on(
         r.step(3)
         assert s3 in r.engine.acknowledged
         check_restores(r.engine, {s2: t2, s3: t3})
+
+        # A load whose handling raises fails alone (answered, nothing after it lost).
+        real_plan = StoreReader.plan
+        planned = []
+
+        def plan_once_broken(reader, keys):
+            planned.append(keys)
+            if len(planned) == 1:
+                raise RuntimeError("injected fault in one load")
+            return real_plan(reader, keys)
+
+        monkeypatch.setattr(StoreReader, "plan", plan_once_broken)
+        assert r.engine.client.load("broken", t2, r.engine.free[:8])
+        assert r.engine.client.load("fine", t2, r.engine.free[8:16])
+        r.step()
+        assert r.engine.loaded["broken"].status == "failed"
+        assert r.engine.loaded["fine"].status == "ok"
+        assert all(r.engine.exact_pages(t2, r.engine.free[8:16]))
+        assert r.restore.life.item_errors == 1 and r.restore.life.failed == 1

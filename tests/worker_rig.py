@@ -1,4 +1,4 @@
-"""Capture, commit and maintenance run in the test's own process, stepped by hand, on real
+"""Capture, commit, maintenance and restore run in the test's own process, stepped by hand, on real
 segments and a real store: for tests that need to reach into a worker (push what no
 well-behaved peer would, make one item fail) and step it deterministically."""
 
@@ -12,12 +12,14 @@ from pathlib import Path
 
 from pipeline_util import make_cfg
 
+from shm import Producer
 from sparkcache import config, segments
 from sparkcache.synthetic import SyntheticEngine
 from workers.capture import Capture
 from workers.commit import Commit
 from workers.lifecycle import Lifecycle, Role, State, WorkerSpec
 from workers.maintenance import Maintenance
+from workers.restore import Restore
 
 
 def ready_life(cfg: config.Config, role: Role) -> Lifecycle:
@@ -37,16 +39,29 @@ class Rig:
     capture: Capture
     commit: Commit
     maintenance: Maintenance
+    restore: Restore
+    lease: Producer  # the vLLM scheduler's end of the lease ring (PrefixLookup)
 
     def step(self, rounds: int = 1) -> None:
         """One turn of every worker, then the engine's polls."""
         for _ in range(rounds):
-            for w in (self.capture, self.commit, self.maintenance):
+            for w in (self.capture, self.commit, self.maintenance, self.restore):
                 w.life.beat()
             self.capture._step(0)
             self.commit._step(0)
             self.maintenance._pass()
+            self.restore._step(0)
             self.engine.poll()
+
+
+@dataclass
+class _Detach:
+    """A producer end, closed like the other parts (by leaving the ring open)."""
+
+    end: Producer
+
+    def close(self) -> None:
+        self.end.detach()
 
 
 @contextlib.contextmanager
@@ -61,9 +76,13 @@ def rig(store: Path, instance: str, **settings: str) -> Iterator[Rig]:
         made.append(com)
         mai = Maintenance(ready_life(cfg, Role.MAINTENANCE))
         made.append(mai)
+        res = Restore(ready_life(cfg, Role.RESTORE))
+        made.append(res)
         engine = SyntheticEngine.create(cfg)
         made.append(engine)
-        yield Rig(cfg, engine, cap, com, mai)
+        lease = segments.producer(cfg, 0, "lease")
+        made.append(_Detach(lease))
+        yield Rig(cfg, engine, cap, com, mai, res, lease)
     finally:
         for part in reversed(made):
             part.close()

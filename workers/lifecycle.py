@@ -23,6 +23,7 @@ import setproctitle
 
 from shm import SegmentError, StatsBlock
 from shm.layouts import DROP_REASONS, WORKER_STATS
+from shm.segment import process_start
 from sparkcache import segments
 from sparkcache.config import Config
 from sparkcache.ratelog import RateLimitedLog
@@ -86,6 +87,7 @@ class Role(IntEnum):
     CAPTURE = 0
     COMMIT = 1
     MAINTENANCE = 2
+    RESTORE = 3
 
 
 class State(IntEnum):
@@ -129,6 +131,7 @@ ROLE_MODULES = {
     Role.CAPTURE: "workers.capture",
     Role.COMMIT: "workers.commit",
     Role.MAINTENANCE: "workers.maintenance",
+    Role.RESTORE: "workers.restore",
 }
 
 
@@ -149,6 +152,8 @@ class Lifecycle:
         self.state = State.NEW
         self.stop = False
         self.started = time.time()
+        # What loads are addressed to, with the pid (see shm.layouts.LOAD).
+        self.pid_start = process_start(os.getpid())
         self.processed = 0
         self.failed = 0
         self.backlog = 0
@@ -219,7 +224,8 @@ class Lifecycle:
             WORKER_STATS.named(
                 os.getpid(), int(self.state), time.time(), self.started, self.processed,
                 self.failed, self.item_errors, self.backlog, self.used_bytes, self.copy_bytes,
-                self.copy_seconds, self.prefaulted_bytes, *self.drops.values(),
+                self.copy_seconds, self.prefaulted_bytes, self.pid_start,
+                *self.drops.values(),
             ),
         )
 

@@ -43,6 +43,15 @@ class BadObject:
 
 
 @dataclass(frozen=True)
+class PlannedPage:
+    """A page's live object, as the index named it when planned."""
+
+    key: str
+    generation: str
+    size: int
+
+
+@dataclass(frozen=True)
 class ReadResult:
     pages: int  # leading pages restored and verified
     bad: tuple[BadObject, ...]
@@ -124,23 +133,41 @@ class StoreReader:
         ``PREFETCH_PAGES`` objects are opened and read ahead by the kernel while the current
         one is verified; an open object stays readable even if collection unlinks it.
         """
-        keys = [require_hex(k, "page key") for k in keys]
         if len(into) < len(keys):
             raise ValueError(f"restore: {len(keys)} keys but only {len(into)} buffers")
+        return self.read_planned(self.plan(keys), into)
+
+    def plan(self, keys: Sequence[str]) -> list[PlannedPage]:
+        """The objects of the leading ``keys`` the index holds live (one read
+        transaction): what ``read_planned`` reads. Nothing is read from the files yet."""
+        keys = [require_hex(k, "page key") for k in keys]
         with index.read_txn(self.conn) as conn:
             rows = index.rows_for_keys(conn, "generation, bytes, refcount, state", keys)
-        plan: list[tuple[str, str, int, memoryview]] = []
-        for i, key in enumerate(keys):
+        plan: list[PlannedPage] = []
+        for key in keys:
             row = rows.get(key)
             if row is None or row[2] == 0 or row[3] != "live":
                 break
+            plan.append(PlannedPage(key, row[0], row[1]))
+        return plan
+
+    def read_planned(self, pages: Sequence[PlannedPage], into: Sequence[object]) -> ReadResult:
+        """Read and verify the objects ``pages`` (from ``plan``, maybe a slice of it) into
+        ``into`` in order, up to the first that cannot be read or fails verification (in
+        ``bad``). A buffer of a page that failed holds no byte of it. Only the file reads
+        of ``pages`` touch this reader's index connection (a file found missing is looked
+        up), so each thread reading in parallel needs its own ``StoreReader``."""
+        if len(into) < len(pages):
+            raise ValueError(f"restore: {len(pages)} keys but only {len(into)} buffers")
+        plan: list[tuple[str, str, int, memoryview]] = []
+        for i, page in enumerate(pages):
             buf = memoryview(into[i]).cast("B")  # type: ignore[arg-type]
-            if buf.readonly or buf.nbytes < row[1]:
+            if buf.readonly or buf.nbytes < page.size:
                 raise ValueError(
-                    f"restore: buffer {i} must be writable and hold {row[1]} bytes, "
+                    f"restore: buffer {i} must be writable and hold {page.size} bytes, "
                     f"has {buf.nbytes}{' (read-only)' if buf.readonly else ''}"
                 )
-            plan.append((key, row[0], row[1], buf))
+            plan.append((page.key, page.generation, page.size, buf))
         bad: list[BadObject] = []
         return ReadResult(self._read_plan(plan, bad), tuple(bad))
 

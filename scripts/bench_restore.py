@@ -1,0 +1,237 @@
+"""The restore worker's load throughput against a sequential read of the same object files,
+both from a cold page cache, measured in one run.
+
+A store is filled with ``--mib`` of pages of an 8-layer model (8 KV heads, head size 128,
+fp16, 16-token pages: 512 KiB a page), committed straight through ``PageStore``. A real
+supervisor then runs its workers beside an engine whose KV tensors are in shared memory.
+Each round:
+
+* sequential: every object file of the prefix, in page order, evicted from the page cache
+  (``posix_fadvise(DONTNEED)``), then opened and read whole into one reused buffer: the
+  disk's and the kernel's share of a restore, with no checksum and no copy into blocks;
+* restore worker: the same files evicted again, then one ``load`` of the whole prefix
+  into fresh blocks, timed from the call until ``poll_loads`` reports it (the engine
+  thread spends only the ``load`` call on it: ``load_call_ms``); afterwards every block
+  is checked byte for byte;
+* synchronous ``restore`` (the files evicted again), the engine-thread path, for
+  reference.
+
+The worker's first load (one page, untimed) comes first: it imports torch and opens the
+registration then. ``--warm`` leaves the files in the page cache: what the CPU allows.
+
+Usage: ``python scripts/bench_restore.py [--json] [--dir D] [--mib 256] [--rounds 3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+
+from sparkcache import config, segments
+from sparkcache.client import SparkCacheClient
+from sparkcache.identity import sequence_keys
+from sparkcache.kvmem import SharedKVCaches
+from sparkcache.runtime import RUNTIME_FILE
+from sparkcache.store import PageData, PageStore, Root
+from sparkcache.store.layout import fanout, object_name
+from sparkcache.store.testing import page_bytes
+from workers.lifecycle import Role, State
+
+GIB = 1 << 30
+LAYERS, HEADS, HEAD_DIM, PAGE_TOKENS = 8, 8, 128, 16
+SETTINGS = {"ranks": "1", "capture_slots": "1", "capture_slot_bytes": "16MiB",
+            "page_tokens": str(PAGE_TOKENS), "max_bytes": "64GiB",
+            "low_watermark_bytes": "32GiB"}
+
+
+def drop_cache(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def sequential_read(paths: list[Path], buf: bytearray) -> float:
+    view = memoryview(buf)
+    start = time.perf_counter()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.readv(fd, [view])
+        finally:
+            os.close(fd)
+    return time.perf_counter() - start
+
+
+def fill_store(store_dir: Path, keys: list[str], page: int) -> list[Path]:
+    """Commit ``keys`` as roots of 64 pages; the object files in page order."""
+    with PageStore(store_dir, 0) as store:
+        for i in range(0, len(keys), 64):
+            part = keys[i : i + 64]
+            root = os.urandom(16).hex()
+            store.commit(Root(root, [PageData(k, page_bytes(k, page)) for k in part]))
+        rows = dict(store._rconn.execute("SELECT key, generation FROM objects").fetchall())
+        objects = store.layout.objects_dir
+    return [objects / fanout(k) / object_name(k, rows[k]) for k in keys]
+
+
+def start_supervisor(store: Path, instance: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "sparkcache", "supervise", "--store-dir", str(store),
+            "--instance", instance]
+    for k, v in SETTINGS.items():
+        args += [config.flag_name(k), v]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    while not (store / RUNTIME_FILE).exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"supervisor did not start: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.05)
+    return proc
+
+
+def wait_reported(client: SparkCacheClient, load_id: str, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for result in client.poll_loads():
+            if result.load_id == load_id:
+                return result
+        time.sleep(0.0005)
+    raise RuntimeError(f"load {load_id} not reported: {client.counters}")
+
+
+def bench(work: Path, mib: int, rounds: int, cold: bool = True) -> dict[str, float]:
+    store_dir = work / "store"
+    instance = "b" + uuid.uuid4().hex[:10]
+    cfg = config.load(env={}, overrides={"store_dir": str(store_dir), "instance": instance,
+                                         **SETTINGS})
+    page = LAYERS * 2 * PAGE_TOKENS * HEADS * HEAD_DIM * 2
+    npages = mib * (1 << 20) // page
+    shapes = [(2, npages + 8, PAGE_TOKENS, HEADS, HEAD_DIM)] * LAYERS
+    # The supervisor first: it refuses to start beside segments of its instance.
+    sup = start_supervisor(store_dir, instance)
+    kv = SharedKVCaches.create(instance, 0, shapes, torch.float16)
+    client = SparkCacheClient(cfg, 0, model_id="bench-8l")
+    try:
+        if not client.register_kv_caches(kv.tensors):
+            raise RuntimeError("registration refused")
+        views = client._reg.views
+        assert views.page_bytes == page
+        tokens = np.arange(npages * PAGE_TOKENS).tolist()
+        keys = list(sequence_keys(client._reg.namespace, tokens).all())
+        paths = fill_store(store_dir, keys, page)
+        with segments.attach_stats(cfg, 0) as stats:
+            deadline = time.monotonic() + 60
+            while True:
+                rec = stats.read(int(Role.RESTORE))
+                if rec is not None and rec.state == State.READY:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError("restore worker not READY")
+                time.sleep(0.05)
+        blocks = list(range(npages))
+        # Not timed: the worker imports torch and opens the registration at its first load.
+        if not client.load("warm-up", tokens[:PAGE_TOKENS], blocks[:1]):
+            raise RuntimeError(f"load refused: {client.counters}")
+        wait_reported(client, "warm-up")
+        buf = bytearray(page + 64)
+        seq_s, load_s, sync_s, call_s = [], [], [], []
+        out = np.empty(page, np.uint8)
+        for r in range(rounds):
+            if cold:
+                drop_cache(paths)
+            seq_s.append(sequential_read(paths, buf))
+            for t in kv.tensors:
+                t.zero_()
+            if cold:
+                drop_cache(paths)
+            t0 = time.perf_counter()
+            if not client.load(f"r{r}", tokens, blocks):
+                raise RuntimeError(f"load refused: {client.counters}")
+            call_s.append(time.perf_counter() - t0)
+            result = wait_reported(client, f"r{r}")
+            load_s.append(time.perf_counter() - t0)
+            if (result.status, result.tokens) != ("ok", len(tokens)):
+                raise RuntimeError(f"load: {result}")
+            for k, b in zip(keys, blocks, strict=True):
+                views.gather(b, out)
+                if out.tobytes() != page_bytes(k, page):
+                    raise RuntimeError(f"block {b} does not hold page {k}")
+            if cold:
+                drop_cache(paths)
+            t0 = time.perf_counter()
+            restored = client.restore(tokens, blocks)
+            sync_s.append(time.perf_counter() - t0)
+            if restored != len(tokens):
+                raise RuntimeError(f"restore: {restored} of {len(tokens)} tokens")
+        total = npages * page
+        seq, load, sync = (statistics.median(x) for x in (seq_s, load_s, sync_s))
+        return {
+            "page_cache": "cold" if cold else "warm",
+            "pages": npages,
+            "page_bytes": page,
+            "gib": total / GIB,
+            "rounds": rounds,
+            "sequential_gib_s": total / GIB / seq,
+            "restore_gib_s": total / GIB / load,
+            "restore_vs_sequential": seq / load,
+            "restore_gib_s_each": [round(total / GIB / s, 3) for s in load_s],
+            "sequential_gib_s_each": [round(total / GIB / s, 3) for s in seq_s],
+            "sync_restore_gib_s": total / GIB / sync,
+            "load_call_ms": statistics.median(call_s) * 1000,
+        }
+    finally:
+        client.close()
+        kv.close()
+        if sup is not None:
+            sup.send_signal(signal.SIGTERM)
+            try:
+                sup.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                sup.kill()
+                sup.communicate()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--dir", type=Path, help="directory on the disk to measure")
+    parser.add_argument("--mib", type=int, default=256, help="MiB of stored pages loaded")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; medians reported")
+    parser.add_argument("--warm", action="store_true",
+                        help="leave the files in the page cache (what the CPU allows)")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="sparkcache-bench-", dir=args.dir))
+    try:
+        result = bench(work, args.mib, args.rounds, cold=not args.warm)
+    finally:
+        shutil.rmtree(work)
+    result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>24}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

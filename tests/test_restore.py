@@ -1,0 +1,224 @@
+"""Asynchronous loads through the restore worker, with a real supervisor: published
+sequences load byte-exact into fresh blocks; a corrupt object is reported with its page
+index, never written into its block, and quarantined; a restore worker killed with loads
+in flight has every load reported and writes nothing into their blocks afterwards; a
+restarted worker drops the records meant for its predecessor."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from pipeline_util import SyntheticEngine, pipeline, runtime, sequences, wait_committed
+
+from sparkcache import segments
+from sparkcache.store import PageStore
+from workers.lifecycle import KILL_AT_ENV, KILL_FILE_ENV, Role
+
+pytestmark = pytest.mark.slow
+
+SENTINEL = 0x5A
+HEARTBEAT_S = 2.0
+
+
+def _published(engine: SyntheticEngine, n: int, seed: int) -> dict[str, list[int]]:
+    """``n`` sequences published, durable and committed; every block free again."""
+    seqs = sequences(n, engine.client.cfg.page_tokens, seed=seed)
+    for sid, tokens in seqs.items():
+        assert engine.publish(sid, tokens), engine.client.counters
+    engine.drain()
+    assert engine.acknowledged >= set(seqs), engine.client.counters
+    assert wait_committed(engine, seqs=seqs) == {}
+    return seqs
+
+
+def _fill(engine: SyntheticEngine, blocks: list[int], value: int = SENTINEL) -> None:
+    views = engine.client._reg.views
+    page = np.full(views.page_bytes, value, np.uint8)
+    for b in blocks:
+        views.scatter(b, page)
+
+
+def _holds_sentinel(engine: SyntheticEngine, blocks: list[int]) -> list[bool]:
+    views = engine.client._reg.views
+    out = np.empty(views.page_bytes, np.uint8)
+    held = []
+    for b in blocks:
+        views.gather(b, out)
+        held.append(bool((out == SENTINEL).all()))
+    return held
+
+
+def _worker(store: Path, role: str) -> dict:
+    return next(w for w in runtime(store)["workers"] if w["role"] == role)
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _restore_stats(engine: SyntheticEngine):
+    with segments.attach_stats(engine.client.cfg, 0) as stats:
+        return stats.read(int(Role.RESTORE))
+
+
+def test_loads_restore_byte_exact_into_fresh_blocks(tmp_path: Path, instance: str) -> None:
+    store = tmp_path / "store"
+    with pipeline(store, instance) as engine:
+        seqs = _published(engine, 30, seed=31)
+        plans: dict[str, list[int]] = {}
+        free = list(engine.free)
+        for sid, tokens in seqs.items():
+            assert engine.client.lookup(tokens) == len(tokens)  # leased, then loaded
+            blocks = [free.pop() for _ in engine.keys(tokens)]
+            _fill(engine, blocks)
+            plans[sid] = blocks
+            assert engine._timed(engine.client.load, sid, tokens, blocks)
+        results = engine.wait_loaded(list(seqs))
+        for sid, tokens in seqs.items():
+            r = results[sid]
+            assert (r.status, r.tokens, r.bad_page) == ("ok", len(tokens), None), r
+            assert all(engine.exact_pages(tokens, plans[sid])), sid
+        # A prefix: at most max_pages; more tokens than stored loads what is stored.
+        sid, tokens = next(iter(seqs.items()))
+        blocks = plans[sid]
+        pt = engine.client.cfg.page_tokens
+        longer = tokens + list(range(3 * pt))
+        more = blocks + [free.pop() for _ in range(4)]
+        stored = engine.client.lookup(longer)  # its full pages: the tail page differs
+        assert 0 < stored < len(longer)
+        assert engine.client.load("capped", tokens, blocks, max_pages=1)
+        assert engine.client.load("longer", longer, more)
+        got = engine.wait_loaded(["capped", "longer"])
+        assert (got["capped"].status, got["capped"].tokens) == ("ok", pt)
+        assert (got["longer"].status, got["longer"].tokens) == ("partial", stored)
+        engine.loaded.pop("capped")
+        assert engine.client.load("capped", tokens, blocks)  # a reported id may come again
+        assert not engine.client.load("capped", tokens, blocks)  # not while in flight
+        assert engine.client.counters.misses["duplicate_load"] == 1
+        assert engine.wait_loaded(["capped"])["capped"].status == "ok"
+        # Refusals are counted, never raised.
+        assert not engine.client.load("bad", tokens, [10**6] * len(blocks))
+        assert engine.client.counters.misses["bad_block"] == 1
+        stats = _restore_stats(engine)
+        pages = sum(len(engine.keys(t)) for t in seqs.values())
+        assert stats.processed >= len(seqs) + 3 and stats.failed == 0
+        assert stats.copy_bytes >= pages * engine.client._reg.views.page_bytes
+        assert engine.client.loads_in_flight == 0
+        assert engine.max_call_s < 0.25, engine.max_call_s
+
+
+def _object_file(store: Path, key: str) -> Path:
+    files = list((store / "rank-0" / "objects" / key[:2]).glob(key + ".*"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+def test_a_corrupt_page_is_reported_never_written_and_quarantined(
+        tmp_path: Path, instance: str) -> None:
+    store = tmp_path / "store"
+    with pipeline(store, instance) as engine:
+        pt = engine.client.cfg.page_tokens
+        tokens = list(range(1000, 1000 + 6 * pt))
+        assert engine.publish("victim", tokens)
+        engine.drain()
+        assert "victim" in engine.acknowledged
+        assert wait_committed(engine, seqs={"victim": tokens}) == {}
+        keys = engine.keys(tokens)
+        path = _object_file(store, keys[2])
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF  # a payload byte: the header parses, the checksum fails
+        path.write_bytes(bytes(raw))
+        blocks = engine.free[: len(keys)]
+        _fill(engine, blocks)
+        assert engine.client.load("victim", tokens, blocks)
+        r = engine.wait_loaded(["victim"])["victim"]
+        assert (r.status, r.bad_page, r.tokens) == ("corrupt", 2, 2 * pt), r
+        assert engine.exact_pages(tokens, blocks[:2]) == [True, True]
+        # The bad page and everything after it were never written.
+        assert _holds_sentinel(engine, blocks[2:]) == [True] * (len(keys) - 2)
+        assert engine.client.counters.misses["corrupt"] == 1
+        # The client asked maintenance (the worker never produces into the request ring).
+        deadline = time.monotonic() + 20
+        with PageStore(store, 0, create=False) as ps:
+            while ps.usage().by_state["quarantined"][0] == 0:
+                assert time.monotonic() < deadline, "the corrupt object was never quarantined"
+                time.sleep(0.1)
+        assert any(p.name == path.name for p in (store / "rank-0" / "quarantine").iterdir())
+
+
+def test_restore_worker_killed_with_loads_in_flight(tmp_path: Path, instance: str) -> None:
+    """Killed after writing the first chunk of the first load (the rest of the batch it
+    popped dies with it): every load is reported, and no write reaches a reported load's
+    blocks afterwards. Then a worker SIGSTOPped with loads queued: nothing is reported
+    while it is merely silent; once the supervisor has killed it (heartbeat limit) every
+    load is, and its successor drops those records as stale (they name the dead process)
+    and writes nothing."""
+    store = tmp_path / "store"
+    kill = tmp_path / "kill"
+    env = {KILL_AT_ENV: "restore.written", KILL_FILE_ENV: str(kill)}
+    with pipeline(store, instance, {"heartbeat_timeout_s": str(HEARTBEAT_S)},
+                  env=env) as engine:
+        seqs = _published(engine, 16, seed=41)
+        first = _worker(store, "restore")["pid"]
+        plans: dict[str, list[int]] = {}
+        free = list(engine.free)
+        kill.touch()
+        for sid, tokens in seqs.items():
+            plans[sid] = [free.pop() for _ in engine.keys(tokens)]
+            assert engine.client.load(sid, tokens, plans[sid])
+        results = engine.wait_loaded(list(seqs), timeout=30)
+        assert not kill.exists()  # the worker did die at the checkpoint
+        gone = [s for s, r in results.items() if r.status == "worker_gone"]
+        assert gone and all(r.status in ("ok", "worker_gone") for r in results.values())
+        assert all(results[s].tokens == 0 for s in gone)
+        # The engine reuses the blocks now: nothing may write them any more.
+        every = [b for blocks in plans.values() for b in blocks]
+        _fill(engine, every)
+        _wait(lambda: _worker(store, "restore")["pid"] not in (None, first)
+              and _worker(store, "restore")["state"] == "RUNNING", 30, "restore restarted")
+        time.sleep(1.0)
+        assert all(_holds_sentinel(engine, every)), "a write after the load was reported"
+
+        # A stopped worker with loads queued: silent, not dead, so nothing is reported
+        # until the supervisor's heartbeat limit has it killed; then its successor drops
+        # those loads as stale.
+        second = _worker(store, "restore")["pid"]
+        os.kill(second, signal.SIGSTOP)
+        try:
+            for sid, tokens in seqs.items():
+                assert engine.client.load(f"{sid}-again", tokens, plans[sid])
+            stopped = time.monotonic()
+            while time.monotonic() - stopped < HEARTBEAT_S - 0.5:
+                assert engine.client.poll_loads() == []  # stopped, not dead: no report
+                time.sleep(0.05)
+            assert engine.client.loads_in_flight == len(seqs)
+            again = engine.wait_loaded([f"{s}-again" for s in seqs], timeout=30)
+            assert not psutil.pid_exists(second) or \
+                psutil.Process(second).status() == psutil.STATUS_ZOMBIE
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(second, signal.SIGKILL)
+        assert {r.status for r in again.values()} == {"worker_gone"}
+        _wait(lambda: _worker(store, "restore")["pid"] not in (None, first, second)
+              and _worker(store, "restore")["state"] == "RUNNING", 30, "restore restarted")
+        _wait(lambda: _restore_stats(engine).drop_stale >= len(seqs), 10,
+              "the successor to drop the stale loads")
+        time.sleep(0.5)
+        assert all(_holds_sentinel(engine, every)), "a stale load was written"
+        # The new worker takes new loads.
+        sid, tokens = next(iter(seqs.items()))
+        assert engine.client.load("after", tokens, plans[sid])
+        assert engine.wait_loaded(["after"])["after"].status == "ok"
+        assert all(engine.exact_pages(tokens, plans[sid]))
+        assert _worker(store, "restore")["restarts"] == 2

@@ -1,0 +1,485 @@
+"""The restore worker of one rank: load ring -> verified pages -> the engine's KV blocks.
+
+Per load: validate every field of its records (a malformed one is dropped, counted by
+reason and answered ``malformed``); check that it is addressed to this process (its pid
+and start time, from its stats slot): a load meant for another restore worker, a dead
+predecessor, is dropped and answered ``stale``, because the client may already have
+reported it failed and the engine reused its blocks; open the registration (again when
+``reg_gen`` changes) and bounds-check every block id; plan the stored prefix in the
+index (read-only: this worker never writes the index); then read and verify the pages in
+chunks on a small pool of reader threads, each with its own ``StoreReader``, and write
+each chunk's verified prefix into its blocks, in order, stopping at the first page that is
+missing or fails verification. A page is written only after its checksum passed. On a
+CUDA device the pages cross on this worker's own stream, synchronised before the report.
+
+The report on ``loaded`` says how many leading pages were written, the status
+(``protocol.LoadStatus``) and, for a verification failure, the index and object of the
+first bad page (the client asks maintenance to quarantine it: only the client produces
+into the request ring). Reports are never dropped while this process lives: the client
+reuses a load's blocks only after a report or this process's death (docs/pipeline.md).
+One the full ring refuses waits, in order, and no new load is taken meanwhile.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from posix_ipc import SignalError
+
+from shm import RingClosed, RingEmpty, RingFull
+from shm.layouts import join_key, split_key
+from sparkcache import registry, segments
+from sparkcache.protocol import LoadStatus
+from sparkcache.ratelog import RateLimitedLog
+from sparkcache.store import StoreError, UnsafeStoreDir
+from sparkcache.store.layout import RankLayout
+from sparkcache.store.reader import BadObject, PlannedPage, ReadResult, StoreReader
+from workers import lifecycle
+from workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, WorkerSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from sparkcache import kvmem
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2
+LOAD_CAPACITY = segments.RINGS["load"][1]  # also the most pages of one load
+# Reader threads: file reads and CRC-32 release the GIL, so they run beside the writes
+# into blocks (which the main thread does, in order).
+READERS = 2
+# Bytes read per task; the staging holds STAGED_CHUNKS of them (read ahead of the writes).
+CHUNK_BYTES = 8 << 20
+STAGED_CHUNKS = 2 * READERS
+# A reader's index connection may wait this long for a lock (the engine's waits 5 ms).
+READER_BUSY_MS = 1000
+# How often an idle worker looks for a CUDA registration to open ahead of its first load.
+WARM_CHECK_S = 1.0
+# Opening a registration (importing torch, a CUDA context) beats for at most this long.
+SLOW_OPEN_S = 60.0
+_UNIFORM = ("load_id", "reg_gen", "npages", "worker_pid", "worker_start")
+
+
+def split_loads(batch: np.ndarray, capacity: int) -> list[tuple[np.ndarray, str | None]]:
+    """The loads in a popped batch, each with the reason it is malformed (one of
+    ``DROP_REASONS``) or None. A load is the run of records from one with ``page_index``
+    0 up to the next; records before the first such run are one malformed group."""
+    starts = np.flatnonzero(batch["page_index"] == 0).tolist()
+    out: list[tuple[np.ndarray, str | None]] = []
+    if not starts or starts[0] > 0:
+        out.append((batch[: starts[0] if starts else len(batch)], "framing"))
+    for s, e in zip(starts, [*starts[1:], len(batch)][: len(starts)], strict=True):
+        recs = batch[s:e]
+        n = int(recs["npages"][0])
+        reason = None
+        if not 0 < n <= capacity or len(recs) != n:
+            reason = "framing"
+        elif any((recs[f] != recs[f][0]).any() for f in _UNIFORM):
+            reason = "mixed"  # NaN start times compare unequal: mixed too
+        elif (recs["page_index"] != np.arange(n)).any():
+            reason = "page_index"
+        out.append((recs, reason))
+    return out
+
+
+@dataclass
+class _Registered:
+    reg_gen: int
+    opened: kvmem.OpenedTensors
+    views: kvmem.BlockViews
+    staging: list[np.ndarray]  # STAGED_CHUNKS buffers of chunk_pages x page_bytes
+    chunk_pages: int
+    stream: torch.cuda.Stream | None  # this worker's own, on a CUDA device
+
+
+@dataclass
+class _Outcome:
+    status: LoadStatus
+    pages: int = 0
+    bad_index: int = -1
+    bad: BadObject | None = None
+
+    def record(self, load_id: int) -> tuple:
+        hi = lo = gen = 0
+        if self.bad is not None:
+            hi, lo = split_key(self.bad.key)
+            gen = int(self.bad.generation, 16)
+        return (load_id, int(self.status), self.pages, self.bad_index, 0, hi, lo, gen)
+
+
+class _ReaderPool:
+    """Threads that read and verify planned pages into staging buffers, each through its
+    own ``StoreReader`` (an index connection belongs to the thread that opened it; it is
+    used only to look up a file found missing)."""
+
+    def __init__(self, open_reader: Callable[[], StoreReader], threads: int) -> None:
+        self._open = open_reader
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"restore-read-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        reader: StoreReader | None = None
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                fut, pages, rows = job
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    if reader is None:
+                        reader = self._open()
+                    fut.set_result(reader.read_planned(pages, rows))
+                except BaseException as exc:  # handed to the waiting thread
+                    fut.set_exception(exc)
+        finally:
+            if reader is not None:
+                reader.close()
+
+    def submit(self, pages: Sequence[PlannedPage], rows: np.ndarray) -> Future:
+        fut: Future = Future()
+        self._jobs.put((fut, pages, rows))
+        return fut
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            t.join()
+
+
+class Restore:
+    def __init__(self, life: Lifecycle) -> None:
+        spec = life.spec
+        self.life = life
+        self.cfg = spec.cfg
+        self.rank = spec.rank
+        self.me = (os.getpid(), life.pid_start)
+        self.loads = segments.consumer(self.cfg, spec.rank, "load")
+        self.loaded = segments.producer(self.cfg, spec.rank, "loaded")
+        self.layout = RankLayout(self.cfg.store_dir, spec.rank)
+        self.reg: _Registered | None = None
+        self._reader: StoreReader | None = None
+        self._pool: _ReaderPool | None = None
+        self._unsent: deque[tuple] = deque()
+        self._rare = RateLimitedLog(log)
+        self._warm_at = 0.0
+        self._warmed: int | None = None  # the registration the last warm-up opened
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+        if self._reader is not None:
+            self._reader.close()
+        self._close_registration()
+        self.loads.close()
+        self.loaded.detach()
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> None:
+        self.life.serve(self._step, POLL_S)
+        # Loads already queued are still done: their blocks are held until answered.
+        while self._take(0):
+            self.life.beat()
+        # Whatever the ring still refuses is not waited for: the client reports a load
+        # of a worker that is gone as failed, and reuses its blocks only then.
+        self._flush()
+        if self._unsent:
+            log.warning("%d load reports not delivered (the client reports those loads "
+                        "failed once this process is gone)", len(self._unsent))
+
+    def _step(self, timeout: float) -> None:
+        if not self._flush():
+            self.life.idle(min(timeout, 0.01))  # reports wait: take no new load
+            return
+        if not self._take(timeout):
+            self._warm()
+
+    def _warm(self) -> None:
+        """Idle: open a CUDA registration before its first load needs it (importing torch
+        and making a CUDA context take seconds). A registration of CPU tensors is opened
+        by its first load: torch then costs ~2 s of CPU once, which a worker that never
+        loads (most test runs) does not pay."""
+        now = time.monotonic()
+        if now < self._warm_at:
+            return
+        self._warm_at = now + WARM_CHECK_S
+        desc = registry.read_registry(self.cfg.store_dir, self.rank)
+        if desc is None or desc.get("kind") != "cuda":
+            return
+        reg_gen = desc.get("reg_gen")
+        if reg_gen == self._warmed or not isinstance(reg_gen, int):
+            return
+        self._warmed = reg_gen  # tried once: a registration that fails is a load's error
+        self._registration(reg_gen)
+
+    def _flush(self) -> bool:
+        """Push the reports the ring refused before, in order; True once none waits."""
+        while self._unsent:
+            try:
+                self.loaded.try_push(self._unsent[0])
+            except RingFull:
+                return False
+            self._unsent.popleft()
+        return True
+
+    def _answer(self, load_id: int, outcome: _Outcome) -> None:
+        self._unsent.append(outcome.record(load_id))
+        self._flush()
+
+    def _take(self, timeout: float) -> bool:
+        """Do the loads waiting in the ring; False when there were none."""
+        try:
+            batch = self.loads.pop_batch(LOAD_CAPACITY, timeout=timeout)
+        except (RingEmpty, RingClosed, SignalError):
+            return False
+        lifecycle.checkpoint("restore.popped")
+        for recs, malformed in split_loads(batch, LOAD_CAPACITY):
+            load_id = int(recs["load_id"][0])
+            if malformed is not None:
+                self.life.drop(malformed, f"load {load_id} ({len(recs)} records)")
+                outcome = _Outcome(LoadStatus.MALFORMED)
+            elif (int(recs["worker_pid"][0]), float(recs["worker_start"][0])) != self.me:
+                # Meant for a predecessor: its client may have reported it failed when that
+                # process died, and the engine may be using the blocks again.
+                self.life.drop("stale", f"load {load_id} for pid {int(recs['worker_pid'][0])}")
+                outcome = _Outcome(LoadStatus.STALE)
+            else:
+                t0 = time.perf_counter()
+                try:
+                    outcome = self._load(recs)
+                except ENVIRONMENT_FAULTS:
+                    raise
+                except Exception:
+                    self.life.item_error(f"load {load_id}")
+                    self._check_usable()
+                    outcome = _Outcome(LoadStatus.FAILED)
+                self.life.copy_seconds += time.perf_counter() - t0
+            if outcome.status in (LoadStatus.OK, LoadStatus.PARTIAL):
+                self.life.processed += 1
+            else:
+                self.life.failed += 1
+            self._answer(load_id, outcome)
+            lifecycle.checkpoint("restore.answered")
+        return True
+
+    def _check_usable(self) -> None:
+        """StoreError (an environment fault: exit 4) if the store's directories are gone
+        or unsafe."""
+        try:
+            self.layout.prepare(create=False)
+        except OSError as exc:
+            raise StoreError(f"store {self.layout.rank_dir} is unusable: {exc}") from exc
+
+    # ------------------------------------------------------------------ one load
+
+    def _open_reader(self) -> StoreReader:
+        reader = StoreReader(self.cfg.store_dir, self.rank)
+        # Not the engine: a reader may wait a little for SQLite's rare exclusive moments.
+        reader.conn.execute(f"PRAGMA busy_timeout={READER_BUSY_MS}")
+        return reader
+
+    def _store(self) -> StoreReader | None:
+        """The index reader, opened on first use; None while the store does not exist
+        yet (maintenance creates it as it starts)."""
+        if self._reader is None:
+            try:
+                self._reader = self._open_reader()
+            except UnsafeStoreDir:
+                raise  # an environment fault: exit 4
+            except (OSError, StoreError) as exc:
+                # Not made yet (no directory, gate or index), or half made: a miss.
+                self._rare.warning("store", "store not readable (yet?): %s; loads miss", exc)
+                return None
+            self._pool = _ReaderPool(self._open_reader, READERS)
+        return self._reader
+
+    def _close_registration(self) -> None:
+        if self.reg is not None:
+            self.reg.staging = []
+            self.reg.opened.close()
+            self.reg = None
+
+    def _registration(self, reg_gen: int) -> _Registered | None:
+        if self.reg is not None and self.reg.reg_gen == reg_gen:
+            return self.reg
+        desc = registry.read_registry(self.cfg.store_dir, self.rank)
+        if desc is None or desc.get("reg_gen") != reg_gen:
+            return None
+        self._close_registration()
+        try:
+            self.reg = self._beating(lambda: _open_registration(desc, reg_gen))
+        except Exception:
+            # The engine's registration, not this worker's environment: this load fails,
+            # and the next registration may be fine.
+            self.life.item_error(f"registration {reg_gen}")
+            return None
+        return self.reg
+
+    def _beating(self, fn: Callable[[], _Registered]) -> _Registered:
+        """``fn()`` on a helper thread while this one beats, for up to ``SLOW_OPEN_S``:
+        the first registration imports torch and may create a CUDA context, seconds of
+        work in one call with no checkpoint inside, which the supervisor's heartbeat
+        limit (1 s at the least) must not take for a hang. One that takes longer than
+        SLOW_OPEN_S is left to that limit."""
+        box: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # re-raised in the calling thread
+                box["error"] = exc
+
+        helper = threading.Thread(target=run, name="restore-open", daemon=True)
+        helper.start()
+        until = time.monotonic() + SLOW_OPEN_S
+        while helper.is_alive():
+            helper.join(lifecycle.PROGRESS_BEAT_S / 2)
+            if time.monotonic() < until:
+                self.life.progress()
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box["value"]  # type: ignore[return-value]
+
+    def _load(self, recs: np.ndarray) -> _Outcome:
+        reg = self._registration(int(recs["reg_gen"][0]))
+        if reg is None:
+            return _Outcome(LoadStatus.UNREGISTERED)
+        blocks = recs["block_id"]
+        if (blocks < 0).any() or (blocks >= reg.views.num_blocks).any():
+            self.life.drop("block", f"load with block ids outside "
+                           f"0-{reg.views.num_blocks - 1}")
+            return _Outcome(LoadStatus.BAD_BLOCK)
+        reader = self._store()
+        if reader is None:
+            return _Outcome(LoadStatus.PARTIAL)
+        keys = [join_key(h, lo) for h, lo in zip(recs["key_hi"], recs["key_lo"], strict=True)]
+        plan = reader.plan(keys)
+        outcome = self._read_and_write(reg, plan, blocks.tolist())
+        if outcome.pages == len(keys):
+            outcome.status = LoadStatus.OK
+        return outcome
+
+    def _read_and_write(self, reg: _Registered, plan: list[PlannedPage],
+                        blocks: list[int]) -> _Outcome:
+        """Read ``plan`` chunk by chunk on the reader pool (up to STAGED_CHUNKS ahead) and
+        write each chunk's verified prefix into its blocks, in order, up to the first page
+        that could not be read or verified."""
+        assert self._pool is not None
+        size = reg.chunk_pages
+        starts = iter(range(0, len(plan), size))
+        free = list(range(len(reg.staging)))
+        inflight: deque[tuple[int, int, Future]] = deque()
+
+        def submit(start: int) -> None:
+            buf = free.pop()
+            pages = plan[start : start + size]
+            inflight.append((start, buf, self._pool.submit(pages, reg.staging[buf])))
+
+        for start in itertools.islice(starts, len(free)):
+            submit(start)
+        written = 0
+        try:
+            while inflight:
+                start, buf, fut = inflight.popleft()
+                result: ReadResult = self._wait(fut)
+                if result.pages:
+                    reg.views.scatter_pages(blocks[start : start + result.pages],
+                                            reg.staging[buf][: result.pages], reg.stream)
+                    written += result.pages
+                    self.life.copy_bytes += result.pages * reg.views.page_bytes
+                    lifecycle.checkpoint("restore.written")
+                free.append(buf)
+                if result.pages < len(plan[start : start + size]):
+                    bad = result.bad[0] if result.bad else None
+                    if bad is None:
+                        return _Outcome(LoadStatus.PARTIAL, written)
+                    return _Outcome(LoadStatus.CORRUPT, written, written, bad)
+                nxt = next(starts, None)
+                if nxt is not None:
+                    submit(nxt)
+            return _Outcome(LoadStatus.PARTIAL, written)
+        finally:
+            # Nothing may still read into the staging when the next load takes it.
+            for _, _, fut in inflight:
+                if not fut.cancel():
+                    self._wait(fut, quiet=True)
+
+    def _wait(self, fut: Future, quiet: bool = False) -> ReadResult:
+        """The chunk's result, beating while a slow disk keeps it coming."""
+        while True:
+            try:
+                return fut.result(timeout=lifecycle.PROGRESS_BEAT_S)
+            except TimeoutError:
+                self.life.progress()
+            except Exception:
+                if quiet:
+                    return ReadResult(0, ())
+                raise
+
+
+def _open_registration(desc: dict, reg_gen: int) -> _Registered:
+    """Open the registered tensors, their block views, staging and (on a CUDA device)
+    this worker's own stream."""
+    kvmem, torch = _kvmem()
+    opened = kvmem.open_tensors(desc)
+    try:
+        views = kvmem.BlockViews(opened.tensors, int(desc["block_dim"]))
+        chunk = max(1, CHUNK_BYTES // views.page_bytes)
+        cuda = views.tensors[0].is_cuda
+        staging = [_staging(chunk, views.page_bytes, pinned=cuda) for _ in range(STAGED_CHUNKS)]
+        stream = torch.cuda.Stream(device=views.tensors[0].device) if cuda else None
+    except BaseException:
+        opened.close()
+        raise
+    return _Registered(reg_gen, opened, views, staging, chunk, stream)
+
+
+def _kvmem() -> tuple:
+    """kvmem and torch, imported on first use (see ``Restore._warm``)."""
+    import torch
+
+    from sparkcache import kvmem
+
+    torch.set_num_threads(1)  # its own pinned cores: no torch thread pool beside the readers
+    return kvmem, torch
+
+
+def _staging(pages: int, page_bytes: int, pinned: bool) -> np.ndarray:
+    """A chunk's staging rows; page-locked for a CUDA device (the copy to it then runs
+    asynchronously on the worker's stream, at full rate)."""
+    if pinned:
+        _, torch = _kvmem()
+        return torch.empty((pages, page_bytes), dtype=torch.uint8, pin_memory=True).numpy()
+    return np.empty((pages, page_bytes), np.uint8)
+
+
+def _body(life: Lifecycle) -> None:
+    worker = Restore(life)
+    try:
+        worker.run()
+    finally:
+        worker.close()
+
+
+def run(spec: WorkerSpec) -> None:
+    lifecycle.main(spec, _body)
