@@ -45,8 +45,8 @@ def test_binary_search_equals_the_full_scan(tmp_path_factory, roots, removed, qu
         reader.close()
 
 
-def test_a_quarantined_page_mid_chain_is_left_to_the_restore(tmp_path: Path) -> None:
-    """The one difference, by design: the restore verifies and stops at that page."""
+def test_a_quarantined_page_mid_chain_ends_the_prefix_there(tmp_path: Path) -> None:
+    """Referenced but quarantined: the binary search alone would count it as stored."""
     keys = chain(1, 6)
     with PageStore(tmp_path, 0) as st_:
         st_.commit(make_root("a" * 32, keys, 16))
@@ -56,8 +56,19 @@ def test_a_quarantined_page_mid_chain_is_left_to_the_restore(tmp_path: Path) -> 
     reader = StoreReader(tmp_path, 0)
     try:
         assert stored_prefix(reader.conn, keys) == 2
-        assert reader.lookup(keys) == 6
+        assert chained_prefix(reader.conn, keys) == 2
+        assert reader.lookup(keys) == 2
         bufs = [bytearray(16) for _ in keys]
         assert reader.restore(keys, bufs).pages == 2
     finally:
         reader.close()
+
+
+def test_a_writer_adds_the_quarantined_index_to_an_older_store(tmp_path: Path) -> None:
+    """Stores created before the index existed get it when a writer opens them."""
+    with PageStore(tmp_path, 0) as st_:
+        st_._wconn.execute("DROP INDEX objects_quarantined")
+    with PageStore(tmp_path, 0) as st_:
+        plan = st_._wconn.execute(
+            "EXPLAIN QUERY PLAN SELECT key FROM objects WHERE state = 'quarantined'").fetchall()
+    assert "objects_quarantined" in str(plan)

@@ -30,6 +30,13 @@ _CHUNK = 500
 
 T = TypeVar("T")
 
+# reader.chained_prefix reads every quarantined key at each lookup; there are few or none,
+# and this keeps that read O(quarantined). Added after stores existed, so a writer's
+# connect(create=True) adds it to an older index too.
+_QUARANTINED_INDEX = (
+    "CREATE INDEX IF NOT EXISTS objects_quarantined ON objects(key) WHERE state = 'quarantined';"
+)
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(
     name TEXT PRIMARY KEY,
@@ -155,6 +162,8 @@ def _schema_version(conn: sqlite3.Connection, path: Path, create: bool) -> str |
             + "COMMIT;"
         )
     row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
+    if create:
+        conn.execute(_QUARANTINED_INDEX)
     return None if row is None else row[0]
 
 

@@ -74,24 +74,29 @@ def chained_prefix(conn: sqlite3.Connection, keys: Sequence[str]) -> int:
 
     Page keys are chained (``sparkcache.identity``): key ``i`` determines keys ``0..i``, so
     a referenced object of key ``i`` belongs to a root that holds all of them, and the
-    referenced keys of a chain are a prefix of it. A binary search for the last one is
-    then exact, but for an object quarantined in the middle of a live root, which it
-    counts as stored: the restore that follows verifies every page and stops there (a
-    load error, computed again), so a lookup never needs to read 18750 rows for a
-    300k-token request."""
-    def held(i: int) -> bool:
-        row = conn.execute("SELECT refcount, state FROM objects WHERE key = ?",
+    referenced keys of a chain are a prefix of it. A binary search finds its end; a
+    quarantined object inside it then ends the prefix there. Quarantined objects are few
+    (read through a partial index), so a lookup never reads 18750 rows for a 300k-token
+    request."""
+    def referenced(i: int) -> bool:
+        row = conn.execute("SELECT refcount FROM objects WHERE key = ?",
                            (require_hex(keys[i], "page key"),)).fetchone()
-        return row is not None and row[0] > 0 and row[1] == "live"
+        return row is not None and row[0] > 0
 
     with index.read_txn(conn):  # one snapshot for every probe
-        lo, hi = 0, len(keys)  # keys[:lo] held; keys[hi:] not
+        lo, hi = 0, len(keys)  # keys[:lo] referenced; keys[hi:] not
         while lo < hi:
             mid = (lo + hi) // 2
-            if held(mid):
+            if referenced(mid):
                 lo = mid + 1
             else:
                 hi = mid
+        quarantined = {key for (key,) in conn.execute(
+            "SELECT key FROM objects WHERE state = 'quarantined'")}
+    if quarantined:
+        for i in range(lo):
+            if keys[i] in quarantined:
+                return i
     return lo
 
 
