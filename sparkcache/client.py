@@ -639,7 +639,12 @@ class SparkCacheClient:
         until ``poll_loads`` reports ``load_id``. False if not (counted in
         ``counters.misses`` by reason); never raises, never waits."""
         try:
-            reason = self._queue_load(load_id, token_ids, block_ids, extra, max_pages)
+            keys = []
+            if self._reg is not None and self.cfg.access_mode is not AccessMode.OFF:
+                keys = self._keys(token_ids, extra)[: len(block_ids)]
+                if max_pages is not None:
+                    keys = keys[: max(0, max_pages)]
+            reason = self._queue_load(load_id, keys, len(token_ids), block_ids)
         except Exception:
             self._ring_fault("load")
             reason = "error"
@@ -648,9 +653,26 @@ class SparkCacheClient:
             return False
         return True
 
-    def _queue_load(self, load_id: Hashable, token_ids: Sequence[int] | np.ndarray,
-                    block_ids: Sequence[int], extra: KeyExtras | None,
-                    max_pages: int | None) -> str | None:
+    def load_keys(self, load_id: Hashable, keys: Sequence[str],
+                  block_ids: Sequence[int]) -> bool:
+        """``load`` for a caller that computed the page keys itself (vLLM's scheduler
+        does): page ``i`` of ``keys`` goes into ``block_ids[i]``."""
+        try:
+            keys = [require_hex(k, "page key") for k in keys][: len(block_ids)]
+            reason = self._queue_load(load_id, keys, len(keys) * self.cfg.page_tokens,
+                                      block_ids)
+        except ValueError:
+            reason = "bad_request"
+        except Exception:
+            self._ring_fault("load")
+            reason = "error"
+        if reason is not None:
+            self.counters.misses[reason] += 1
+            return False
+        return True
+
+    def _queue_load(self, load_id: Hashable, keys: list[str], ntokens: int,
+                    block_ids: Sequence[int]) -> str | None:
         reg = self._reg
         if self.cfg.access_mode is AccessMode.OFF:
             return "mode_off"
@@ -660,9 +682,6 @@ class SparkCacheClient:
             return "duplicate_load"
         if len(self._loads) >= MAX_LOADS:
             return "load_limit"
-        keys = self._keys(token_ids, extra)[: len(block_ids)]
-        if max_pages is not None:
-            keys = keys[: max(0, max_pages)]
         n = len(keys)
         if n == 0:
             return "empty_load"
@@ -694,7 +713,7 @@ class SparkCacheClient:
             conn.load.push_batch(recs)
         except RingFull:
             return "ring_full"
-        self._loads[wire_id] = _Load(load_id, keys, len(token_ids), worker)
+        self._loads[wire_id] = _Load(load_id, keys, ntokens, worker)
         self._load_ids.add(load_id)
         self.counters.loads += 1
         return None

@@ -67,7 +67,7 @@ STAGED_CHUNKS = 2 * READERS
 READER_BUSY_MS = 1000
 # How often an idle worker looks for a CUDA registration to open ahead of its first load.
 WARM_CHECK_S = 1.0
-# Opening a registration (importing torch, a CUDA context) beats for at most this long.
+# Opening a registration (a CUDA context) beats for at most this long.
 SLOW_OPEN_S = 60.0
 _UNIFORM = ("load_id", "reg_gen", "npages", "worker_pid", "worker_start")
 
@@ -183,6 +183,10 @@ class Restore:
         self._rare = RateLimitedLog(log)
         self._warm_at = 0.0
         self._warmed: int | None = None  # the registration the last warm-up opened
+        # torch before READY, as capture does, where the start-up limit (60 s) covers it:
+        # imported by a first load, it held the GIL (and so the heartbeat) for over 10 s
+        # on a cold page cache beside a vLLM server, and the supervisor killed the worker.
+        _kvmem()
 
     def close(self) -> None:
         if self._pool is not None:
@@ -215,10 +219,9 @@ class Restore:
             self._warm()
 
     def _warm(self) -> None:
-        """Idle: open a CUDA registration before its first load needs it (importing torch
-        and making a CUDA context take seconds). A registration of CPU tensors is opened
-        by its first load: torch then costs ~2 s of CPU once, which a worker that never
-        loads (most test runs) does not pay."""
+        """Idle: open a CUDA registration before its first load needs it (making a CUDA
+        context takes seconds). A registration of CPU tensors is cheap to open and is
+        opened by its first load."""
         now = time.monotonic()
         if now < self._warm_at:
             return
@@ -337,7 +340,7 @@ class Restore:
 
     def _beating(self, fn: Callable[[], _Registered]) -> _Registered:
         """``fn()`` on a helper thread while this one beats, for up to ``SLOW_OPEN_S``:
-        the first registration imports torch and may create a CUDA context, seconds of
+        the first CUDA registration creates a CUDA context, seconds of
         work in one call with no checkpoint inside, which the supervisor's heartbeat
         limit (1 s at the least) must not take for a hang. One that takes longer than
         SLOW_OPEN_S is left to that limit."""
@@ -455,7 +458,7 @@ def _open_registration(desc: dict, reg_gen: int) -> _Registered:
 
 
 def _kvmem() -> tuple:
-    """kvmem and torch, imported on first use (see ``Restore._warm``)."""
+    """kvmem and torch (imported as the worker starts, see ``Restore.__init__``)."""
     import torch
 
     from sparkcache import kvmem

