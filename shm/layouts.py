@@ -91,7 +91,7 @@ DROP_REASONS = (
 # One slot per worker of a rank (see workers.lifecycle.Role), written by that worker.
 WORKER_STATS = RecordLayout(
     "worker_stats",
-    2,
+    3,
     np.dtype(
         [
             ("pid", "<u4"),
@@ -108,6 +108,8 @@ WORKER_STATS = RecordLayout(
             # capture: bytes of its slots faulted in so far, by the background prefault
             # (workers/prefault.py); slots x slot bytes once done.
             ("prefaulted_bytes", "<u8"),
+            # commit: roots its commits superseded (a later turn holding their pages)
+            ("roots_superseded", "<u8"),
             *[(f"drop_{reason}", "<u8") for reason in DROP_REASONS],
         ]
     ),
