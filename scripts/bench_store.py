@@ -8,6 +8,11 @@
   full scan-and-sort of the same table (the old maintenance pass). The unary ``+`` keeps
   SQLite from using the index for the scan (``NOT INDEXED`` does not stop it from using a
   covering secondary index of a WITHOUT ROWID table).
+* supersession: the commit of a ``--long-pages`` root extended by one page (it supersedes
+  the root before it), and the search for the roots a commit supersedes next to a join
+  probing every position of the new root, once for that long root and once for a new
+  conversation where ``--sharing`` roots share a ``--shared-pages`` system prompt. Pages
+  are 64 bytes and the WAL is not fsynced, so the index's work is what is measured.
 
 Usage: ``python scripts/bench_store.py [--json] [--dir D] [--pages N] [--roots N]``
 """
@@ -15,6 +20,7 @@ Usage: ``python scripts/bench_store.py [--json] [--dir D] [--pages N] [--roots N
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -23,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -165,6 +172,65 @@ def bench_victims(work: Path, roots: int, victims: int) -> dict[str, float]:
     }
 
 
+def chain(tag: str, n: int) -> list[str]:
+    """``n`` keys standing for the chained keys of one sequence ``tag``."""
+    return [hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=16).hexdigest() for i in range(n)]
+
+
+def join_prefix_roots(store: PageStore, keys: list[str]) -> list[tuple]:
+    """The prefix roots of ``keys`` by probing every position (what the store avoids)."""
+    found: list[tuple] = []
+    for start in range(0, len(keys), 500):
+        part = list(enumerate(keys))[start : start + 500]
+        found += store._wconn.execute(
+            f"WITH new(pos, key) AS (VALUES {','.join(['(?, ?)'] * len(part))}) "
+            "SELECT r.id FROM new JOIN root_pages rp ON rp.key = new.key AND rp.pos = new.pos "
+            "JOIN roots r ON r.id = rp.root_id WHERE r.pages = new.pos + 1",
+            [v for pair in part for v in pair],
+        ).fetchall()
+    return found
+
+
+def timed_searches(store: PageStore, keys: list[str], label: str) -> dict[str, float]:
+    """The store's search for the prefix roots of ``keys`` and the join, checked alike."""
+    ours = sorted(r[0] for r in store._prefix_roots(store._wconn, keys))
+    if ours != sorted(r[0] for r in join_prefix_roots(store, keys)):
+        raise RuntimeError("the prefix search and the join disagree")
+    return {
+        f"prefix_search_{label}_ms": median_ms(store._prefix_roots, store._wconn, keys),
+        f"join_search_{label}_ms": median_ms(join_prefix_roots, store, keys),
+    }
+
+
+def median_ms(fn: Callable[..., object], *args: object, runs: int = 9) -> float:
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn(*args)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1000
+
+
+def bench_supersede(work: Path, long_pages: int, sharing: int, shared: int) -> dict[str, float]:
+    size, result = 64, {}
+    with PageStore(work / "long", 0, durable=False) as store:
+        keys = chain("long", long_pages + 10)
+        store.commit(make_root(os.urandom(16).hex(), keys[:long_pages], size))
+        turns = iter([make_root(os.urandom(16).hex(), keys[:n], size)
+                      for n in range(long_pages + 1, long_pages + 10)])
+        result["commit_long_root_ms"] = median_ms(lambda: store.commit(next(turns)))
+        if store.usage().entries != 1:
+            raise RuntimeError("the turns of one sequence left more than one root")
+        result.update(timed_searches(store, keys, "long"))
+    with PageStore(work / "shared", 0, durable=False) as store:
+        system = chain("system", shared)
+        for i in range(sharing):
+            store.commit(make_root(os.urandom(16).hex(), system + chain(f"c{i}", 1), size))
+        keys = system + chain("new", 1)
+        result.update(timed_searches(store, keys, "shared"))
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -173,11 +239,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds")
     parser.add_argument("--roots", type=int, default=1_000_000, help="victim inventory")
     parser.add_argument("--victims", type=int, default=1000)
+    parser.add_argument("--long-pages", type=int, default=20_000)
+    parser.add_argument("--sharing", type=int, default=1000)
+    parser.add_argument("--shared-pages", type=int, default=200)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sparkcache-bench-", dir=args.dir))
     try:
         result = {**bench_io(work, args.pages, args.rounds)}
         result.update(bench_victims(work, args.roots, args.victims))
+        result.update(bench_supersede(work, args.long_pages, args.sharing, args.shared_pages))
     finally:
         shutil.rmtree(work)
     result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}

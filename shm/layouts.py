@@ -138,7 +138,7 @@ DROP_REASONS = (
 # One slot per worker of a rank (see workers.lifecycle.Role), written by that worker.
 WORKER_STATS = RecordLayout(
     "worker_stats",
-    3,  # 2 had no pid_start and no drop_stale
+    4,  # 3 had no roots_superseded; 2 had no pid_start and no drop_stale
     np.dtype(
         [
             ("pid", "<u4"),
@@ -159,6 +159,8 @@ WORKER_STATS = RecordLayout(
             # The worker's start time (psutil create_time): with pid, tells it from a later
             # process given the same pid. A load is addressed to this pair.
             ("pid_start", "<f8"),
+            # commit: roots its commits superseded (a later turn holding their pages)
+            ("roots_superseded", "<u8"),
             *[(f"drop_{reason}", "<u8") for reason in DROP_REASONS],
         ]
     ),

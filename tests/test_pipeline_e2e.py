@@ -218,6 +218,31 @@ def test_a_running_instance_survives_malformed_records(tmp_path: Path, instance:
         assert [w["name"] for w in runtime(store)["workers"] if w["restarts"]] == []
 
 
+def test_turns_sent_as_new_requests_keep_one_root(tmp_path: Path, instance: str) -> None:
+    """vLLM sends every turn of a conversation as a new request re-sending the prefix:
+    each commit supersedes the root of the turn before, and commit counts it."""
+    store = tmp_path / "store"
+    with pipeline(store, instance) as engine:
+        page = engine.client.cfg.page_tokens
+        tokens, turns = [], {}
+        for turn in range(4):
+            tokens = tokens + list(range(1000 * turn, 1000 * turn + 2 * page))
+            turns[f"request-{turn}"] = tokens
+            assert engine.publish(f"request-{turn}", tokens)
+            engine.drain()  # the next turn comes once this one is answered
+        assert engine.acknowledged == set(turns), engine.client.counters
+        check_restores(engine, {"request-3": tokens})
+        with PageStore(store, 0, create=False) as ps:
+            assert ps.usage().entries == 1
+            assert ps.usage().objects == len(engine.keys(tokens))
+        with segments.attach_stats(engine.client.cfg, 0) as stats:
+            deadline = time.monotonic() + 5  # commit writes its stats at its next beat
+            while stats.read(int(Role.COMMIT)).roots_superseded < 3:
+                assert time.monotonic() < deadline, stats.read(int(Role.COMMIT))
+                time.sleep(0.05)
+            assert stats.read(int(Role.COMMIT)).roots_superseded == 3
+
+
 def test_a_stop_commits_everything_captured(tmp_path: Path, instance: str) -> None:
     """SIGTERM right after a burst of publications, with commit behind: the supervisor
     stops capture first and lets commit drain, so every publication capture copied is

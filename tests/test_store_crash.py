@@ -1,4 +1,5 @@
-"""SIGKILL at every step of commit and of eviction/collection, repeatedly.
+"""SIGKILL at every step of commit (of a commit that supersedes a root) and of
+eviction/collection, repeatedly.
 
 A child process runs the protocol with a step hook that SIGKILLs the child the n-th time it
 reaches the named step. After each kill the parent reconciles, runs fsck, and checks that
@@ -48,20 +49,31 @@ PER_PAGE_STEPS = {"commit.temp_write", "commit.fsync", "commit.rename"}
 def commit_child(store_dir: Path, step: str, nth: int, seed: int, conn: Connection) -> None:
     """Acknowledge ``nth`` commits, then die at ``step`` of the next one.
 
-    The fatal commit writes three fresh pages, and per-page steps die at its first, second
-    or third page depending on ``nth``, so kills land at different points of a commit.
+    Some commits extend the root acknowledged just before them (the next turn of its
+    conversation, under a new id), which supersedes it; the fatal one always does, so every
+    step is a step of a commit that drops a root in its transaction. The fatal commit
+    writes three fresh pages, and per-page steps die at its first, second or third page
+    depending on ``nth``, so kills land at different points of a commit.
     """
     occurrence = 1 + nth % 3 if step in PER_PAGE_STEPS else 1
     hook = KillAt(step, occurrence, armed=False)
     store = PageStore(store_dir, 0, hook=hook)
     rng = random.Random(seed)
+    previous: tuple[str, list[str]] | None = None
     for i in range(6):
         hook.armed = i == nth
-        root_id, keys = random_root(rng)
-        if hook.armed:
-            keys += [secrets.token_hex(16) for _ in range(2)]
+        if previous is not None and (hook.armed or rng.random() < 0.5):
+            root_id = secrets.token_hex(16)
+            keys = previous[1] + [secrets.token_hex(16) for _ in range(3 if hook.armed else 1)]
+            if hook.armed:
+                conn.send(("extending", previous[0]))
+        else:
+            root_id, keys = random_root(rng)
+            if hook.armed:
+                keys += [secrets.token_hex(16) for _ in range(2)]
         store.commit(make_root(root_id, keys, SIZE))
         conn.send(("ack", root_id, keys))
+        previous = (root_id, keys)
     conn.send(("done",))
 
 
@@ -99,8 +111,14 @@ LEFTOVERS = {
 
 
 def verify_after_crash(
-    store_dir: Path, acked: dict[str, list[str]], doomed: set[str], step: str
+    store_dir: Path,
+    acked: dict[str, list[str]],
+    doomed: set[str],
+    step: str,
+    kept: set[str],
 ) -> None:
+    """``doomed``: acknowledged roots that may have been evicted; ``kept``: roots the
+    killed commit would have superseded, which must still be there."""
     if step in LEFTOVERS:
         assert not fsck(store_dir, grace_seconds=0).ok  # fsck sees the debris
     with PageStore(store_dir, 0) as store:
@@ -110,22 +128,24 @@ def verify_after_crash(
     report = fsck(store_dir, grace_seconds=0)
     assert report.ok, report.problems
     with PageStore(store_dir, 0) as store:
-        present = {r for (r,) in store._rconn.execute("SELECT id FROM roots")}
+        stored: dict[str, list[str]] = {}
+        for root_id, key in store._rconn.execute(
+            "SELECT root_id, key FROM root_pages ORDER BY root_id, pos"
+        ):
+            stored.setdefault(root_id, []).append(key)
+        assert kept <= stored.keys(), "a commit that never committed superseded a root"
         for root_id, keys in acked.items():
-            if root_id in doomed and root_id not in present:
+            if root_id in doomed and root_id not in stored:
                 continue
-            assert root_id in present, f"acknowledged root {root_id} lost"
+            # A superseded root is gone, but a stored root holds every page it held.
+            assert root_id in stored or any(k[: len(keys)] == keys for k in stored.values()), (
+                f"acknowledged root {root_id} lost"
+            )
             bufs = [bytearray(SIZE) for _ in keys]
             assert store.restore(keys, bufs) == len(keys)
             assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in keys]
         # Every root in the index, acknowledged or not, restores only whole, correct pages.
-        for root_id in present:
-            keys = [
-                k
-                for (k,) in store._rconn.execute(
-                    "SELECT key FROM root_pages WHERE root_id = ? ORDER BY pos", (root_id,)
-                )
-            ]
+        for keys in stored.values():
             bufs = [bytearray(SIZE) for _ in keys]
             n = store.restore(keys, bufs)
             assert n == len(keys)
@@ -139,10 +159,14 @@ def test_sigkill_during_commit(tmp_path: Path, step: str) -> None:
     store_dir = tmp_path / "store"
     acked: dict[str, list[str]] = {}
     for nth in (1, 2, 3):
+        kept = set()
         for msg in run_child(commit_child, store_dir, step, nth, nth):
             if msg[0] == "ack":
                 acked[msg[1]] = msg[2]
-        verify_after_crash(store_dir, acked, set(), step)
+            elif msg[0] == "extending":
+                kept.add(msg[1])
+        assert kept, "the killed commit superseded nothing: the test proves less"
+        verify_after_crash(store_dir, acked, set(), step, kept)
     assert len(acked) >= 3
 
 
@@ -157,5 +181,5 @@ def test_sigkill_during_eviction(tmp_path: Path, step: str) -> None:
                 acked[msg[1]] = msg[2]
             elif msg[0] == "removing":
                 doomed.update(msg[1])
-        verify_after_crash(store_dir, acked, doomed, step)
+        verify_after_crash(store_dir, acked, doomed, step, set())
     assert doomed

@@ -1,5 +1,6 @@
 """Model-based test: random commits, restores, evictions, collections and reconciles
-against a plain-Python model of which roots exist and what their pages hold."""
+against a plain-Python model of which roots exist (a commit supersedes the roots that are
+its prefixes, and is not stored if one extends it) and what their pages hold."""
 
 from __future__ import annotations
 
@@ -40,8 +41,18 @@ def test_store_matches_a_model(tmp_path: Path) -> None:
             keys = [key(group, i) for i in range(length)]
             if tail:
                 keys.append(key(100 + int(root_id, 16), 0))
-            self.store.commit(make_root(root_id, keys, SIZE))
-            self.roots[root_id] = keys
+            result = self.store.commit(make_root(root_id, keys, SIZE))
+            # Keys are chained (key(group, i) stands for the prefix 0..i of the group), so
+            # a root extending this one makes it redundant, and it supersedes its prefixes.
+            extended = any(len(k) > len(keys) and k[: len(keys)] == keys
+                           for k in self.roots.values())
+            assert result.covered == extended
+            if not extended:
+                prefixes = [r for r, k in self.roots.items() if keys[: len(k)] == k]
+                assert result.roots_superseded == len(prefixes)
+                for r in prefixes:
+                    del self.roots[r]
+                self.roots[root_id] = keys
 
         @rule(seconds=st.floats(0, 10))
         def advance(self, seconds: float) -> None:
@@ -66,6 +77,8 @@ def test_store_matches_a_model(tmp_path: Path) -> None:
 
         @invariant()
         def every_root_restores(self) -> None:
+            stored = {r for (r,) in self.store._rconn.execute("SELECT id FROM roots")}
+            assert stored == self.roots.keys()
             assert self.store.usage().entries == len(self.roots)
             for keys in self.roots.values():
                 bufs = [bytearray(SIZE) for _ in keys]

@@ -181,6 +181,7 @@ class Commit:
             result = self.store.commit(Root(root_id, pages))
             status = DurableStatus.DURABLE
             self.life.processed += 1
+            self.life.roots_superseded += result.roots_superseded
             log.debug("committed %s in %.3fs: %s", root_id, time.perf_counter() - t0, result)
         except ValueError as exc:
             self.life.failed += 1

@@ -166,6 +166,7 @@ class Lifecycle:
         self._wake_fd = -1  # readable once a stop signal has arrived (signal wakeup fd)
         self._rare = RateLimitedLog(log)
         self.prefaulted_bytes = 0  # set by capture's prefault thread (an int store)
+        self.roots_superseded = 0
         self._beat_due = 0.0  # time.monotonic() after which progress() beats
         # Only this thread writes the stats slot (a store's fsync thread also passes
         # checkpoints, and a slot has one writer).
@@ -225,6 +226,7 @@ class Lifecycle:
                 os.getpid(), int(self.state), time.time(), self.started, self.processed,
                 self.failed, self.item_errors, self.backlog, self.used_bytes, self.copy_bytes,
                 self.copy_seconds, self.prefaulted_bytes, self.pid_start,
+                self.roots_superseded,
                 *self.drops.values(),
             ),
         )

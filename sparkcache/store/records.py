@@ -63,6 +63,11 @@ class CommitResult:
     pages_deduplicated: int
     bytes_written: int
     retries: int
+    # Roots of other ids that were prefixes of this one (same pages or fewer), dropped in
+    # its transaction: a later turn of a conversation replaces the earlier turn's root.
+    roots_superseded: int = 0
+    # A stored root already extends this one: no root was created, its lease was renewed.
+    covered: bool = False
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,13 @@ Commit protocol (invariants 1 and 3 of the design brief; details in docs/store.m
   3. ``BEGIN IMMEDIATE``; re-check every key: one this commit relied on but did not write
      that is no longer live (collected meanwhile), or one it wrote whose file is gone (swept
      by a concurrent reconcile), rolls back and goes round again for those keys; then rows
-     for our files, the root (with its lease), its pages and references; ``COMMIT``
-     (fsynced WAL). Only then is the root acknowledged.
+     for our files, the root (with its lease), its pages and references, and the roots it
+     supersedes (its prefixes) dropped; or, if a stored root extends it, only that root's
+     lease renewed; ``COMMIT`` (fsynced WAL). Only then is the root acknowledged.
 Any failure before the COMMIT unlinks every file this commit wrote; earlier roots are
-untouched.
+untouched. Superseding in the same transaction is crash-safe for the same reason: before
+the COMMIT the superseded roots are all there, after it the new root holds every page they
+held, so none of those pages ever has no reference.
 
 Eviction protocol (invariant 2): ``select_victims`` walks the LRU index; ``remove_roots``
 deletes roots and drops their references in one durable transaction, re-checking leases;
@@ -74,6 +77,16 @@ class StoreCounters:
     commit_retries: int = 0
     quarantined: int = 0
     missing_files: int = 0
+    roots_superseded: int = 0
+    commits_covered: int = 0
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """What a commit's transaction did with its root (see ``PageStore._place_root``)."""
+
+    superseded: int  # roots of other ids dropped because the new root extends them
+    covered: bool  # a stored root extends the new one: no root was created
 
 
 class _Conflict(Exception):
@@ -178,9 +191,11 @@ class PageStore:
                 live = self._live_keys(list(data.keys() - written.keys()))
                 delta = [k for k in data if k not in live and k not in written]
                 self._writer.write(delta, data, written)
-                conflict = self._publish(root.root_id, keys, pieces, written, surplus)
-                if not conflict:
+                try:
+                    placement = self._publish(root.root_id, keys, pieces, written, surplus)
                     break
+                except _Conflict as exc:
+                    conflict = exc.keys
                 for key in conflict:
                     written.pop(key, None)  # only files that are gone; rewritten next round
                 retries += 1
@@ -210,6 +225,8 @@ class PageStore:
         for w in surplus:
             del written[w.key]
         self.counters.commits += 1
+        self.counters.roots_superseded += placement.superseded
+        self.counters.commits_covered += placement.covered
         pages_written = sum(1 for w in written.values() if w.key in data)
         return CommitResult(
             root_id=root.root_id,
@@ -218,6 +235,8 @@ class PageStore:
             pages_deduplicated=len(keys) - pages_written,
             bytes_written=sum(p.nbytes for k in written for p in data[k]),
             retries=retries,
+            roots_superseded=placement.superseded,
+            covered=placement.covered,
         )
 
     def _live_keys(self, keys: list[str]) -> set[str]:
@@ -231,41 +250,116 @@ class PageStore:
         pieces: list[list[memoryview]],
         written: dict[str, WrittenFile],
         surplus: list[WrittenFile],
-    ) -> set[str]:
-        """Step 3: the index transaction. Returns the keys that vanished (retry) or ``{}``.
+    ) -> _Placement:
+        """Step 3: the index transaction. Raises ``_Conflict`` (rolled back) with the keys
+        that vanished, to be written again.
 
         Fills ``surplus`` with files we wrote whose key another committer stored first.
         """
         now = self._clock()
         sizes = {k: sum(p.nbytes for p in v) for k, v in zip(keys, pieces, strict=True)}
         surplus.clear()
-        try:
-            with index.write_txn(self._wconn) as conn:
-                self._adopt_objects(conn, sizes, written, surplus, now)
-                self._drop_root(conn, root_id)
-                conn.execute(
-                    "INSERT INTO roots VALUES (?, ?, ?, ?, ?, ?)",
-                    (
-                        root_id,
-                        sum(sizes[k] for k in keys),
-                        len(keys),
-                        now,
-                        now,
-                        now + self.lease_seconds,
-                    ),
-                )
-                conn.executemany(
-                    "INSERT INTO root_pages VALUES (?, ?, ?)",
-                    [(root_id, pos, key) for pos, key in enumerate(keys)],
-                )
-                conn.executemany(
-                    "UPDATE objects SET refcount = refcount + ? WHERE key = ?",
-                    [(n, key) for key, n in Counter(keys).items()],
-                )
-                self._hook("commit.index_txn")
-        except _Conflict as conflict:
-            return conflict.keys
-        return set()
+        with index.write_txn(self._wconn) as conn:
+            self._adopt_objects(conn, sizes, written, surplus, now)
+            placement = self._place_root(conn, root_id, keys, sizes, now)
+            self._hook("commit.index_txn")
+        return placement
+
+    def _place_root(
+        self,
+        conn: sqlite3.Connection,
+        root_id: str,
+        keys: list[str],
+        sizes: dict[str, int],
+        now: float,
+    ) -> _Placement:
+        """Inside the commit transaction: insert the root, its pages and references in
+        place of the roots it supersedes, or nothing if a stored root already extends it.
+
+        Either way no root is left that is a prefix of another (a conversation keeps one
+        root however many turns it publishes), and no page of a dropped root loses its
+        last reference: chained keys make a root ending in ``keys[p-1]`` at position
+        ``p-1`` hold exactly ``keys[:p]``, which the new root holds too.
+        """
+        lease_until = now + self.lease_seconds
+        if self._renew_extensions(conn, keys, now, lease_until):
+            return _Placement(superseded=0, covered=True)
+        # References are netted: a superseded root's pages are the new root's too, so
+        # dropping one and adding the other leaves their refcounts as they were.
+        refs = Counter(keys)
+        last_access, superseded = now, 0
+        for old_id, old_lease, old_access in self._prefix_roots(conn, keys):
+            # A lease taken on the old prefix (a lookup about to restore it, a capture
+            # relying on it) must keep protecting those pages, now held by the new root.
+            lease_until = max(lease_until, old_lease)
+            last_access = max(last_access, old_access)
+            self._unlink_root(conn, old_id, refs)
+            superseded += old_id != root_id
+        # The same id that is not a prefix (an earlier publication of the sequence that
+        # ended in a tail page) is replaced, as it always was.
+        self._unlink_root(conn, root_id, refs)
+        conn.execute(
+            "INSERT INTO roots VALUES (?, ?, ?, ?, ?, ?)",
+            (root_id, sum(sizes[k] for k in keys), len(keys), now, last_access, lease_until),
+        )
+        conn.executemany(
+            "INSERT INTO root_pages VALUES (?, ?, ?)",
+            [(root_id, pos, key) for pos, key in enumerate(keys)],
+        )
+        self._add_refs(conn, refs)
+        return _Placement(superseded=superseded, covered=False)
+
+    def _renew_extensions(
+        self, conn: sqlite3.Connection, keys: list[str], now: float, lease_until: float
+    ) -> bool:
+        """Renew the lease and last access of the roots that extend ``keys`` (hold its
+        last page at its position, and more pages), as a restore of the prefix would;
+        whether there are any. Such a root already holds every page of ``keys``."""
+        n = len(keys)
+        cur = conn.execute(
+            "UPDATE roots SET last_access = max(last_access, ?), "
+            "lease_until = max(lease_until, ?) WHERE pages > ? AND id IN "
+            "(SELECT root_id FROM root_pages WHERE key = ? AND pos = ?)",
+            (now, lease_until, n, keys[-1], n - 1),
+        )
+        return cur.rowcount > 0
+
+    def _prefix_roots(
+        self, conn: sqlite3.Connection, keys: list[str]
+    ) -> list[tuple[str, float, float]]:
+        """``(id, lease_until, last_access)`` of the roots that are prefixes of ``keys``
+        (the whole of it included): ``p`` pages, the last of them ``keys[p-1]``.
+
+        Only one length is looked at: the longest prefix of ``keys`` any root holds. A
+        prefix root ending earlier would be a prefix of the root holding that longer one,
+        and every commit drops such roots (this method is how), so none is left (a store
+        written before supersession may keep some, which eviction removes). Asking every
+        position instead costs a probe per root sharing each page: with a system prompt
+        shared by thousands of conversations, every commit would be slow."""
+        n = self._held_prefix(conn, keys)
+        if n == 0:
+            return []
+        return conn.execute(
+            "SELECT r.id, r.lease_until, r.last_access FROM root_pages rp "
+            "JOIN roots r ON r.id = rp.root_id "
+            "WHERE rp.key = ? AND rp.pos = ? AND r.pages = ?",
+            (keys[n - 1], n - 1, n),
+        ).fetchall()
+
+    @staticmethod
+    def _held_prefix(conn: sqlite3.Connection, keys: list[str]) -> int:
+        """How many leading ``keys`` some root holds at their positions: a binary search,
+        since chained keys make a root holding page ``i`` hold every page before it."""
+        lo, hi = 0, len(keys)  # held below lo, not held from hi on
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if conn.execute(
+                "SELECT 1 FROM root_pages WHERE key = ? AND pos = ? LIMIT 1", (keys[mid], mid)
+            ).fetchone():
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
     def _adopt_objects(
         self,
@@ -305,19 +399,32 @@ class PageStore:
 
     def _drop_root(self, conn: sqlite3.Connection, root_id: str) -> int:
         """Delete a root and its references inside the caller's transaction; its bytes."""
+        refs: Counter[str] = Counter()
+        freed = self._unlink_root(conn, root_id, refs)
+        self._add_refs(conn, refs)
+        return freed
+
+    @staticmethod
+    def _unlink_root(conn: sqlite3.Connection, root_id: str, refs: Counter[str]) -> int:
+        """Delete a root's rows inside the caller's transaction and subtract its
+        references from ``refs``, for the caller to apply (``_add_refs``); its bytes."""
         row = conn.execute("SELECT bytes FROM roots WHERE id = ?", (root_id,)).fetchone()
         if row is None:
             return 0
-        old = [
+        refs.subtract(
             k for (k,) in conn.execute("SELECT key FROM root_pages WHERE root_id = ?", (root_id,))
-        ]
-        conn.executemany(
-            "UPDATE objects SET refcount = refcount - ? WHERE key = ?",
-            [(n, key) for key, n in Counter(old).items()],
         )
         conn.execute("DELETE FROM root_pages WHERE root_id = ?", (root_id,))
         conn.execute("DELETE FROM roots WHERE id = ?", (root_id,))
         return int(row[0])
+
+    @staticmethod
+    def _add_refs(conn: sqlite3.Connection, refs: Counter[str]) -> None:
+        """Add ``refs`` (key -> references gained, negative if lost) to the refcounts."""
+        conn.executemany(
+            "UPDATE objects SET refcount = refcount + ? WHERE key = ?",
+            [(n, key) for key, n in refs.items() if n],
+        )
 
     # ------------------------------------------------------------------ read side
 
