@@ -9,8 +9,13 @@
 * ``scheduler_step_us_p99`` / ``worker_step_us_p99``: time spent in the connector's calls
   per engine step, scheduler side and one worker side, with 8 requests running and
   loads and saves in flight (vLLM 0.33's real Scheduler and worker-side connector, a real
-  supervisor, the stand-in forward of ``tests/with_vllm/harness.py``). Targets <= 500 and
-  <= 200.
+  supervisor, the stand-in forward of ``tests/with_vllm/harness.py``), after
+  ``WARMUP_STEPS``. Targets <= 500 and <= 200. ``*_cpu_us_p99``: this thread's CPU time
+  in those calls (equal to the wall time: the time is work, not waiting).
+  ``worker_step_copy_us_p99``: the CPU backend's own copies between its private KV and
+  the staging segment (the one copy per page no other process can make);
+  ``worker_step_beside_copies_us_p99``: the rest. ``*_slowest_steps_us``: where the
+  slowest 1 % of steps spent their time, per call.
 * ``restore_vs_sequential``: from ``scripts/bench_restore.py`` when it is there.
 
 Needs the scheduler environment: ``.vllm/sched/bin/python scripts/bench_connector.py
@@ -36,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from sparkcache import config, segments  # noqa: E402
+from sparkcache import config  # noqa: E402
 from sparkcache.identity import Namespace, sequence_keys  # noqa: E402
 from sparkcache.prefix_lookup import PrefixLookup  # noqa: E402
 from sparkcache.store import PageStore  # noqa: E402
@@ -52,9 +57,14 @@ def lookup_ms_300k(tmp: Path) -> float:
     keys = list(sequence_keys(ns, list(range(300_000))).pages)
     with PageStore(store, 0) as st:
         st.commit(make_root("ab" * 16, keys[: 100_000 // 16], 64))
-    segs = segments.RankSegments.create(cfg, 0, 4)  # the lease ring; nothing consumes it
+    # A real supervisor: the lookup answers only while maintenance is alive to take
+    # its lease.
+    sup = start_supervisor(store, instance)
     try:
         lookup = PrefixLookup(cfg, 1)
+        deadline = time.monotonic() + 60
+        while lookup.lookup(keys) == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)  # maintenance not READY yet
         times = []
         for _ in range(50):
             t0 = time.perf_counter()
@@ -63,7 +73,7 @@ def lookup_ms_300k(tmp: Path) -> float:
         lookup.close()
         assert pages == 100_000 // 16, pages
     finally:
-        segs.close()
+        stop(sup)
     return statistics.median(times) * 1e3
 
 
@@ -82,6 +92,11 @@ def start_supervisor(store: Path, instance: str) -> subprocess.Popen:
     return proc
 
 
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+
+
 # As deployed: SparkCache's workers on their own core, the engine (here, this process)
 # on the others. On a 2-core machine that is one core each.
 _CORES = sorted(os.sched_getaffinity(0))
@@ -95,18 +110,35 @@ WORKER_CALLS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "ge
                 "clear_connector_metadata", "handle_preemptions")
 
 
-def _timed(obj: object, names: tuple[str, ...], acc: list[float]) -> None:
-    """Wrap ``obj``'s methods ``names`` so each call adds its duration to ``acc[0]``."""
+def _timed(obj: object, names: tuple[str, ...], acc: dict[str, float],
+           cpu: dict[str, float]) -> None:
+    """Wrap ``obj``'s methods ``names`` so each call adds its duration to ``acc[name]``
+    and the CPU time of this thread during it to ``cpu[name]``."""
     for name in names:
         real = getattr(obj, name)
 
-        def wrapper(*a, _real=real, **k):
-            t0 = time.perf_counter()
+        def wrapper(*a, _real=real, _name=name, **k):
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return _real(*a, **k)
             finally:
-                acc[0] += time.perf_counter() - t0
+                acc[_name] += time.perf_counter() - t0
+                cpu[_name] += time.thread_time() - c0
         setattr(obj, name, wrapper)
+
+
+def _slowest_calls(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Where the slowest 1 % of steps spent their time: microseconds per call, summed."""
+    worst = sorted(steps, key=lambda d: sum(d.values()))[-max(1, len(steps) // 100):]
+    total: dict[str, float] = defaultdict(float)
+    for d in worst:
+        for name, sec in d.items():
+            total[name] += sec
+    return {name: round(sec / len(worst) * 1e6, 1)
+            for name, sec in sorted(total.items(), key=lambda kv: -kv[1]) if sec}
+
+
+WARMUP_STEPS = 50
 
 
 def step_times(tmp: Path, steps: int) -> dict:
@@ -115,12 +147,26 @@ def step_times(tmp: Path, steps: int) -> dict:
     store, instance = tmp / "step-store", f"bs{uuid.uuid4().hex[:8]}"
     sup = start_supervisor(store, instance)
     os.sched_setaffinity(0, ENGINE_CORES)
-    sched_acc, worker_acc = [0.0], [0.0]
-    per_step: dict[str, list[float]] = defaultdict(list)
+    # As vLLM's CPU worker does: one torch thread per core it is bound to. torch's default
+    # (one per core of the machine) would oversubscribe the engine's core.
+    import torch
+
+    torch.set_num_threads(len(ENGINE_CORES))
+    sched_acc: dict[str, float] = defaultdict(float)
+    worker_acc: dict[str, float] = defaultdict(float)
+    copy_acc: dict[str, float] = defaultdict(float)
+    sched_cpu: dict[str, float] = defaultdict(float)
+    worker_cpu: dict[str, float] = defaultdict(float)
+    per_step: dict[str, list[dict[str, float]]] = defaultdict(list)
     try:
         with rig(store, instance, num_blocks=1024, max_batched=512) as r:
-            _timed(r.sched.get_kv_connector(), SCHED_CALLS, sched_acc)
-            _timed(r.workers[0], WORKER_CALLS, worker_acc)
+            _timed(r.sched.get_kv_connector(), SCHED_CALLS, sched_acc, sched_cpu)
+            _timed(r.workers[0], WORKER_CALLS, worker_acc, worker_cpu)
+            # The CPU backend's KV is private memory: the connector copies each page into
+            # staging (saves) and out of it (loads) itself, timed apart.
+            staging = r.workers[0]._worker.staging
+            if staging is not None:
+                _timed(staging, ("copy_in", "copy_out"), copy_acc, defaultdict(float))
             turns: dict[int, list[int]] = {}
             running = 8
             n = 0
@@ -136,29 +182,44 @@ def step_times(tmp: Path, steps: int) -> dict:
                 next_turn(conv)
             loads = saves = 0
             for _ in range(steps):
-                sched_acc[0] = worker_acc[0] = 0.0
+                for acc in (sched_acc, worker_acc, sched_cpu, worker_cpu, copy_acc):
+                    acc.clear()
                 before = set(r.sched.requests)
                 so = r.step()
                 meta = so.kv_connector_metadata
                 loads += len(meta.loads)
                 saves += len(meta.saves)
-                per_step["sched"].append(sched_acc[0])
-                per_step["worker"].append(worker_acc[0])
+                per_step["sched"].append(dict(sched_acc))
+                per_step["worker"].append(dict(worker_acc))
+                per_step["sched_cpu"].append(sum(sched_cpu.values()))
+                per_step["worker_cpu"].append(sum(worker_cpu.values()))
+                per_step["copy"].append(sum(copy_acc.values()))
                 for rid in before - set(r.sched.requests):  # finished: the next turn
                     next_turn(int(rid[1:].split("-")[0]))
             stats = r.workers[0]._worker.counters
     finally:
-        sup.send_signal(signal.SIGTERM)
-        sup.wait(60)
+        stop(sup)
+
+    for key in per_step:  # steady state: the first steps open readers, rings, staging
+        del per_step[key][:WARMUP_STEPS]
+    sched = [sum(d.values()) for d in per_step["sched"]]
+    worker = [sum(d.values()) for d in per_step["worker"]]
+    beside_copies = [w - c for w, c in zip(worker, per_step["copy"], strict=True)]
 
     def p99(xs: list[float]) -> float:
         return round(statistics.quantiles(xs, n=100)[98] * 1e6, 1)
 
-    return {"scheduler_step_us_p99": p99(per_step["sched"]),
-            "worker_step_us_p99": p99(per_step["worker"]),
-            "scheduler_step_us_p50": round(statistics.median(per_step["sched"]) * 1e6, 1),
-            "worker_step_us_p50": round(statistics.median(per_step["worker"]) * 1e6, 1),
-            "steps": steps, "loads": loads, "saves": saves,
+    return {"scheduler_step_us_p99": p99(sched),
+            "worker_step_us_p99": p99(worker),
+            "worker_step_copy_us_p99": p99(per_step["copy"]),
+            "worker_step_beside_copies_us_p99": p99(beside_copies),
+            "scheduler_step_cpu_us_p99": p99(per_step["sched_cpu"]),
+            "worker_step_cpu_us_p99": p99(per_step["worker_cpu"]),
+            "scheduler_step_us_p50": round(statistics.median(sched) * 1e6, 1),
+            "worker_step_us_p50": round(statistics.median(worker) * 1e6, 1),
+            "scheduler_slowest_steps_us": _slowest_calls(per_step["sched"]),
+            "worker_slowest_steps_us": _slowest_calls(per_step["worker"]),
+            "steps": steps - WARMUP_STEPS, "loads": loads, "saves": saves,
             "loaded_pages": int(stats["loaded_pages"])}
 
 
@@ -177,7 +238,7 @@ def _script_json(name: str, *args: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=1000)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         result = {"lookup_ms_300k": round(lookup_ms_300k(Path(tmp)), 3)}
