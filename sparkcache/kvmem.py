@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,17 +23,9 @@ from sparkcache.registry import (  # noqa: F401  (where callers have found them)
     registry_path,
     write_registry,
 )
+from sparkcache.segments import engine_segment_role
 
 KV_SPEC = SegmentSpec("kvcache", 1)
-# An engine's own segment (its KV, or a staging pool) is named <instance>.r<rank>.kv<pid>:
-# it belongs to the engine, not to a supervisor, and outlives supervisor restarts.
-_ENGINE_ROLE = "kv"
-_ENGINE_ENTRY_RE = re.compile(r"\.r\d+\.kv\d+$")
-
-
-def is_engine_segment(entry: str) -> bool:
-    """Is ``/dev/shm`` entry ``entry`` an engine's own segment (``SharedKVCaches``)?"""
-    return _ENGINE_ENTRY_RE.search(entry) is not None
 _ALIGN = 4096
 # Payload address range -> segment name, for every SharedKVCaches alive in this process.
 _LIVE: dict[tuple[int, int], str] = {}
@@ -65,7 +56,7 @@ class SharedKVCaches:
         for size in sizes:
             offsets.append(total)
             total += (size + _ALIGN - 1) // _ALIGN * _ALIGN
-        seg = Segment.create(segment_name(instance, rank, f"{_ENGINE_ROLE}{os.getpid()}"),
+        seg = Segment.create(segment_name(instance, rank, engine_segment_role(os.getpid())),
                              KV_SPEC, total)
         base = seg.array(np.uint8, 0, total)
         tensors = [

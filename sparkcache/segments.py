@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,22 @@ from shm.records import RecordLayout
 from sparkcache.config import AccessMode, Config
 
 log = logging.getLogger(__name__)
+
+# An engine's own segment (its KV, or a staging pool: sparkcache.kvmem.SharedKVCaches) is
+# named <instance>.r<rank>.kv<pid>: it belongs to the engine, not to a supervisor, and
+# outlives supervisor restarts. Here, not in kvmem, so that the supervisor (and every
+# worker that spawn starts through the CLI) does not import torch to recognise one.
+_ENGINE_ENTRY_RE = re.compile(r"\.r\d+\.kv\d+$")
+
+
+def engine_segment_role(pid: int) -> str:
+    """The role part of the name of engine process ``pid``'s own segment."""
+    return f"kv{pid}"
+
+
+def is_engine_segment(entry: str) -> bool:
+    """Is ``/dev/shm`` entry ``entry`` an engine's own segment?"""
+    return _ENGINE_ENTRY_RE.search(entry) is not None
 
 # Ring capacities, in records. PUBLISH and LOAD hold one record per page: a publication or
 # a load is pushed as one batch, so this also caps the pages of one (300k tokens of

@@ -27,7 +27,7 @@ import psutil
 
 from shm import SegmentError, TornRead, sweep
 from shm.segment import SHM_DIR, foreign_entries, instance_entries, read_creator, user
-from sparkcache import kvmem, runtime, segments
+from sparkcache import runtime, segments
 from sparkcache.config import AccessMode, Config
 from sparkcache.runtime import RUNTIME_FILE
 from sparkcache.store import UnsafeStoreDir, layout
@@ -161,7 +161,7 @@ class Supervisor:
             )
         # A running engine's own segments are not a supervisor's: a supervisor started
         # (or restarted) under a running engine serves it.
-        left = [e for e in instance_entries(inst) if not kvmem.is_engine_segment(e)]
+        left = [e for e in instance_entries(inst) if not segments.is_engine_segment(e)]
         if left:
             creator = read_creator(SHM_DIR / left[0])
             who = f" of pid {creator[0]}" if creator else ""

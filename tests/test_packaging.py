@@ -75,3 +75,14 @@ def test_only_setup_pins_the_cpu_torch() -> None:
     never resolves (and downloads) another torch for the range pyproject.toml admits."""
     setup = (REPO / "scripts" / "setup").read_text()
     assert '"torch==2.13.0"' in setup and "-c .venv/constraints.txt -e" in setup
+
+
+@pytest.mark.parametrize("module", ["sparkcache.cli", "workers.commit", "workers.maintenance"])
+def test_the_cli_and_the_store_workers_do_not_import_torch(module: str) -> None:
+    """spawn re-imports the CLI in every worker: torch there costs each worker ~2 s of CPU
+    at every start. Only capture and restore need it."""
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys, {module}; print('torch' in sys.modules)"],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).parent.parent,
+    )
+    assert out.stdout.strip() == "False"
