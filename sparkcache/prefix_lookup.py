@@ -67,10 +67,11 @@ class PrefixLookup:
             stats = self._stats[rank] = segments.attach_stats(self.cfg, rank)
         return worker_alive(stats.read(int(Role.MAINTENANCE)), self.cfg.heartbeat_timeout_s)
 
-    def lookup(self, keys: Sequence[str]) -> int:
-        """Leading ``keys`` every rank holds, leased for ``lookup_lease_seconds``; 0 on
-        any fault (a miss, counted in ``misses`` by reason)."""
-        if self.cfg.access_mode is AccessMode.OFF or not keys:
+    def lookup(self, keys: Sequence[str], beyond: int = 0) -> int:
+        """Leading ``keys`` every rank holds, leased for ``lookup_lease_seconds``; 0 if
+        they are not more than ``beyond`` (the pages the caller has already: one probe
+        per rank tells), and 0 on any fault (a miss, counted in ``misses`` by reason)."""
+        if self.cfg.access_mode is AccessMode.OFF or len(keys) <= beyond:
             return 0
         self.lookups += 1
         now = time.monotonic()
@@ -78,7 +79,7 @@ class PrefixLookup:
             self.misses["unavailable"] += 1
             return 0
         try:
-            return self._lookup(keys)
+            return self._lookup(keys, beyond)
         except Exception as exc:
             # A store not created yet, a supervisor gone: try again a little later, and
             # drop every handle (a new supervisor makes new rings).
@@ -88,7 +89,7 @@ class PrefixLookup:
             self.close()
             return 0
 
-    def _lookup(self, keys: Sequence[str]) -> int:
+    def _lookup(self, keys: Sequence[str], beyond: int) -> int:
         if not all(self._maintenance_alive(r) for r in range(self.tp_size)):
             raise RuntimeError("no maintenance worker running: no supervisor, or stopped")
         readers = [self._reader(r) for r in range(self.tp_size)]
@@ -101,7 +102,7 @@ class PrefixLookup:
                 held.append(reader)
             pages = len(keys)
             for reader in readers:
-                pages = reader.lookup(keys[:pages])
+                pages = reader.lookup(keys[:pages], beyond)
                 if not pages:
                     self.misses["not_stored"] += 1
                     return 0

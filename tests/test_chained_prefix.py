@@ -26,8 +26,10 @@ def chain(branch: int, length: int) -> list[str]:
 @given(roots=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 9)), min_size=1,
                       max_size=6),
        removed=st.sets(st.integers(0, 5)),
-       query=st.tuples(st.integers(0, 3), st.integers(1, 12)))
-def test_binary_search_equals_the_full_scan(tmp_path_factory, roots, removed, query) -> None:
+       query=st.tuples(st.integers(0, 3), st.integers(1, 12)),
+       beyond=st.integers(0, 13))
+def test_binary_search_equals_the_full_scan(tmp_path_factory, roots, removed, query,
+                                            beyond) -> None:
     store = tmp_path_factory.mktemp("store")
     with PageStore(store, 0) as st_:
         ids = []
@@ -39,8 +41,11 @@ def test_binary_search_equals_the_full_scan(tmp_path_factory, roots, removed, qu
     keys = chain(*query)
     reader = StoreReader(store, 0)
     try:
-        assert chained_prefix(reader.conn, keys) == stored_prefix(reader.conn, keys)
-        assert reader.lookup(keys) == stored_prefix(reader.conn, keys)
+        full = stored_prefix(reader.conn, keys)
+        assert chained_prefix(reader.conn, keys) == full
+        assert reader.lookup(keys) == full
+        # Beyond the pages the caller has: the same prefix, or 0 if it is not longer.
+        assert reader.lookup(keys, beyond) == (full if full > beyond else 0)
     finally:
         reader.close()
 
@@ -58,6 +63,9 @@ def test_a_quarantined_page_mid_chain_ends_the_prefix_there(tmp_path: Path) -> N
         assert stored_prefix(reader.conn, keys) == 2
         assert chained_prefix(reader.conn, keys) == 2
         assert reader.lookup(keys) == 2
+        # Among the pages the caller has already it is not read, and ends nothing.
+        assert reader.lookup(keys, beyond=3) == 6
+        assert reader.lookup(keys, beyond=2) == 0
         bufs = [bytearray(16) for _ in keys]
         assert reader.restore(keys, bufs).pages == 2
     finally:

@@ -69,8 +69,11 @@ def stored_prefix(conn: sqlite3.Connection, keys: Sequence[str]) -> int:
     return n
 
 
-def chained_prefix(conn: sqlite3.Connection, keys: Sequence[str]) -> int:
-    """``stored_prefix`` of a key chain in O(log n) lookups instead of n.
+def chained_prefix(conn: sqlite3.Connection, keys: Sequence[str], beyond: int = 0) -> int:
+    """``stored_prefix`` of a key chain in O(log n) lookups instead of n; or 0 when it is
+    not longer than ``beyond`` pages, the pages the caller has already (vLLM's own prefix
+    cache): one lookup tells, and a quarantined object among those pages does not end
+    the prefix, since it is not read.
 
     Page keys are chained (``sparkcache.identity``): key ``i`` determines keys ``0..i``, so
     a referenced object of key ``i`` belongs to a root that holds all of them, and the
@@ -83,8 +86,12 @@ def chained_prefix(conn: sqlite3.Connection, keys: Sequence[str]) -> int:
                            (require_hex(keys[i], "page key"),)).fetchone()
         return row is not None and row[0] > 0
 
+    if beyond >= len(keys):
+        return 0
     with index.read_txn(conn):  # one snapshot for every probe
-        lo, hi = 0, len(keys)  # keys[:lo] referenced; keys[hi:] not
+        if beyond and not referenced(beyond):
+            return 0  # nor any key after it: each would imply this one
+        lo, hi = beyond, len(keys)  # keys[:lo] referenced; keys[hi:] not
         while lo < hi:
             mid = (lo + hi) // 2
             if referenced(mid):
@@ -94,10 +101,11 @@ def chained_prefix(conn: sqlite3.Connection, keys: Sequence[str]) -> int:
         quarantined = {key for (key,) in conn.execute(
             "SELECT key FROM objects WHERE state = 'quarantined'")}
     if quarantined:
-        for i in range(lo):
+        for i in range(beyond, lo):
             if keys[i] in quarantined:
-                return i
-    return lo
+                lo = i
+                break
+    return lo if lo > beyond else 0
 
 
 class StoreReader:
@@ -126,10 +134,10 @@ class StoreReader:
         self.gate.close()
         os.close(self._objects_fd)
 
-    def lookup(self, keys: Sequence[str]) -> int:
+    def lookup(self, keys: Sequence[str], beyond: int = 0) -> int:
         """Number of leading ``keys`` (a chain) the store holds live: the longest stored
-        prefix, found by ``chained_prefix``."""
-        return chained_prefix(self.conn, keys)
+        prefix, found by ``chained_prefix``; 0 if it is not longer than ``beyond``."""
+        return chained_prefix(self.conn, keys, beyond)
 
     def restore(self, keys: Sequence[str], into: Sequence[object]) -> ReadResult:
         """Read and verify the leading ``keys`` into ``into`` (one writable buffer per page).

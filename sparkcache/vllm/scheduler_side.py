@@ -90,9 +90,9 @@ class SchedulerSide:
         if not keys:
             self.counters["lookup_skipped"] += 1
             return 0, False
-        pages = self.lookup.lookup(keys)
+        start = -(-num_computed_tokens // self.block)  # pages vLLM has (or part of)
+        pages = self.lookup.lookup(keys, beyond=start)
         self.counters["lookups"] += 1
-        start = -(-num_computed_tokens // self.block)
         if pages * self.block <= num_computed_tokens or pages <= start:
             return 0, False
         state = self._reqs[request.request_id]
