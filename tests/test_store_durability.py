@@ -7,6 +7,7 @@ import errno
 import os
 import secrets
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,17 @@ def test_kernel_version() -> None:
     assert dur.kernel_version("6.8.0-45-generic") == (6, 8)
     assert dur.kernel_version("5.4.0") == (5, 4) < (5, 8)
     assert dur.kernel_version("weird") == (0, 0)
+
+
+def test_the_checksum_thread_ends_with_the_store(tmp_path: Path) -> None:
+    def checksummers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("sparkcache-crc")]
+
+    before = checksummers()
+    store = PageStore(tmp_path / "s", 0)
+    page_keys = keys(8)
+    store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
+    assert restores(store, page_keys)
+    assert len(checksummers()) == len(before) + 1
+    store.close()
+    assert checksummers() == before

@@ -164,6 +164,7 @@ class PageStore:
         try:
             self.flush_touches()
         finally:
+            self._writer.close()
             self._wconn.close()
             self._reader.close()
             self.gate.close()
