@@ -1,9 +1,24 @@
 """Micro-benchmark of the page store against the raw disk, measured in one run.
 
-* commit vs raw: committing roots of 1 MiB pages (write, checksum, fsync, rename, directory
-  fsync, index transaction) against writing and fsyncing plain 1 MiB files on the same disk;
-  rounds alternate so drift in the disk affects both alike.
+* commit vs raw: committing roots of 1 MiB pages (checksum, write, rename, one syncfs,
+  index transaction) against writing and fsyncing plain 1 MiB files one by one on the same
+  disk; rounds alternate so drift in the disk affects both alike.
 * restore vs raw read: both read files evicted from the page cache (posix_fadvise DONTNEED).
+* commit and restore vs the disk's limit: publications of 64 and of 4,096 pages of
+  ``--page-kib`` (512 KiB: 16 tokens of an 8-layer, 8-head, 128-dim fp16 model, the page
+  ``bench_restore.py`` uses; 0.5-2 MiB is typical of 7-8B models at 16 tokens a page, or
+  of larger ones split over tensor-parallel ranks) are committed (checksums, files, one
+  syncfs, index transaction), next to the same bytes written as one file with one
+  fsync; then restored and, next to it, that file read sequentially, all from a cold page
+  cache (every file durable, then evicted with posix_fadvise DONTNEED: writing
+  /proc/sys/vm/drop_caches needs privileges). ``restore``: the restore worker's read path
+  (its reader pool, chunks and read-ahead: ``WorkerReads``), all but the copy into KV
+  blocks; ``restore_sync``: ``PageStore.restore`` on the calling thread (the engine-thread
+  path of tests and the GPU check). The filesystem is synced before each timed step so
+  none pays for another's writeback, and the sides take turns going first; 64-page
+  publications run 16 rounds per 4,096-page round. ``*_vs_sequential_<P>`` is
+  SparkCache's throughput over the baseline's (higher is better); ``commit_vs_sequential``
+  and ``restore_vs_sequential`` are the lower of the two sizes.
 * victim selection: 1,000 LRU victims among 1,000,000 roots through the index, next to a
   full scan-and-sort of the same table (the old maintenance pass). The unary ``+`` keeps
   SQLite from using the index for the scan (``NOT INDEXED`` does not stop it from using a
@@ -14,13 +29,15 @@
   conversation where ``--sharing`` roots share a ``--shared-pages`` system prompt. Pages
   are 64 bytes and the WAL is not fsynced, so the index's work is what is measured.
 
-Usage: ``python scripts/bench_store.py [--json] [--dir D] [--pages N] [--roots N]``
+Usage: ``python scripts/bench_store.py [--json] [--dir D] [--pages N] [--roots N]
+[--page-kib K] [--seq-rounds R]``
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -29,13 +46,20 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import numpy as np
+
 from sparkcache.store import PageStore
+from sparkcache.store.reader import StoreReader
 from sparkcache.store.testing import make_root
+from workers.restore import CHUNK_BYTES, READERS, STAGED_CHUNKS, _ReaderPool
 
 MIB = 1 << 20
 PAGES_PER_ROOT = 16
@@ -122,6 +146,155 @@ def bench_io(work: Path, pages: int, rounds: int) -> dict[str, float]:
         "restore_mib_s": written / restore_s,
         "raw_read_mib_s": written / raw_read_s,
         "restore_vs_raw": raw_read_s / restore_s,
+    }
+
+
+def sequential_write(path: Path, payloads: list[bytes]) -> float:
+    """The disk's write limit: ``payloads`` appended to one new file, fsynced once."""
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        for data in payloads:
+            os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def sequential_read(path: Path, chunk: bytearray) -> float:
+    """The disk's read limit: ``path`` read front to back into a reused buffer."""
+    view = memoryview(chunk)
+    start = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while os.readv(fd, [view]):
+            pass
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def timed_in_turn(
+    fns: list[Callable[[], object]], turn: int, before: Callable[[], None]
+) -> list[tuple[float, object]]:
+    """``(seconds, result)`` of each of ``fns``, run in an order rotated by ``turn`` (so
+    over rounds each goes first as often), each after ``before()``."""
+    done = {}
+    shift = turn % len(fns)
+    for fn in fns[shift:] + fns[:shift]:
+        before()
+        start = time.perf_counter()
+        result = fn()
+        done[fn] = (time.perf_counter() - start, result)
+    return [done[fn] for fn in fns]
+
+
+def evict(paths: list[Path]) -> None:
+    """Nothing dirty anywhere, ``paths`` out of the page cache: a cold read follows."""
+    os.sync()
+    drop_cache(paths)
+
+
+class WorkerReads:
+    """The restore worker's read path as ``Restore._read_and_write`` drives it: the plan
+    read in ``CHUNK_BYTES`` chunks by its reader pool (``READERS`` threads, each with its
+    own ``StoreReader``), ``STAGED_CHUNKS`` of them ahead; all but the copy into KV
+    blocks."""
+
+    def __init__(self, store: PageStore, page_bytes: int) -> None:
+        self._plan = store._reader.plan
+        layout = store.layout
+        self._pool = _ReaderPool(partial(StoreReader, layout.store_dir, layout.rank), READERS)
+        self._chunk = max(1, CHUNK_BYTES // page_bytes)
+        self._staging = [np.empty((self._chunk, page_bytes), np.uint8)
+                         for _ in range(STAGED_CHUNKS)]
+
+    def close(self) -> None:
+        self._pool.close()
+
+    def restore(self, keys: list[str]) -> int:
+        """Pages of ``keys`` read and verified, in order, up to the first missing or bad."""
+        plan = self._plan(keys)
+        starts = iter(range(0, len(plan), self._chunk))
+        free = list(range(len(self._staging)))
+        inflight: deque[tuple[int, int, Future]] = deque()
+
+        def submit(start: int) -> None:
+            buf = free.pop()
+            chunk = plan[start : start + self._chunk]
+            inflight.append((len(chunk), buf, self._pool.submit(chunk, self._staging[buf])))
+
+        for start in itertools.islice(starts, len(free)):
+            submit(start)
+        restored = 0
+        while inflight:
+            want, buf, fut = inflight.popleft()
+            got = fut.result().pages
+            restored += got
+            free.append(buf)
+            if got < want:
+                for _, _, rest in inflight:
+                    rest.result()
+                break
+            nxt = next(starts, None)
+            if nxt is not None:
+                submit(nxt)
+        return restored
+
+
+def bench_vs_sequential(
+    work: Path, page_bytes: int, pages: int, rounds: int
+) -> dict[str, float]:
+    """Commit and restore of ``pages``-page publications against one file of the same bytes
+    written with one fsync and read sequentially, ``rounds`` times, in turn."""
+    seq_dir = work / f"seq-{pages}"
+    seq_dir.mkdir(mode=0o700)
+    total = dict.fromkeys(("commit", "write", "restore", "restore_sync", "read"), 0.0)
+    # PageStore.restore's buffers are reused every 16 pages: pages are read in order, so a
+    # long prefix needs no memory of its own size.
+    bufs = [bytearray(page_bytes) for _ in range(16)]
+    into = [bufs[i % len(bufs)] for i in range(pages)]
+    with PageStore(work / f"store-{pages}", 0, lease_seconds=0) as store:
+        reads = WorkerReads(store, page_bytes)
+        try:
+            for r in range(rounds):
+                keys = [os.urandom(16).hex() for _ in range(pages)]
+                root = make_root(os.urandom(16).hex(), keys, page_bytes)
+                path = seq_dir / f"round-{r}"
+                write = partial(sequential_write, path, [bytes(p.data) for p in root.pages])
+                (commit_s, _), (write_s, _) = timed_in_turn(
+                    [partial(store.commit, root), write], r, before=os.sync
+                )
+                if r == 0:
+                    reads.restore(keys)  # untimed: each reader thread opens its index
+                objects = [p for p in store.layout.objects_dir.rglob("*.*") if p.is_file()]
+                (restore_s, n), (sync_s, n_sync), (read_s, _) = timed_in_turn(
+                    [partial(reads.restore, keys), partial(store.restore, keys, into),
+                     partial(sequential_read, path, bufs[0])],
+                    r, before=partial(evict, [path, *objects]),
+                )
+                if (n, n_sync) != (pages, pages):
+                    raise RuntimeError(f"restored {n} and {n_sync} of {pages} pages")
+                seconds = (commit_s, write_s, restore_s, sync_s, read_s)
+                for side, s in zip(total, seconds, strict=True):
+                    total[side] += s
+                # Untimed: the next round starts from an empty store, and the space is freed.
+                path.unlink()
+                store.remove_roots([root.root_id])
+                store.collect(pages)
+        finally:
+            reads.close()
+    mib = pages * page_bytes * rounds / MIB
+    return {
+        f"commit_mib_s_{pages}": mib / total["commit"],
+        f"sequential_write_mib_s_{pages}": mib / total["write"],
+        f"commit_vs_sequential_{pages}": total["write"] / total["commit"],
+        f"restore_mib_s_{pages}": mib / total["restore"],
+        f"restore_sync_mib_s_{pages}": mib / total["restore_sync"],
+        f"sequential_read_mib_s_{pages}": mib / total["read"],
+        f"restore_vs_sequential_{pages}": total["read"] / total["restore"],
+        f"restore_sync_vs_sequential_{pages}": total["read"] / total["restore_sync"],
     }
 
 
@@ -237,6 +410,10 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, help="directory on the disk to measure")
     parser.add_argument("--pages", type=int, default=512, help="1 MiB pages per side")
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds")
+    parser.add_argument("--page-kib", type=int, default=512,
+                        help="page size of the comparison with the disk's limit")
+    parser.add_argument("--seq-rounds", type=int, default=4,
+                        help="rounds of 4,096-page publications (64-page: 16x as many)")
     parser.add_argument("--roots", type=int, default=1_000_000, help="victim inventory")
     parser.add_argument("--victims", type=int, default=1000)
     parser.add_argument("--long-pages", type=int, default=20_000)
@@ -246,6 +423,14 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="sparkcache-bench-", dir=args.dir))
     try:
         result = {**bench_io(work, args.pages, args.rounds)}
+        page_bytes = args.page_kib * 1024
+        result["sequential_page_bytes"] = page_bytes
+        for pages, rounds in ((64, 16 * args.seq_rounds), (4096, args.seq_rounds)):
+            result.update(bench_vs_sequential(work, page_bytes, pages, rounds))
+        for side in ("commit", "restore"):
+            result[f"{side}_vs_sequential"] = min(
+                result[f"{side}_vs_sequential_{p}"] for p in (64, 4096)
+            )
         result.update(bench_victims(work, args.roots, args.victims))
         result.update(bench_supersede(work, args.long_pages, args.sharing, args.shared_pages))
     finally:

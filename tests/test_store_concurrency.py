@@ -42,7 +42,7 @@ def test_commit_retries_when_a_deduplicated_page_is_collected_meanwhile(
     def collect_shared_page(step: str) -> None:
         # Between the committer's dedup check and its transaction, another process
         # removes the only root holding the shared page and collects the page.
-        if step == "commit.dir_fsync" and armed and not fired:
+        if step == "commit.durable" and armed and not fired:
             fired.append(step)
             evictor.remove_roots([first])
             assert evictor.collect(10).objects == 2
@@ -122,7 +122,7 @@ def test_reconcile_beside_a_commit_never_strands_it(tmp_path: Path) -> None:
     swept = []
 
     def sweep(step: str) -> None:
-        if step == "commit.dir_fsync" and not swept:
+        if step == "commit.durable" and not swept:
             swept.append(sweeper.reconcile(grace_seconds=0))
 
     committer = PageStore(tmp_path / "s", 0, hook=sweep)

@@ -43,7 +43,7 @@ def random_root(rng: random.Random) -> tuple[str, list[str]]:
 
 
 # Steps reached once per page written; the others once per commit.
-PER_PAGE_STEPS = {"commit.temp_write", "commit.fsync", "commit.rename"}
+PER_PAGE_STEPS = {"commit.temp_write", "commit.written", "commit.rename"}
 
 
 def commit_child(store_dir: Path, step: str, nth: int, seed: int, conn: Connection) -> None:
@@ -102,9 +102,9 @@ def run_child(target, *args) -> list[tuple]:
 # What the kill must leave behind for reconcile() to clean up (proves the kill landed).
 LEFTOVERS = {
     "commit.temp_write": "temp_files_removed",
-    "commit.fsync": "temp_files_removed",
+    "commit.written": "temp_files_removed",
     "commit.rename": "orphan_files_removed",
-    "commit.dir_fsync": "orphan_files_removed",
+    "commit.durable": "orphan_files_removed",
     "commit.index_txn": "orphan_files_removed",
     "collect.unlink": "orphan_files_removed",
 }

@@ -1,4 +1,4 @@
-"""Disk full, EIO on fsync and bit flips: failures are clean, corruption is always caught."""
+"""Disk full, EIO on a sync and bit flips: failures are clean, corruption is always caught."""
 
 from __future__ import annotations
 
@@ -55,24 +55,29 @@ def test_disk_full_fails_cleanly_and_recovers(tmp_path: Path) -> None:
     store.close()
 
 
-def test_eio_on_fsync_fails_the_commit_and_is_not_retried(tmp_path: Path) -> None:
-    ops = FaultyFileOps()
+@pytest.mark.parametrize("per_file_sync", [False, True], ids=["syncfs", "fsync-each"])
+def test_eio_on_sync_fails_the_commit_and_is_not_retried(
+    tmp_path: Path, per_file_sync: bool
+) -> None:
+    ops = FaultyFileOps(per_file_sync=per_file_sync)
     store = PageStore(tmp_path / "s", 0, fileops=ops)
     before = keys(2)
     store.commit(make_root(secrets.token_hex(16), before, SIZE))
     kept = files(store)
-    ops.fail_fsync = True
-    ops.fsyncs = 0
+    ops.fail_sync = True
+    ops.fsyncs = ops.filesystem_syncs = 0
     page_keys = keys(3)
     with pytest.raises(CommitFailed, match="Input/output error"):
         store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
-    # One fsync failed and the commit gave up: no second attempt on the same data.
-    assert ops.fsyncs == 1
+    # One sync failed and the commit gave up: no second attempt on the same data.
+    assert (ops.fsyncs, ops.filesystem_syncs) == ((1, 0) if per_file_sync else (0, 1))
     assert files(store) == kept
     assert store.lookup(page_keys) == 0
     assert store.counters.commits_failed == 1
-    ops.fail_fsync = False
+    ops.fail_sync = False
     assert restores(store, before)
+    store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
+    assert restores(store, page_keys)
     store.close()
 
 
@@ -83,7 +88,8 @@ def test_eio_on_directory_fsync_leaves_nothing_referenced(tmp_path: Path) -> Non
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
             super().fsync(fd)
 
-    store = PageStore(tmp_path / "s", 0, fileops=DirFsyncFails())
+    # Only where syncfs cannot be trusted are directories fsynced one by one.
+    store = PageStore(tmp_path / "s", 0, fileops=DirFsyncFails(per_file_sync=True))
     page_keys = keys(3)
     with pytest.raises(CommitFailed):
         store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))

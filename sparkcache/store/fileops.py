@@ -1,7 +1,7 @@
 """The thin file-I/O layer the store goes through, so tests can inject faults.
 
 Every system call the store makes on object files goes through a ``FileOps`` instance.
-Tests subclass it to raise ``ENOSPC`` from ``write`` or ``EIO`` from ``fsync``; the store
+Tests subclass it to raise ``ENOSPC`` from ``write`` or ``EIO`` from a sync; the store
 itself never special-cases a test. ``StepHook`` is called at each named step of the commit
 and eviction protocols so a crash test can SIGKILL a child exactly at that step.
 """
@@ -11,14 +11,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from sparkcache.store import durability
+
 StepHook = Callable[[str], None]
 
 # The named steps, in protocol order; crash tests iterate over these.
 COMMIT_STEPS = (
     "commit.temp_write",  # a temp file is partly written (torn)
-    "commit.fsync",  # a temp file is fully written, not yet fsynced
-    "commit.rename",  # a temp file was renamed to its final name, directory not fsynced
-    "commit.dir_fsync",  # directories fsynced, index transaction not begun
+    "commit.written",  # a temp file is fully written and its writeback started, not durable
+    "commit.rename",  # a temp file was renamed to its final name, nothing durable yet
+    "commit.durable",  # every file and name durable (one syncfs), index transaction not begun
     "commit.index_txn",  # inside the index transaction, before COMMIT
 )
 EVICTION_STEPS = (
@@ -46,6 +48,20 @@ class FileOps:
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
+
+    def start_writeback(self, fd: int) -> None:
+        """Submit ``fd``'s dirty pages to the disk without waiting (a hint, not a sync)."""
+        durability.start_writeback(fd)
+
+    def sync_filesystem(self, fd: int) -> None:
+        """Make everything written to ``fd``'s filesystem durable (``syncfs``)."""
+        durability.sync_filesystem(fd)
+
+    @property
+    def syncfs_reports_errors(self) -> bool:
+        """Whether ``sync_filesystem`` raises for a page that could not be written (Linux
+        5.8 on); where it does not, a commit fsyncs each file instead."""
+        return durability.SYNCFS_REPORTS_ERRORS
 
     def readinto(self, fd: int, buf: memoryview, offset: int) -> int:
         return os.preadv(fd, [buf], offset)

@@ -89,17 +89,17 @@ def _write_all(ops: FileOps, fd: int, pieces: list[memoryview]) -> None:
 
 
 def write_temp(
-    ops: FileOps, dir_fd: int, key: str, generation: str, payload: list[memoryview],
-    hook: StepHook,
+    ops: FileOps, dir_fd: int, key: str, generation: str, header: bytes,
+    payload: list[memoryview], hook: StepHook,
 ) -> int:
-    """Write ``<key>.<generation>.tmp`` under ``dir_fd`` and return its open descriptor.
+    """Write ``<key>.<generation>.tmp`` (``header``, from ``build_header``, then
+    ``payload``) under ``dir_fd`` and return its open descriptor.
 
-    The file is not yet durable: the caller fsyncs it (``sync_and_close``, on a background
-    thread) while it writes the next one. On failure the descriptor is closed and the file
-    removed.
+    The file is not yet durable: the caller starts its writeback and closes it, and makes
+    all of a commit's files durable together once every one is written (``writer``). On
+    failure the descriptor is closed and the file removed.
     """
     name = temp_name(key, generation)
-    header = build_header(key, generation, payload)
     fd = ops.open(name, _WRITE_FLAGS, FILE_MODE, dir_fd)
     try:
         first, rest = split_pieces(payload, sum(p.nbytes for p in payload) // 2)
@@ -114,15 +114,6 @@ def write_temp(
             pass
         raise
     return fd
-
-
-def sync_and_close(ops: FileOps, fd: int, hook: StepHook) -> None:
-    """fsync a written temporary file and close it (closed even if fsync fails)."""
-    try:
-        hook("commit.fsync")
-        ops.fsync(fd)
-    finally:
-        ops.close(fd)
 
 
 def open_object(ops: FileOps, dir_fd: int, key: str, generation: str) -> int:

@@ -2,8 +2,9 @@
 
 Commit protocol (invariants 1 and 3 of the design brief; details in docs/store.md):
   1. read which page keys the index already holds live (the rest is the page delta);
-  2. ``ObjectWriter`` writes each delta page to ``<key>.<gen>.tmp``, fsyncs it, renames it
-     to ``<key>.<gen>`` and fsyncs every fan-out directory touched;
+  2. ``ObjectWriter`` writes each delta page to ``<key>.<gen>.tmp`` (its writeback started
+     at once) and renames it to ``<key>.<gen>``, then makes every file and name durable
+     with one ``syncfs``;
   3. ``BEGIN IMMEDIATE``; re-check every key: one this commit relied on but did not write
      that is no longer live (collected meanwhile), or one it wrote whose file is gone (swept
      by a concurrent reconcile), rolls back and goes round again for those keys; then rows

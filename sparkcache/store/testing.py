@@ -28,13 +28,19 @@ class FaultyFileOps(FileOps):
     """FileOps that fails like a full disk or a dying device, on demand.
 
     ``space``: bytes that may still be written before ``write`` raises ENOSPC (None:
-    unlimited). ``fail_fsync``: make every ``fsync`` raise EIO. Counts fsync calls.
+    unlimited). ``fail_sync``: make every ``fsync`` and ``sync_filesystem`` raise EIO.
+    ``per_file_sync``: act as a kernel whose syncfs reports no writeback error (before
+    Linux 5.8), so a commit fsyncs each file. Counts the calls that wait for the disk.
     """
 
-    def __init__(self, space: int | None = None, fail_fsync: bool = False) -> None:
+    def __init__(
+        self, space: int | None = None, fail_sync: bool = False, per_file_sync: bool = False
+    ) -> None:
         self.space = space
-        self.fail_fsync = fail_fsync
-        self.fsyncs = 0
+        self.fail_sync = fail_sync
+        self.per_file_sync = per_file_sync
+        self.fsyncs = 0  # of files and directories alike
+        self.filesystem_syncs = 0
 
     def write(self, fd: int, pieces: list[memoryview]) -> int:
         if self.space is not None:
@@ -48,9 +54,19 @@ class FaultyFileOps(FileOps):
 
     def fsync(self, fd: int) -> None:
         self.fsyncs += 1
-        if self.fail_fsync:
+        if self.fail_sync:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         super().fsync(fd)
+
+    def sync_filesystem(self, fd: int) -> None:
+        self.filesystem_syncs += 1
+        if self.fail_sync:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        super().sync_filesystem(fd)
+
+    @property
+    def syncfs_reports_errors(self) -> bool:
+        return not self.per_file_sync and super().syncfs_reports_errors
 
 
 class KillAt:

@@ -1,0 +1,65 @@
+"""The two Linux calls a commit makes its files durable with, which ``os`` does not offer.
+
+* ``start_writeback``: ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` submits a written file's
+  dirty pages to the disk and returns without waiting, so the disk writes one page while
+  the committer checksums the next, and little is left dirty when the commit syncs.
+* ``sync_filesystem``: ``syncfs(2)`` writes back every dirty page and inode of the
+  filesystem, waits for all of it, commits the journal and flushes the device cache: one
+  call makes every file of a commit (and the renames) durable, however many there are.
+
+``syncfs`` reports a writeback error (EIO, ENOSPC) to the descriptor it is called on only
+since Linux 5.8 (``SYNCFS_REPORTS_ERRORS``); before that it returned 0 even when pages
+could not be written, so it cannot stand for fsync there (``writer`` falls back to one
+fsync per file). The error it reports may come from any file of the filesystem written
+since the descriptor's last ``syncfs``: a commit can fail for another process's failed
+write, never succeed over one of its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syncfs.argtypes = [ctypes.c_int]
+_libc.syncfs.restype = ctypes.c_int
+_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+_libc.sync_file_range.restype = ctypes.c_int
+
+_SYNC_FILE_RANGE_WRITE = 2
+# sync_file_range is only a hint where the filesystem cannot do it: the sync still follows.
+_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.ESPIPE, errno.EOPNOTSUPP}
+
+
+def kernel_version(release: str) -> tuple[int, int]:
+    """``(major, minor)`` of a ``uname -r`` string such as ``6.8.0-45-generic``."""
+    match = re.match(r"(\d+)\.(\d+)", release)
+    if match is None:
+        return (0, 0)
+    return (int(match.group(1)), int(match.group(2)))
+
+
+SYNCFS_REPORTS_ERRORS = kernel_version(os.uname().release) >= (5, 8)
+
+
+def _raise_errno() -> None:
+    code = ctypes.get_errno()
+    raise OSError(code, os.strerror(code))
+
+
+def sync_filesystem(fd: int) -> None:
+    """``syncfs(fd)``: make everything written to ``fd``'s filesystem durable; raise
+    OSError if the kernel reports that anything could not be written."""
+    if _libc.syncfs(fd) != 0:
+        _raise_errno()
+
+
+def start_writeback(fd: int) -> None:
+    """Submit ``fd``'s dirty pages to the disk without waiting for them (a head start for
+    the sync that follows, never a substitute). A filesystem that cannot is no error; an
+    I/O error is raised."""
+    failed = _libc.sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0
+    if failed and ctypes.get_errno() not in _UNSUPPORTED:
+        _raise_errno()
