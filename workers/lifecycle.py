@@ -168,8 +168,8 @@ class Lifecycle:
         self.prefaulted_bytes = 0  # set by capture's prefault thread (an int store)
         self.roots_superseded = 0
         self._beat_due = 0.0  # time.monotonic() after which progress() beats
-        # Only this thread writes the stats slot (a store's fsync thread also passes
-        # checkpoints, and a slot has one writer).
+        # Only this thread writes the stats slot (helper threads may pass checkpoints,
+        # and a slot has one writer).
         self._thread = threading.get_ident()
 
     def to(self, state: State) -> None:
