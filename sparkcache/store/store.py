@@ -79,6 +79,10 @@ class StoreCounters:
     missing_files: int = 0
     roots_superseded: int = 0
     commits_covered: int = 0
+    # Time commits waited for the index's write lock (held by maintenance, a capture's
+    # lease, another writer): the sum and the longest wait.
+    lock_wait_s: float = 0.0
+    lock_wait_max_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -259,7 +263,11 @@ class PageStore:
         now = self._clock()
         sizes = {k: sum(p.nbytes for p in v) for k, v in zip(keys, pieces, strict=True)}
         surplus.clear()
+        asked = time.perf_counter()
         with index.write_txn(self._wconn) as conn:
+            waited = time.perf_counter() - asked  # BEGIN IMMEDIATE returned: the lock is ours
+            self.counters.lock_wait_s += waited
+            self.counters.lock_wait_max_s = max(self.counters.lock_wait_max_s, waited)
             self._adopt_objects(conn, sizes, written, surplus, now)
             placement = self._place_root(conn, root_id, keys, sizes, now)
             self._hook("commit.index_txn")
