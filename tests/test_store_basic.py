@@ -404,3 +404,24 @@ def test_a_commit_measures_its_wait_for_the_index_write_lock(tmp_path: Path) -> 
     t.join(10)
     assert 0.15 <= store.counters.lock_wait_max_s <= store.counters.lock_wait_s
     store.close()
+
+
+def test_an_index_made_before_the_garbage_totals_gains_them(tmp_path: Path) -> None:
+    """usage() reads what awaits collection from trigger-kept totals; an index made before
+    them gains the triggers and the count when a writer opens it."""
+    with PageStore(tmp_path / "s", 0, lease_seconds=0) as store:
+        for _ in range(3):
+            store.commit(make_root(rid(), [secrets.token_hex(16) for _ in range(2)], SIZE))
+        store.remove_roots(store.select_victims(2))
+        conn = store._wconn
+        for name in ("garbage_ins", "garbage_del", "garbage_upd", "roots_upd"):
+            conn.execute(f"DROP TRIGGER {name}")
+        conn.execute("DELETE FROM totals WHERE name = 'garbage'")
+    assert fsck(tmp_path / "s", grace_seconds=0).ok  # an older index: nothing to compare
+    with PageStore(tmp_path / "s", 0, lease_seconds=0) as store:
+        usage = store.usage()
+        assert (usage.collectable_objects, usage.collectable_bytes) == (4, 4 * SIZE)
+        assert store.collect(2).objects == 2
+        assert store.usage().collectable_objects == 2
+    report = fsck(tmp_path / "s", grace_seconds=0)
+    assert report.ok, report.problems

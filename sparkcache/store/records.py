@@ -100,4 +100,7 @@ class Usage:
     objects: int
     # state -> (objects, bytes), e.g. {"live": (10, 10485760), "quarantined": (1, 1048576)}
     by_state: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Objects no root references any more (refcount 0), and their bytes: counted in
+    # ``used_bytes`` until collection deletes them.
     collectable_objects: int = 0
+    collectable_bytes: int = 0

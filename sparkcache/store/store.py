@@ -693,14 +693,13 @@ class PageStore:
 
     def usage(self) -> Usage:
         """Entries, bytes and objects per state, from trigger-kept totals (no scan)."""
-        with index.read_txn(self._rconn) as conn:
-            totals = {name: (c, b) for name, c, b in conn.execute("SELECT * FROM totals")}
-            garbage = conn.execute("SELECT count(*) FROM objects WHERE refcount = 0").fetchone()[0]
-        states = {k: v for k, v in totals.items() if k != "roots"}
+        totals = {name: (c, b) for name, c, b in self._rconn.execute("SELECT * FROM totals")}
+        states = {k: v for k, v in totals.items() if k not in index.TOTALS_NOT_STATES}
         return Usage(
             entries=totals["roots"][0],
             used_bytes=sum(b for _, b in states.values()),
             objects=sum(c for c, _ in states.values()),
             by_state=states,
-            collectable_objects=garbage,
+            collectable_objects=totals["garbage"][0],
+            collectable_bytes=totals["garbage"][1],
         )
