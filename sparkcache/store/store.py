@@ -15,10 +15,11 @@ untouched. Superseding in the same transaction is crash-safe for the same reason
 the COMMIT the superseded roots are all there, after it the new root holds every page they
 held, so none of those pages ever has no reference.
 
-Eviction protocol (invariant 2): ``select_victims`` walks the LRU index; ``remove_roots``
-deletes roots and drops their references in one durable transaction, re-checking leases;
-``collect`` deletes unreferenced object rows in one durable transaction and only then
-unlinks exactly those ``<key>.<generation>`` files.
+Eviction protocol (invariant 2): ``evict`` cuts unleased roots from their end within a
+slice's budget, least recently used first, in one durable transaction that re-checks
+leases (``store/eviction.py``; ``select_victims`` and ``remove_roots`` are the unbounded
+primitives); ``collect`` deletes unreferenced object rows in one durable transaction and
+only then unlinks exactly those ``<key>.<generation>`` files.
 
 A store instance belongs to one process: open a new one after fork.
 """
@@ -37,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparkcache.identity import require_hex
-from sparkcache.store import index, recovery
+from sparkcache.store import eviction, index, recovery
+from sparkcache.store.eviction import TXN, UNLINK, Budget, EvictionPlan
 from sparkcache.store.fileops import FileOps, StepHook, no_hook
 from sparkcache.store.gate import LookupGate
 from sparkcache.store.layout import (
@@ -54,6 +56,7 @@ from sparkcache.store.records import (
     CollectResult,
     CommitFailed,
     CommitResult,
+    EvictResult,
     ReconcileResult,
     RemoveResult,
     Root,
@@ -585,11 +588,15 @@ class PageStore:
             self._hook("evict.remove")
         return RemoveResult(tuple(removed), tuple(skipped), freed)
 
-    def evict(self, k: int, take_requests: Callable[[], object] = lambda: None) -> RemoveResult:
+    def evict(self, budget: Budget, plan: EvictionPlan, need: int,
+              take_requests: Callable[[], object] = lambda: None) -> EvictResult:
         """One eviction step, as one transaction under the lookup gate (``store.gate``):
         ``take_requests()`` moves the accesses and leases waiting for this store in
-        (``record_access``, ``record_lease``), they are written, then up to ``k`` unleased
-        roots are removed, least recently used first. ``k == 0`` only writes the requests."""
+        (``record_access``, ``record_lease``), they are written, then unleased roots are cut
+        from their end and removed, least recently used first (``store/eviction.py``), until
+        ``need`` bytes became collectable or ``budget`` is spent. ``plan`` carries the
+        victims chosen and not yet removed from one step to the next. ``need <= 0`` only
+        writes the requests."""
         gate = contextlib.ExitStack()
         with gate, index.write_txn(self._wconn) as conn:
             # After BEGIN IMMEDIATE, so lookups are never shut out while this waits for
@@ -597,19 +604,20 @@ class PageStore:
             gate.enter_context(self.gate.exclusive())
             take_requests()
             self._write_accesses(conn)
-            if k <= 0:
-                return RemoveResult((), (), 0)
-            victims = [
-                r[0] for r in conn.execute(
-                    "SELECT id FROM roots WHERE lease_until <= ? "
-                    "ORDER BY lease_until, last_access LIMIT ?",
-                    (self._clock(), k),
-                )
-            ]
-            self._hook("evict.select")
-            freed = sum(self._drop_root(conn, root_id) for root_id in victims)
+            if need <= 0:
+                return EvictResult()
+            progress = eviction.evict(conn, plan, need, budget, self._clock(), self._hook)
             self._hook("evict.remove")
-        return RemoveResult(tuple(victims), (), freed)
+            worked = budget.now()
+        budget.spend(TXN, 1, 0, budget.now() - worked)
+        if progress.left_cut:
+            self._hook("evict.truncated")
+        return EvictResult(
+            removed=tuple(progress.removed), cut=progress.cut, pages=progress.pages,
+            bytes=progress.bytes, reclaimed_objects=progress.reclaimed_objects,
+            reclaimed_bytes=progress.reclaimed_bytes, skipped=progress.skipped,
+            dropped=progress.dropped,
+        )
 
     def verify_and_quarantine(self, key: str, generation: str, reason: str) -> bool:
         """Quarantine object ``key``.``generation`` if it is live and fails verification
@@ -646,22 +654,37 @@ class PageStore:
         except OSError as exc:
             raise StoreError(f"store {self.layout.rank_dir} is unusable: {exc}") from exc
 
-    def collect(self, n: int) -> CollectResult:
-        """Delete up to ``n`` unreferenced object rows durably, then unlink their files."""
+    def collect(self, n: int, budget: Budget | None = None) -> CollectResult:
+        """Delete up to ``n`` unreferenced object rows durably, then unlink their files;
+        with a ``budget``, only as many as its bytes and time allow (every row deleted is
+        unlinked in the same call, so the estimate of their time is asked first)."""
+        if budget is not None:
+            n = budget.affordable(UNLINK, n) or (1 if budget.fresh else 0)
+            if n <= 0 or (budget.bytes_left() <= 0 and not budget.fresh):
+                return CollectResult(objects=0, bytes=0)
+            begun = budget.now()
         with index.write_txn(self._wconn) as conn:
             rows = conn.execute(
                 "SELECT key, generation, bytes FROM objects WHERE refcount = 0 LIMIT ?", (n,)
             ).fetchall()
+            if budget is not None:
+                rows = eviction.fitting_rows(rows, budget, size=2)
             self._hook("collect.select")
             conn.executemany(
                 "DELETE FROM objects WHERE key = ? AND generation = ? AND refcount = 0",
                 [(k, g) for k, g, _ in rows],
             )
             self._hook("collect.delete")
+        if budget is not None:
+            unlinking = budget.now()
+            budget.spend(TXN, 1, 0, unlinking - begun)
         for key, generation, _ in rows:
             self._hook("collect.unlink")
             self._writer.discard([WrittenFile(key, generation, renamed=True)])
-        return CollectResult(objects=len(rows), bytes=sum(r[2] for r in rows))
+        result = CollectResult(objects=len(rows), bytes=sum(r[2] for r in rows))
+        if budget is not None and rows:
+            budget.spend(UNLINK, result.objects, result.bytes, budget.now() - unlinking)
+        return result
 
     # ------------------------------------------------------------------ recovery
 
