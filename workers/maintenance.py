@@ -68,6 +68,9 @@ def written_bytes() -> int:
 
 
 class Maintenance:
+    """One rank's maintenance: its rings, its store, the policy's state. ``clock`` is the
+    policy's (monotonic seconds); tests inject one."""
+
     def __init__(self, life: Lifecycle, clock: Callable[[], float] = time.monotonic) -> None:
         cfg = life.spec.cfg
         self.life = life
@@ -129,12 +132,10 @@ class Maintenance:
         meter = SliceMeter(self.limits.budget, self.costs, self.clock)
         wrote = written_bytes()
         usage = self.store.usage()
-        calm = self.pressure.since is None
-        if self.pressure.update(usage.used_bytes, meter.started) and calm:
-            self.plan.cursor = None  # a new episode considers every root again
+        self._watch(usage.used_bytes, meter.started)
         need = self.pressure.need(usage.used_bytes, usage.collectable_bytes)
         collected = CollectResult(0, 0)
-        if usage.collectable_objects:
+        if usage.collectable_objects or self.store.unlinking.objects:
             collected = self.store.collect(COLLECT_ROWS, meter)
         evicted = EvictResult()
         if need > 0:
@@ -168,9 +169,10 @@ class Maintenance:
         """The backlog into the stats slot (read at once by the client's admission and by
         ``sparkcache status``), then a beat."""
         usage = self.store.usage()
+        waiting = self.store.unlinking  # rows deleted, files not unlinked yet
         now = self.clock()
         used = usage.used_bytes
-        self.pressure.update(used, now)
+        self._watch(used, now)
         self.hard_cap.update(used, now)
         self.life.used_bytes = used
         self.life.backlog = max(0, used - self.cfg.low_watermark_bytes)
@@ -178,8 +180,8 @@ class Maintenance:
             over_max_bytes=max(0, used - self.cfg.max_bytes),
             episode_since=self._wall(self.pressure.since, now),
             selected_roots=self.plan.roots, selected_bytes=self.plan.bytes,
-            collectable_objects=usage.collectable_objects,
-            collectable_bytes=usage.collectable_bytes,
+            collectable_objects=usage.collectable_objects + waiting.objects,
+            collectable_bytes=usage.collectable_bytes + waiting.bytes,
             slice_last_s=self.slice_last_s, slice_max_s=self.slice_max_s,
             duty=self.pacing.duty.used(now),
             refusing_since=self._wall(self.hard_cap.since, now),
@@ -187,6 +189,12 @@ class Maintenance:
             **self.totals,
         )
         self.life.beat()
+
+    def _watch(self, used: int, now: float) -> None:
+        """The watermarks seen at ``now``; a new episode considers every root again."""
+        calm = self.pressure.since is None
+        if self.pressure.update(used, now) and calm:
+            self.plan.cursor = None
 
     @staticmethod
     def _wall(since: float | None, now: float) -> float:

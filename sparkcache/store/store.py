@@ -32,7 +32,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +137,8 @@ class PageStore:
         self._touches: dict[tuple[str, int], float] = {}  # (key, pos) -> when accessed
         self._leases: dict[tuple[str, int], float] = {}  # (key, pos) -> protected until
         self._touches_since = 0.0
+        # Rows collection deleted whose files it has yet to unlink: (key, generation, bytes).
+        self._unlinking: deque[tuple[str, str, int]] = deque()
         self._objects_fd = os.open(self.layout.objects_dir, DIR_FLAGS)
         self._quarantine_fd = os.open(self.layout.quarantine_dir, DIR_FLAGS)
         self._writer = ObjectWriter(self._ops, hook, self._objects_fd)
@@ -166,9 +168,12 @@ class PageStore:
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Flush batched access records and release descriptors and connections."""
+        """Flush batched access records, unlink the files collection left waiting, and
+        release descriptors and connections."""
         try:
             self.flush_touches()
+            while self._unlinking:
+                self._unlink(*self._unlinking.popleft()[:2])
         finally:
             self._writer.close()
             self._wconn.close()
@@ -655,14 +660,38 @@ class PageStore:
             raise StoreError(f"store {self.layout.rank_dir} is unusable: {exc}") from exc
 
     def collect(self, n: int, budget: Budget | None = None) -> CollectResult:
-        """Delete up to ``n`` unreferenced object rows durably, then unlink their files;
-        with a ``budget``, only as many as its bytes and time allow (every row deleted is
-        unlinked in the same call, so the estimate of their time is asked first)."""
-        if budget is not None:
-            n = budget.affordable(UNLINK, n) or (1 if budget.fresh else 0)
-            if n <= 0 or (budget.bytes_left() <= 0 and not budget.fresh):
-                return CollectResult(objects=0, bytes=0)
-            begun = budget.now()
+        """Delete up to ``n`` unreferenced object rows durably, then unlink their files.
+
+        With a ``budget``: the files of rows an earlier call deleted and left waiting go
+        first; then as many rows as the budget's bytes and time estimate allow are deleted,
+        and their files unlinked one by one while its time lasts. An unlink can take far
+        longer than usual on a busy disk, so files left when the time is up wait for the
+        next call (``unlinking``): their rows are gone, so they are nothing to any reader,
+        and a crash leaves them as orphans that ``reconcile`` removes."""
+        if budget is None:
+            rows = self._delete_garbage(n)
+            for key, generation, _ in rows:
+                self._unlink(key, generation)
+            return CollectResult(objects=len(rows), bytes=sum(r[2] for r in rows))
+        done = self._unlink_waiting(budget)
+        if self._unlinking:
+            return done  # out of time
+        n = budget.affordable(UNLINK, n) or (1 if budget.fresh else 0)
+        if n <= 0 or (budget.bytes_left() <= 0 and not budget.fresh):
+            return done
+        begun = budget.now()
+        self._unlinking.extend(self._delete_garbage(n, budget))
+        budget.spend(TXN, 1, 0, budget.now() - begun)
+        more = self._unlink_waiting(budget)
+        return CollectResult(done.objects + more.objects, done.bytes + more.bytes)
+
+    @property
+    def unlinking(self) -> CollectResult:
+        """Objects whose rows collection deleted and whose files it has yet to unlink."""
+        return CollectResult(len(self._unlinking), sum(r[2] for r in self._unlinking))
+
+    def _delete_garbage(self, n: int, budget: Budget | None = None) -> list[tuple[str, str, int]]:
+        """Delete up to ``n`` unreferenced rows (fitting ``budget``'s bytes) durably."""
         with index.write_txn(self._wconn) as conn:
             rows = conn.execute(
                 "SELECT key, generation, bytes FROM objects WHERE refcount = 0 LIMIT ?", (n,)
@@ -675,16 +704,23 @@ class PageStore:
                 [(k, g) for k, g, _ in rows],
             )
             self._hook("collect.delete")
-        if budget is not None:
-            unlinking = budget.now()
-            budget.spend(TXN, 1, 0, unlinking - begun)
-        for key, generation, _ in rows:
-            self._hook("collect.unlink")
-            self._writer.discard([WrittenFile(key, generation, renamed=True)])
-        result = CollectResult(objects=len(rows), bytes=sum(r[2] for r in rows))
-        if budget is not None and rows:
-            budget.spend(UNLINK, result.objects, result.bytes, budget.now() - unlinking)
-        return result
+        return rows
+
+    def _unlink_waiting(self, budget: Budget) -> CollectResult:
+        objects = nbytes = 0
+        while self._unlinking and (budget.fresh or budget.affordable(UNLINK, 1)):
+            key, generation, size = self._unlinking[0]
+            start = budget.now()
+            self._unlink(key, generation)
+            self._unlinking.popleft()
+            budget.spend(UNLINK, 1, size, budget.now() - start)
+            objects += 1
+            nbytes += size
+        return CollectResult(objects, nbytes)
+
+    def _unlink(self, key: str, generation: str) -> None:
+        self._hook("collect.unlink")
+        self._writer.discard([WrittenFile(key, generation, renamed=True)])
 
     # ------------------------------------------------------------------ recovery
 
