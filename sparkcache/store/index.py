@@ -235,6 +235,21 @@ def write_txn(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
 
 
 @contextmanager
+def unsynced(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """Transactions inside commit without fsyncing the WAL (``synchronous=NORMAL``): a
+    crash of the process loses nothing (the frames are in the page cache), a power cut may
+    lose them, and the next synced transaction makes them durable with it (the WAL is one
+    file, written in order). Only for writes whose loss leaves the index consistent, so
+    that no fsync of theirs holds the write lock while commits wait for it."""
+    level = int(conn.execute("PRAGMA synchronous").fetchone()[0])
+    conn.execute("PRAGMA synchronous=NORMAL")
+    try:
+        yield conn
+    finally:
+        conn.execute(f"PRAGMA synchronous={level}")
+
+
+@contextmanager
 def read_txn(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     """A deferred transaction: every read inside sees one snapshot."""
     conn.execute("BEGIN")

@@ -16,10 +16,11 @@ the COMMIT the superseded roots are all there, after it the new root holds every
 held, so none of those pages ever has no reference.
 
 Eviction protocol (invariant 2): ``evict`` cuts unleased roots from their end within a
-slice's budget, least recently used first, in one durable transaction that re-checks
-leases (``store/eviction.py``; ``select_victims`` and ``remove_roots`` are the unbounded
-primitives); ``collect`` deletes unreferenced object rows in one durable transaction and
-only then unlinks exactly those ``<key>.<generation>`` files.
+slice's budget, least recently used first, in one transaction that re-checks leases
+(``store/eviction.py``; unsynced: a power cut may undo it whole, never part of it;
+``select_victims`` and ``remove_roots`` are the unbounded primitives); ``collect`` deletes
+unreferenced object rows in one durable transaction (which makes every earlier one durable
+too) and only then unlinks exactly those ``<key>.<generation>`` files.
 
 A store instance belongs to one process: open a new one after fork.
 """
@@ -522,7 +523,8 @@ class PageStore:
         """Write batched accesses and leases in one transaction; how many were written."""
         if not self._touches and not self._leases:
             return 0
-        with index.write_txn(self._wconn) as conn:
+        # Unsynced (as eviction): a power cut may lose accesses and leases, never more.
+        with index.unsynced(self._wconn), index.write_txn(self._wconn) as conn:
             return self._write_accesses(conn)
 
     def _write_accesses(self, conn: sqlite3.Connection) -> int:
@@ -603,7 +605,11 @@ class PageStore:
         victims chosen and not yet removed from one step to the next. ``need <= 0`` only
         writes the requests."""
         gate = contextlib.ExitStack()
-        with gate, index.write_txn(self._wconn) as conn:
+        # Unsynced: losing this transaction to a power cut brings its roots back whole,
+        # and the collection that unlinks what it freed commits synced, after it. Its
+        # COMMIT then holds the write lock for no fsync: maintenance's I/O has the lowest
+        # priority, so an fsync of its waits behind commits' I/O while commits wait for it.
+        with gate, index.unsynced(self._wconn), index.write_txn(self._wconn) as conn:
             # After BEGIN IMMEDIATE, so lookups are never shut out while this waits for
             # the write lock; released (by the outer stack) only after COMMIT.
             gate.enter_context(self.gate.exclusive())
