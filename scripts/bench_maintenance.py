@@ -266,9 +266,10 @@ def scenario(work: Path, name: str, args: argparse.Namespace, page: bytes,
 
 def unit_costs(work: Path, page: bytes, roots: int = 16, pages: int = 32) -> dict[str, float]:
     """What one unit of maintenance's work costs on this disk, the figures its defaults
-    come from (docs/maintenance.md): a small write transaction (its WAL fsync), dropping
-    one page reference from a root (index rows, within one transaction per root), and
-    collecting one object (its row, and unlinking its file)."""
+    come from (docs/maintenance.md): a small write transaction as eviction commits it
+    (unsynced), dropping one page reference from a root (index rows, one transaction per
+    root), and collecting one object (its row, in one synced transaction for all, and
+    unlinking its file)."""
     with PageStore(work / "units", 0, lease_seconds=0) as store:
         chains = []
         for _ in range(roots):
