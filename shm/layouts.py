@@ -138,7 +138,8 @@ DROP_REASONS = (
 # One slot per worker of a rank (see workers.lifecycle.Role), written by that worker.
 WORKER_STATS = RecordLayout(
     "worker_stats",
-    4,  # 3 had no roots_superseded; 2 had no pid_start and no drop_stale
+    5,  # 4 had no lock wait and no maintenance backlog; 3 no roots_superseded; 2 no
+    # pid_start and no drop_stale
     np.dtype(
         [
             ("pid", "<u4"),
@@ -161,6 +162,29 @@ WORKER_STATS = RecordLayout(
             ("pid_start", "<f8"),
             # commit: roots its commits superseded (a later turn holding their pages)
             ("roots_superseded", "<u8"),
+            # commit: seconds its commits waited for the index's write lock, in all and
+            # the longest wait
+            ("lock_wait_s", "<f8"),
+            ("lock_wait_max_s", "<f8"),
+            # maintenance (docs/maintenance.md), updated every slice and every second:
+            ("over_max_bytes", "<u8"),  # used bytes above max_bytes
+            ("episode_since", "<f8"),  # time.time() the pressure episode began; 0: none
+            ("selected_roots", "<u8"),  # roots chosen for eviction, not yet removed
+            ("selected_bytes", "<u8"),  # and their bytes
+            ("collectable_objects", "<u8"),  # objects awaiting collection (refcount 0)
+            ("collectable_bytes", "<u8"),
+            ("slice_last_s", "<f8"),  # the last slice's duration
+            ("slice_max_s", "<f8"),  # the longest since the worker started
+            ("evicted_roots", "<u8"),  # roots removed whole, in all
+            ("cut_roots", "<u8"),  # times a root was left cut short by a slice's budget
+            ("skipped_roots", "<u8"),  # LRU roots passed over: evicting them frees nothing
+            ("reclaimed_bytes", "<u8"),  # bytes eviction made collectable, in all
+            ("collected_objects", "<u8"),  # objects deleted and unlinked, in all
+            ("collected_bytes", "<u8"),
+            ("io_bytes", "<u8"),  # bytes unlinked and written to the index, in all
+            ("duty", "<f8"),  # share of the last 10 s spent in slices
+            ("refusing_since", "<f8"),  # time.time() used bytes reached the hard cap; 0: below
+            ("refused_s", "<f8"),  # seconds at the hard cap (publications refused), in all
             *[(f"drop_{reason}", "<u8") for reason in DROP_REASONS],
         ]
     ),

@@ -13,7 +13,7 @@ import errno
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -115,6 +115,38 @@ class Config:
             "kills and restarts it (hung or stopped), >= 1."
         ),
     )
+    maintenance_slice_roots: int = field(
+        default=16,
+        metadata=_help("Roots one maintenance slice may evict or cut short, >= 1."),
+    )
+    maintenance_slice_bytes: int = field(
+        default=64 * MiB,
+        metadata=_help(
+            "Bytes one maintenance slice may handle: page references it drops from roots "
+            "plus objects it collects (e.g. 64MiB)."
+        ),
+    )
+    maintenance_slice_ms: float = field(
+        default=20.0,
+        metadata=_help(
+            "Milliseconds one maintenance slice may run, > 0 and at most the duty cap's "
+            "share of a second (maintenance duty x 1000)."
+        ),
+    )
+    maintenance_duty: float = field(
+        default=0.2,
+        metadata=_help(
+            "Share of any second maintenance slices may take, > 0 and <= 1: it pauses "
+            "between slices to stay under it."
+        ),
+    )
+    maintenance_io_bytes_per_s: int = field(
+        default=GiB,
+        metadata=_help(
+            "Bytes per second maintenance may unlink and write to the index (e.g. 1GiB); "
+            "reclaiming can never outpace it."
+        ),
+    )
     metrics_host: str = field(
         default="127.0.0.1",
         metadata=_help("Address reserved for the /metrics endpoint (not served yet)."),
@@ -204,9 +236,11 @@ def parse_cpus(text: str) -> tuple[int, ...]:
 
 def _parse_field(name: str, text: str) -> Any:
     """Convert one raw string to the type of field ``name``; ValueError names what is allowed."""
-    if name in ("max_bytes", "low_watermark_bytes", "capture_slot_bytes"):
+    if name in ("max_bytes", "low_watermark_bytes", "capture_slot_bytes",
+                "maintenance_slice_bytes", "maintenance_io_bytes_per_s"):
         return parse_size(text)
-    if name in ("ranks", "capture_slots", "page_tokens", "metrics_port"):
+    if name in ("ranks", "capture_slots", "page_tokens", "metrics_port",
+                "maintenance_slice_roots"):
         try:
             return int(text)
         except ValueError:
@@ -217,6 +251,16 @@ def _parse_field(name: str, text: str) -> Any:
             return float(text)
         except ValueError:
             raise ValueError("a number of seconds") from None
+    if name == "maintenance_slice_ms":
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError("a number of milliseconds") from None
+    if name == "maintenance_duty":
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError("a share of a second such as 0.2") from None
     if name == "access_mode":
         try:
             return AccessMode(text)
@@ -305,6 +349,7 @@ def validate(
             bad(name, "more than 0 and at most 3600 seconds")
     if not cfg.heartbeat_timeout_s >= MIN_HEARTBEAT_TIMEOUT_S:  # also refuses NaN
         bad("heartbeat_timeout_s", f"a number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S:g}")
+    _validate_maintenance(cfg, bad)
     if not 0 <= cfg.metrics_port <= 65535:
         bad("metrics_port", "a port from 0 to 65535")
     if cfg.cpus is not None:
@@ -317,6 +362,23 @@ def validate(
         if reason:
             out.append(Problem("store_dir", str(cfg.store_dir), reason))
     return out
+
+
+def _validate_maintenance(cfg: Config, bad: Callable[[str, str], None]) -> None:
+    if cfg.maintenance_slice_roots < 1:
+        bad("maintenance_slice_roots", "at least 1")
+    for name in ("maintenance_slice_bytes", "maintenance_io_bytes_per_s"):
+        if getattr(cfg, name) <= 0:
+            bad(name, "a positive size")
+    duty = cfg.maintenance_duty
+    if not 0 < duty <= 1:  # also refuses NaN
+        bad("maintenance_duty", "a share of a second above 0 and at most 1, such as 0.2")
+        return
+    # A slice must fit the duty cap's share of a second (maintenance_policy.DutyCycle).
+    if not 0 < cfg.maintenance_slice_ms <= duty * 1000:
+        bad("maintenance_slice_ms",
+            f"more than 0 and at most {duty * 1000:g} milliseconds (the maintenance duty, "
+            f"{duty:g}, of a second)")
 
 
 def store_dir_problem(path: Path) -> str | None:

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sparkcache import runtime
+from shm import SegmentError, StatsBlock, TornRead
+from shm.layouts import WORKER_STATS
+from sparkcache import runtime, segments
 from sparkcache.config import GiB as GIB
 from sparkcache.store import index
 from sparkcache.store.fsck import DEFAULT_FSCK_GRACE_SECONDS, fsck
@@ -74,6 +77,63 @@ def _supervisor_lines(sup: dict) -> list[str]:
     return lines
 
 
+# Slots of the rank's stats block (workers.lifecycle.Role; not imported: the CLI does not
+# load the workers' modules).
+_COMMIT_SLOT, _MAINTENANCE_SLOT = 1, 2
+
+
+def _reports(instance: str, rank: int) -> dict:
+    """Rank ``rank``'s maintenance backlog and its commits' wait for the index lock, from
+    the running supervisor's stats block (docs/maintenance.md), or why there is none."""
+    try:
+        with StatsBlock.attach(segments.name(instance, rank, segments.STATS),
+                               WORKER_STATS) as stats:
+            m = stats.read(_MAINTENANCE_SLOT)
+            c = stats.read(_COMMIT_SLOT)
+    except (SegmentError, OSError, TornRead) as exc:
+        return {"rank": rank, "error": str(exc)}
+    if m is None:
+        return {"rank": rank, "error": "maintenance has not reported yet"}
+    out = {"rank": rank, "above_low_bytes": m.backlog}
+    out.update({name: getattr(m, name) for name in (
+        "used_bytes", "over_max_bytes", "episode_since", "selected_roots", "selected_bytes",
+        "collectable_objects", "collectable_bytes", "slice_last_s", "slice_max_s",
+        "evicted_roots", "cut_roots", "skipped_roots", "reclaimed_bytes",
+        "collected_objects", "collected_bytes", "io_bytes", "duty", "refusing_since",
+        "refused_s")})
+    out["commit_lock_wait_s"] = c.lock_wait_s if c is not None else 0.0
+    out["commit_lock_wait_max_s"] = c.lock_wait_max_s if c is not None else 0.0
+    return out
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{int(n)}B"
+
+
+def _since(t: float, now: float) -> str:
+    return "no" if not t else f"{now - t:.0f}s"
+
+
+def _report_line(r: dict, now: float) -> str:
+    name = f"maintenance[r{r['rank']}]"
+    if "error" in r:
+        return f"  {name:28s} no report ({r['error']})"
+    return (
+        f"  {name:28s} used={_size(r['used_bytes'])} above_low={_size(r['above_low_bytes'])} "
+        f"above_max={_size(r['over_max_bytes'])} episode={_since(r['episode_since'], now)} "
+        f"selected={r['selected_roots']}/{_size(r['selected_bytes'])} "
+        f"collectable={r['collectable_objects']}/{_size(r['collectable_bytes'])} "
+        f"evicted={r['evicted_roots']} reclaimed={_size(r['reclaimed_bytes'])} "
+        f"collected={r['collected_objects']}/{_size(r['collected_bytes'])} "
+        f"slice={r['slice_last_s'] * 1e3:.1f}/{r['slice_max_s'] * 1e3:.1f}ms "
+        f"duty={r['duty']:.0%} commit_lock_wait_max={r['commit_lock_wait_max_s'] * 1e3:.1f}ms "
+        f"refusing={_since(r['refusing_since'], now)} refused={r['refused_s']:.0f}s"
+    )
+
+
 def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
     """Print the capacity line operators grep, then the supervisor and its workers (or
     JSON); 0 if every rank is within capacity and no worker of a running supervisor is
@@ -87,6 +147,8 @@ def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) 
     fatal = [w["name"] for w in sup.get("workers", []) if w["state"] == "FATAL"]
     if fatal and error is None:
         error = f"FATAL: {', '.join(fatal)}"
+    reports = ([_reports(sup["instance"], r) for r in range(int(sup["ranks"]))]
+               if sup["state"] == "running" else [])
     entries = sum(r.entries for r in ranks)
     used = sum(r.used_bytes for r in ranks)
     capacity = max_bytes * len(ranks)
@@ -103,6 +165,7 @@ def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) 
                     "error": error,
                     "per_rank": [asdict(r) for r in ranks],
                     "supervisor": sup,
+                    "maintenance": reports,
                 }
             )
         )
@@ -113,6 +176,9 @@ def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) 
         )
         for line in _supervisor_lines(sup):
             print(line)
+        now = time.time()
+        for report in reports:
+            print(_report_line(report, now))
         if fatal:
             print(f"sparkcache: {error}")
     return 0 if healthy else 1

@@ -38,6 +38,17 @@ def test_heartbeat_timeout_default_and_override(tmp_path):
     assert cfg.heartbeat_timeout_s == 2.5
 
 
+def test_maintenance_budget_defaults_and_overrides(tmp_path):
+    cfg = load({"SPARKCACHE_STORE_DIR": str(tmp_path)})
+    assert (cfg.maintenance_slice_roots, cfg.maintenance_slice_bytes,
+            cfg.maintenance_slice_ms, cfg.maintenance_duty,
+            cfg.maintenance_io_bytes_per_s) == (16, 64 * MiB, 20.0, 0.2, GiB)
+    cfg = load({"SPARKCACHE_STORE_DIR": str(tmp_path), "SPARKCACHE_MAINTENANCE_DUTY": "0.5"},
+               {"maintenance_slice_ms": "400", "maintenance_slice_bytes": "1GiB"})
+    assert (cfg.maintenance_duty, cfg.maintenance_slice_ms,
+            cfg.maintenance_slice_bytes) == (0.5, 400.0, GiB)
+
+
 def test_flags_override_environment(tmp_path):
     cfg = load({"SPARKCACHE_STORE_DIR": str(tmp_path), "SPARKCACHE_ACCESS_MODE": "off"},
                {"access_mode": "restore-only"})
@@ -86,6 +97,30 @@ def test_every_field_has_help_env_and_flag():
          "(ranges ascending)"),
         ({"SPARKCACHE_RANKS": "two"},
          "SPARKCACHE_RANKS (--ranks)='two' is invalid: expected a whole number"),
+        ({"SPARKCACHE_MAINTENANCE_SLICE_ROOTS": "0"},
+         "SPARKCACHE_MAINTENANCE_SLICE_ROOTS (--maintenance-slice-roots)='0' is invalid: "
+         "expected at least 1"),
+        ({"SPARKCACHE_MAINTENANCE_SLICE_BYTES": "0"},
+         "SPARKCACHE_MAINTENANCE_SLICE_BYTES (--maintenance-slice-bytes)='0' is invalid: "
+         "expected a positive size"),
+        ({"SPARKCACHE_MAINTENANCE_IO_BYTES_PER_S": "1GB"},
+         "SPARKCACHE_MAINTENANCE_IO_BYTES_PER_S (--maintenance-io-bytes-per-s)='1GB' is "
+         "invalid: expected a size: plain bytes or a number with KiB, MiB, GiB or TiB"),
+        ({"SPARKCACHE_MAINTENANCE_SLICE_MS": "500"},
+         "SPARKCACHE_MAINTENANCE_SLICE_MS (--maintenance-slice-ms)='500' is invalid: expected "
+         "more than 0 and at most 200 milliseconds (the maintenance duty, 0.2, of a second)"),
+        ({"SPARKCACHE_MAINTENANCE_SLICE_MS": "0"},
+         "SPARKCACHE_MAINTENANCE_SLICE_MS (--maintenance-slice-ms)='0' is invalid: expected "
+         "more than 0 and at most 200 milliseconds (the maintenance duty, 0.2, of a second)"),
+        ({"SPARKCACHE_MAINTENANCE_SLICE_MS": "soon"},
+         "SPARKCACHE_MAINTENANCE_SLICE_MS (--maintenance-slice-ms)='soon' is invalid: "
+         "expected a number of milliseconds"),
+        ({"SPARKCACHE_MAINTENANCE_DUTY": "1.5"},
+         "SPARKCACHE_MAINTENANCE_DUTY (--maintenance-duty)='1.5' is invalid: expected a share "
+         "of a second above 0 and at most 1, such as 0.2"),
+        ({"SPARKCACHE_MAINTENANCE_DUTY": "nan"},
+         "SPARKCACHE_MAINTENANCE_DUTY (--maintenance-duty)='nan' is invalid: expected a share "
+         "of a second above 0 and at most 1, such as 0.2"),
         ({"SPARKCACHE_INSTANCE": "a b"},
          "SPARKCACHE_INSTANCE (--instance)='a b' is invalid: expected 1-32 characters from "
          "A-Z a-z 0-9 _ -"),

@@ -60,9 +60,10 @@ RELEASE_S = 2.0
 # One slot: a slot the pipeline loses stalls everything after it instead of hiding.
 PIPELINE = {"capture_slots": "1", "release_timeout_seconds": str(RELEASE_S)}
 # Pages are 16 KiB: the first batch alone crosses max_bytes; a zero lease makes every
-# root a victim at once, and short lookup leases (capture's too) end soon after.
+# root a victim at once, and short lookup leases (capture's too) end soon after. A slice
+# may handle two pages, so roots are cut short across slices (evict.truncated).
 EVICTING = {"max_bytes": "192KiB", "low_watermark_bytes": "96KiB", "lease_seconds": "0",
-            "lookup_lease_seconds": "1"}
+            "lookup_lease_seconds": "1", "maintenance_slice_bytes": "32KiB"}
 
 
 def _role(step: str) -> str:

@@ -7,14 +7,19 @@ import re
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
 import pytest
+from pipeline_util import make_cfg
 from typer.testing import CliRunner
 
+from shm.layouts import WORKER_STATS
 from sparkcache import runtime
 from sparkcache.cli import app
+from sparkcache.config import GiB
+from sparkcache.segments import RankSegments
 from sparkcache.store import PageStore
 from sparkcache.store.testing import make_root
 from sparkcache.store_cli import fsck_command, status
@@ -158,3 +163,44 @@ def test_cli_commands(store_dir: Path) -> None:
     assert result.exit_code == 2 and "SPARKCACHE_MAX_BYTES (--max-bytes)='1GB'" in result.output
     result = runner.invoke(app, ["fsck", "--store-dir", str(store_dir), "--json"])
     assert result.exit_code == 0 and json.loads(result.output)["ok"] is True
+
+
+def test_status_shows_each_ranks_maintenance_backlog(
+    store_dir: Path, instance: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = make_cfg(store_dir, instance)
+    segs = RankSegments.create(cfg, 0, 4)
+    try:
+        now = time.time()
+        values = dict.fromkeys(WORKER_STATS.dtype.names, 0)
+        values.update(pid=1, state=2, used_bytes=3 * GiB, backlog=GiB, episode_since=now - 7,
+                      selected_roots=2, selected_bytes=5 << 20, evicted_roots=660,
+                      reclaimed_bytes=8 * GiB, slice_last_s=0.003, slice_max_s=0.0182,
+                      duty=0.04, refusing_since=0, refused_s=30)
+        segs.stats.write(2, WORKER_STATS.named(**values))
+        values.update(lock_wait_s=0.5, lock_wait_max_s=0.0121)
+        segs.stats.write(1, WORKER_STATS.named(**values))
+        me = psutil.Process()
+        runtime.write(store_dir, {"instance": instance, "ranks": 1, "pid": me.pid,
+                                  "started": me.create_time(), "cpus": [0], "workers": []})
+        assert status(store_dir, json_out=False) == 0
+        line = capsys.readouterr().out.splitlines()[-1].split()
+        assert line[0] == "maintenance[r0]" and "used=3.0GiB" in line
+        assert {"above_low=1.0GiB", "episode=7s", "selected=2/5.0MiB", "evicted=660",
+                "reclaimed=8.0GiB", "slice=3.0/18.2ms", "duty=4%",
+                "commit_lock_wait_max=12.1ms", "refusing=no", "refused=30s"} <= set(line)
+        assert status(store_dir, json_out=True) == 0
+        (report,) = json.loads(capsys.readouterr().out)["maintenance"]
+        assert report["evicted_roots"] == 660 and report["commit_lock_wait_s"] == 0.5
+    finally:
+        segs.close()
+
+
+def test_status_says_why_a_rank_has_no_report(
+    store_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    me = psutil.Process()
+    _runtime_file(store_dir, me.pid, me.create_time())  # instance t: no segments
+    assert status(store_dir, json_out=False) == 0
+    assert capsys.readouterr().out.splitlines()[-1].split()[:3] == [
+        "maintenance[r0]", "no", "report"]

@@ -145,6 +145,8 @@ def test_avoid_keeps_workers_off_the_avoided_cores(tmp_path: Path, instance: str
                 p = psutil.Process(w["pid"])
                 assert p.cpu_affinity() == every[1:] == w["cpus"], w
                 assert p.nice() == (10 if w["role"] == "maintenance" else 0)
+                if w["role"] == "maintenance":
+                    assert tuple(p.ionice()) == (psutil.IOPRIO_CLASS_BE, 7)
                 assert p.name().startswith("sparkcache::")
         finally:
             rc, _ = stop_supervisor(sup)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +50,8 @@ class Rig:
                 w.life.beat()
             self.capture._step(0)
             self.commit._step(0)
-            self.maintenance._pass()
+            self.maintenance.slice()
+            self.maintenance.report()
             self.restore._step(0)
             self.engine.poll()
 
@@ -65,7 +67,9 @@ class _Detach:
 
 
 @contextlib.contextmanager
-def rig(store: Path, instance: str, **settings: str) -> Iterator[Rig]:
+def rig(store: Path, instance: str, clock: Callable[[], float] = time.monotonic,
+        **settings: str) -> Iterator[Rig]:
+    """``clock``: maintenance's (its slices' budget, duty and pacing)."""
     cfg = make_cfg(store, instance, **settings)
     segs = segments.RankSegments.create(cfg, 0, len(Role))
     made: list = []
@@ -74,7 +78,7 @@ def rig(store: Path, instance: str, **settings: str) -> Iterator[Rig]:
         made.append(cap)
         com = Commit(ready_life(cfg, Role.COMMIT))
         made.append(com)
-        mai = Maintenance(ready_life(cfg, Role.MAINTENANCE))
+        mai = Maintenance(ready_life(cfg, Role.MAINTENANCE), clock=clock)
         made.append(mai)
         res = Restore(ready_life(cfg, Role.RESTORE))
         made.append(res)

@@ -196,6 +196,9 @@ class Commit:
             self.life.failed += 1
             self.life.item_error(f"slot {slot}")
             self.store.check_usable()
+        counters = self.store.counters
+        self.life.report.update(lock_wait_s=counters.lock_wait_s,
+                                lock_wait_max_s=counters.lock_wait_max_s)
         lifecycle.checkpoint("commit.committed")
         self.arena.hand_over(slot, OWNER_COMMIT, FREE)
         lifecycle.checkpoint("commit.slot_freed")

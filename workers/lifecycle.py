@@ -167,6 +167,9 @@ class Lifecycle:
         self._rare = RateLimitedLog(log)
         self.prefaulted_bytes = 0  # set by capture's prefault thread (an int store)
         self.roots_superseded = 0
+        # Role-specific fields of the stats record (WORKER_STATS names), the rest zero:
+        # commit's lock wait, maintenance's backlog.
+        self.report: dict[str, float] = {}
         self._beat_due = 0.0  # time.monotonic() after which progress() beats
         # Only this thread writes the stats slot (helper threads may pass checkpoints,
         # and a slot has one writer).
@@ -220,16 +223,17 @@ class Lifecycle:
         if self._stats is None:
             return
         self._beat_due = time.monotonic() + PROGRESS_BEAT_S
-        self._stats.write(
-            int(self.spec.role),
-            WORKER_STATS.named(
-                os.getpid(), int(self.state), time.time(), self.started, self.processed,
-                self.failed, self.item_errors, self.backlog, self.used_bytes, self.copy_bytes,
-                self.copy_seconds, self.prefaulted_bytes, self.pid_start,
-                self.roots_superseded,
-                *self.drops.values(),
-            ),
+        values = dict.fromkeys(WORKER_STATS.dtype.names, 0)
+        values.update(
+            pid=os.getpid(), state=int(self.state), heartbeat=time.time(),
+            started=self.started, processed=self.processed, failed=self.failed,
+            item_errors=self.item_errors, backlog=self.backlog, used_bytes=self.used_bytes,
+            copy_bytes=self.copy_bytes, copy_seconds=self.copy_seconds,
+            prefaulted_bytes=self.prefaulted_bytes, pid_start=self.pid_start,
+            roots_superseded=self.roots_superseded,
+            **self.report, **{f"drop_{reason}": n for reason, n in self.drops.items()},
         )
+        self._stats.write(int(self.spec.role), WORKER_STATS.named(**values))
 
     def drop(self, reason: str, what: str) -> None:
         """Count a malformed record dropped for ``reason`` (one of DROP_REASONS)."""

@@ -1,13 +1,17 @@
-"""The maintenance worker of one rank: ``reconcile()`` at start, then keeps used bytes
-under ``max_bytes`` by evicting LRU unleased roots toward the low watermark and
-collecting unreferenced objects; and it writes what the engine asks on the request ring
-(the engine only reads the index): restore touches, lookup leases, quarantines.
+"""The maintenance worker of one rank: ``reconcile()`` at start, then slices of bounded
+work: during a pressure episode, eviction of least recently used unleased roots from
+``max_bytes`` down to the low watermark; collection of unreferenced objects; and what the
+engine asks on the request rings (the engine only reads the index): restore touches,
+lookup leases, quarantines.
 
-Every pass is bounded (``VICTIMS`` roots and ``COLLECT`` objects, index walks only: no
-pass reads the whole inventory); the per-slice time budget and duty cycle are the next
-issue's. While evicting, the request ring is drained inside the eviction transaction
-under the lookup gate (``sparkcache/store/gate.py``), so a lookup's lease is always
-written before a removal could take what it counted.
+The policy (budget per slice, duty cap, I/O cap, hysteresis, the hard cap's clock) is
+``sparkcache/maintenance_policy.py``; the bounded eviction itself is
+``sparkcache/store/eviction.py`` (index walks only: no slice reads the whole inventory).
+This module is the loop that follows them and reports the backlog in the worker's stats
+slot, every slice and at least every ``IDLE_S`` while idle. While evicting, the request
+rings are drained inside the eviction transaction under the lookup gate
+(``sparkcache/store/gate.py``), so a lookup's lease is always written before a removal
+could take what it counted.
 """
 
 from __future__ import annotations
@@ -15,30 +19,59 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 from posix_ipc import SignalError
 
 from shm import Consumer, RingClosed, RingEmpty
 from shm.layouts import join_key
 from sparkcache import segments
+from sparkcache.maintenance_policy import (
+    CostModel,
+    HardCap,
+    Limits,
+    Pacing,
+    Pressure,
+    SliceMeter,
+)
 from sparkcache.protocol import RequestKind
-from sparkcache.store import PageStore
+from sparkcache.store import CollectResult, EvictResult, PageStore
+from sparkcache.store.eviction import EvictionPlan
 from workers import lifecycle
 from workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, State, WorkerSpec
 
 log = logging.getLogger(__name__)
 
-VICTIMS = 16
-COLLECT = 256
+# Rows one collection reads at most; its bytes and time budget usually stop it first.
+COLLECT_ROWS = 1024
 IDLE_S = 0.2
 # A request's page position is below the most pages one publication can carry.
 _MAX_POS = segments.RINGS["publish"][1]
 # Clocks of two processes: an access stamped this far in the future is still believed.
 _FUTURE_SLACK_S = 60.0
+# Cumulative counters of the stats record (WORKER_STATS names).
+_TOTALS = ("evicted_roots", "cut_roots", "skipped_roots", "reclaimed_bytes",
+           "collected_objects", "collected_bytes", "io_bytes")
+
+
+def written_bytes() -> int:
+    """Bytes this process wrote through write(2) and its kin (``wchar`` of /proc/self/io):
+    the index's WAL frames and checkpoints. 0 where the kernel keeps no such count."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            for line in f:
+                if line.startswith(b"wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 class Maintenance:
-    def __init__(self, life: Lifecycle) -> None:
+    """One rank's maintenance: its rings, its store, the policy's state. ``clock`` is the
+    policy's (monotonic seconds); tests inject one."""
+
+    def __init__(self, life: Lifecycle, clock: Callable[[], float] = time.monotonic) -> None:
         cfg = life.spec.cfg
         self.life = life
         self.cfg = cfg
@@ -49,7 +82,15 @@ class Maintenance:
             cfg.store_dir, life.spec.rank, lease_seconds=cfg.lease_seconds,
             hook=lifecycle.checkpoint,
         )
-        self.evicting = False
+        self.clock = clock
+        self.limits = Limits.from_config(cfg)
+        self.costs = CostModel()
+        self.pressure = Pressure(cfg.max_bytes, cfg.low_watermark_bytes)
+        self.hard_cap = HardCap(self.limits.hard_cap_bytes)
+        self.pacing = Pacing(self.limits, clock())
+        self.plan = EvictionPlan()
+        self.totals = dict.fromkeys(_TOTALS, 0)
+        self.slice_last_s = self.slice_max_s = 0.0
         self._quarantines: list[tuple[str, str]] = []
 
     def close(self) -> None:
@@ -61,46 +102,104 @@ class Maintenance:
         self.store.reconcile()
         self.life.to(State.READY)
         while not self.life.stop:
-            try:
-                worked = self._pass()
-            except ENVIRONMENT_FAULTS:
-                raise
-            except Exception:
-                self.life.item_error("a maintenance pass")
-                self.store.check_usable()
-                worked = False
-            self.life.beat()
-            if not worked:
-                self.life.idle(IDLE_S)
+            pause = self.step()
+            if pause:
+                self.life.idle(pause)
         self.life.to(State.DRAINING)
         self._take_requests()
         self.store.flush_touches()
 
-    def _pass(self) -> bool:
-        """One bounded slice; True if it did any work."""
-        cfg = self.cfg
-        usage = self.store.usage()
-        if usage.used_bytes > cfg.max_bytes:
-            self.evicting = True
+    def step(self) -> float:
+        """One turn of the loop: a slice if the duty and I/O caps allow one now, then the
+        report. Returns how long to wait before the next turn (0: at once)."""
+        wait = self.pacing.wait(self.clock())
         worked = False
-        if self.evicting:
-            removed = self.store.evict(VICTIMS, self._take_requests)
-            worked = bool(removed.removed)
+        if wait <= 0:
+            try:
+                worked = self.slice()
+            except ENVIRONMENT_FAULTS:
+                raise
+            except Exception:
+                self.life.item_error("a maintenance slice")
+                self.store.check_usable()
+        self.report()
+        if worked:
+            return 0.0
+        return min(wait, IDLE_S) if wait > 0 else IDLE_S
+
+    def slice(self) -> bool:
+        """One slice of bounded work (``maintenance_policy``); True if it did any."""
+        meter = SliceMeter(self.limits.budget, self.costs, self.clock)
+        wrote = written_bytes()
+        usage = self.store.usage()
+        self._watch(usage.used_bytes, meter.started)
+        need = self.pressure.need(usage.used_bytes, usage.collectable_bytes)
+        collected = CollectResult(0, 0)
+        if usage.collectable_objects or self.store.unlinking.objects:
+            collected = self.store.collect(COLLECT_ROWS, meter)
+        evicted = EvictResult()
+        if need > 0:
+            evicted = self.store.evict(meter, self.plan, need, self._take_requests)
+            requests = 0
         else:
-            worked = self._take_requests() > 0
+            requests = self._take_requests()
             self.store.flush_touches()
         for key, generation in self._quarantines:
             self.store.verify_and_quarantine(key, generation, "failed verification in a restore")
         self._quarantines = []
-        if usage.collectable_objects or worked:
-            worked = self.store.collect(COLLECT).objects > 0 or worked
-        usage = self.store.usage()
-        if usage.used_bytes <= cfg.low_watermark_bytes:
-            self.evicting = False
-        self.life.used_bytes = usage.used_bytes
-        self.life.backlog = max(0, usage.used_bytes - cfg.low_watermark_bytes)
+        if not (collected.objects or evicted.pages or requests):
+            return False
+        end = self.clock()
+        io = collected.bytes + written_bytes() - wrote
+        self.pacing.record(meter.started, end, io)
+        self.slice_last_s = end - meter.started
+        self.slice_max_s = max(self.slice_max_s, self.slice_last_s)
+        t = self.totals
+        t["evicted_roots"] += len(evicted.removed)
+        t["cut_roots"] += evicted.cut
+        t["skipped_roots"] += evicted.skipped
+        t["reclaimed_bytes"] += evicted.reclaimed_bytes
+        t["collected_objects"] += collected.objects
+        t["collected_bytes"] += collected.bytes
+        t["io_bytes"] += io
         self.life.processed += 1
-        return worked
+        return True
+
+    def report(self) -> None:
+        """The backlog into the stats slot (read at once by the client's admission and by
+        ``sparkcache status``), then a beat."""
+        usage = self.store.usage()
+        waiting = self.store.unlinking  # rows deleted, files not unlinked yet
+        now = self.clock()
+        used = usage.used_bytes
+        self._watch(used, now)
+        self.hard_cap.update(used, now)
+        self.life.used_bytes = used
+        self.life.backlog = max(0, used - self.cfg.low_watermark_bytes)
+        self.life.report.update(
+            over_max_bytes=max(0, used - self.cfg.max_bytes),
+            episode_since=self._wall(self.pressure.since, now),
+            selected_roots=self.plan.roots, selected_bytes=self.plan.bytes,
+            collectable_objects=usage.collectable_objects + waiting.objects,
+            collectable_bytes=usage.collectable_bytes + waiting.bytes,
+            slice_last_s=self.slice_last_s, slice_max_s=self.slice_max_s,
+            duty=self.pacing.duty.used(now),
+            refusing_since=self._wall(self.hard_cap.since, now),
+            refused_s=self.hard_cap.total_s,
+            **self.totals,
+        )
+        self.life.beat()
+
+    def _watch(self, used: int, now: float) -> None:
+        """The watermarks seen at ``now``; a new episode considers every root again."""
+        calm = self.pressure.since is None
+        if self.pressure.update(used, now) and calm:
+            self.plan.cursor = None
+
+    @staticmethod
+    def _wall(since: float | None, now: float) -> float:
+        """A time of the policy's clock as ``time.time()``; 0 for none."""
+        return 0.0 if since is None else time.time() - (now - since)
 
     def _take_requests(self) -> int:
         """Move every request in the rings into the store's batch (or the quarantine list);

@@ -26,6 +26,7 @@ COMMIT_STEPS = (
 EVICTION_STEPS = (
     "evict.select",  # victims selected, nothing removed
     "evict.remove",  # inside the removal transaction, before COMMIT
+    "evict.truncated",  # a step committed that left a root cut short (store/eviction.py)
     "collect.select",  # inside the collection transaction, rows chosen, before DELETE
     "collect.delete",  # rows deleted, before COMMIT
     "collect.unlink",  # rows gone durably, before unlinking one file

@@ -177,6 +177,10 @@ def _check_index(conn: sqlite3.Connection, where: str, report: FsckReport) -> No
         actual[state] = conn.execute(
             "SELECT count(*), coalesce(sum(bytes), 0) FROM objects WHERE state = ?", (state,)
         )
+    if "garbage" in totals:  # an index not yet upgraded has none (index._upgrade)
+        actual["garbage"] = conn.execute(
+            "SELECT count(*), coalesce(sum(bytes), 0) FROM objects WHERE refcount = 0"
+        )
     for name, cursor in actual.items():
         real = tuple(cursor.fetchone())
         if totals.get(name) != real:

@@ -37,6 +37,37 @@ _QUARANTINED_INDEX = (
     "CREATE INDEX IF NOT EXISTS objects_quarantined ON objects(key) WHERE state = 'quarantined';"
 )
 
+# Objects awaiting collection (refcount 0) and a root cut short by eviction (which keeps a
+# shorter, still valid root: ``store/eviction.py``), counted by triggers like the rest of
+# ``totals``, so that usage() reads one row instead of counting the garbage, which after a
+# large eviction is thousands of rows. Added after stores existed: ``_upgrade`` adds them
+# to an older index, with the row counted once, in one transaction.
+_GARBAGE_SCHEMA = (
+    """CREATE TRIGGER IF NOT EXISTS garbage_ins AFTER INSERT ON objects
+    WHEN NEW.refcount = 0 BEGIN
+    UPDATE totals SET count = count + 1, bytes = bytes + NEW.bytes WHERE name = 'garbage';
+END;""",
+    """CREATE TRIGGER IF NOT EXISTS garbage_del AFTER DELETE ON objects
+    WHEN OLD.refcount = 0 BEGIN
+    UPDATE totals SET count = count - 1, bytes = bytes - OLD.bytes WHERE name = 'garbage';
+END;""",
+    """CREATE TRIGGER IF NOT EXISTS garbage_upd AFTER UPDATE OF refcount, bytes ON objects
+    WHEN OLD.refcount = 0 OR NEW.refcount = 0 BEGIN
+    UPDATE totals SET
+        count = count - (OLD.refcount = 0) + (NEW.refcount = 0),
+        bytes = bytes - (CASE WHEN OLD.refcount = 0 THEN OLD.bytes ELSE 0 END)
+                      + (CASE WHEN NEW.refcount = 0 THEN NEW.bytes ELSE 0 END)
+    WHERE name = 'garbage';
+END;""",
+    """CREATE TRIGGER IF NOT EXISTS roots_upd AFTER UPDATE OF bytes ON roots BEGIN
+    UPDATE totals SET bytes = bytes - OLD.bytes + NEW.bytes WHERE name = 'roots';
+END;""",
+    "INSERT OR IGNORE INTO totals SELECT 'garbage', count(*), coalesce(sum(bytes), 0) "
+    "FROM objects WHERE refcount = 0;",
+)
+# totals rows that are not object states (usage() sums the states into used bytes).
+TOTALS_NOT_STATES = frozenset({"roots", "garbage"})
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(
     name TEXT PRIMARY KEY,
@@ -93,7 +124,7 @@ END;
 CREATE TRIGGER IF NOT EXISTS roots_del AFTER DELETE ON roots BEGIN
     UPDATE totals SET count = count - 1, bytes = bytes - OLD.bytes WHERE name = 'roots';
 END;
-"""
+""" + "\n".join(_GARBAGE_SCHEMA)
 
 
 def _check_index_file(path: Path, create: bool) -> None:
@@ -164,7 +195,16 @@ def _schema_version(conn: sqlite3.Connection, path: Path, create: bool) -> str |
     row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
     if create:
         conn.execute(_QUARANTINED_INDEX)
+        _upgrade(conn)
     return None if row is None else row[0]
+
+
+def _upgrade(conn: sqlite3.Connection) -> None:
+    """Add the garbage totals to an index made before them (see ``_GARBAGE_SCHEMA``)."""
+    if conn.execute("SELECT 1 FROM totals WHERE name = 'garbage'").fetchone():
+        return
+    # Triggers and the first count in one write transaction: no commit can slip between.
+    conn.executescript("BEGIN IMMEDIATE;" + "\n".join(_GARBAGE_SCHEMA) + "COMMIT;")
 
 
 class OutcomeUnknown(StoreError):
@@ -192,6 +232,21 @@ def write_txn(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise OutcomeUnknown(f"index COMMIT failed: {exc}") from exc
+
+
+@contextmanager
+def unsynced(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """Transactions inside commit without fsyncing the WAL (``synchronous=NORMAL``): a
+    crash of the process loses nothing (the frames are in the page cache), a power cut may
+    lose them, and the next synced transaction makes them durable with it (the WAL is one
+    file, written in order). Only for writes whose loss leaves the index consistent, so
+    that no fsync of theirs holds the write lock while commits wait for it."""
+    level = int(conn.execute("PRAGMA synchronous").fetchone()[0])
+    conn.execute("PRAGMA synchronous=NORMAL")
+    try:
+        yield conn
+    finally:
+        conn.execute(f"PRAGMA synchronous={level}")
 
 
 @contextmanager

@@ -79,6 +79,20 @@ class RemoveResult:
 
 
 @dataclass(frozen=True)
+class EvictResult:
+    """One bounded eviction step (``PageStore.evict``)."""
+
+    removed: tuple[str, ...] = ()  # roots evicted whole
+    cut: int = 0  # roots cut short: still there, holding a prefix of what they held
+    pages: int = 0  # page references dropped
+    bytes: int = 0  # their bytes: the step's work, freed or not
+    reclaimed_objects: int = 0  # objects whose last reference went: now collectable
+    reclaimed_bytes: int = 0
+    skipped: int = 0  # LRU roots passed over because evicting them frees nothing
+    dropped: int = 0  # planned victims leased or used again since they were planned
+
+
+@dataclass(frozen=True)
 class CollectResult:
     objects: int
     bytes: int
@@ -100,4 +114,7 @@ class Usage:
     objects: int
     # state -> (objects, bytes), e.g. {"live": (10, 10485760), "quarantined": (1, 1048576)}
     by_state: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Objects no root references any more (refcount 0), and their bytes: counted in
+    # ``used_bytes`` until collection deletes them.
     collectable_objects: int = 0
+    collectable_bytes: int = 0

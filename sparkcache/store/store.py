@@ -16,10 +16,12 @@ untouched. Superseding in the same transaction is crash-safe for the same reason
 the COMMIT the superseded roots are all there, after it the new root holds every page they
 held, so none of those pages ever has no reference.
 
-Eviction protocol (invariant 2): ``select_victims`` walks the LRU index; ``remove_roots``
-deletes roots and drops their references in one durable transaction, re-checking leases;
-``collect`` deletes unreferenced object rows in one durable transaction and only then
-unlinks exactly those ``<key>.<generation>`` files.
+Eviction protocol (invariant 2): ``evict`` cuts unleased roots from their end within a
+slice's budget, least recently used first, in one transaction that re-checks leases
+(``store/eviction.py``; unsynced: a power cut may undo it whole, never part of it;
+``select_victims`` and ``remove_roots`` are the unbounded primitives); ``collect`` deletes
+unreferenced object rows in one durable transaction (which makes every earlier one durable
+too) and only then unlinks exactly those ``<key>.<generation>`` files.
 
 A store instance belongs to one process: open a new one after fork.
 """
@@ -32,13 +34,14 @@ import logging
 import os
 import sqlite3
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from sparkcache.identity import require_hex
-from sparkcache.store import index, recovery
+from sparkcache.store import eviction, index, recovery
+from sparkcache.store.eviction import TXN, UNLINK, Budget, EvictionPlan
 from sparkcache.store.fileops import FileOps, StepHook, no_hook
 from sparkcache.store.gate import LookupGate
 from sparkcache.store.layout import (
@@ -55,6 +58,7 @@ from sparkcache.store.records import (
     CollectResult,
     CommitFailed,
     CommitResult,
+    EvictResult,
     ReconcileResult,
     RemoveResult,
     Root,
@@ -80,6 +84,10 @@ class StoreCounters:
     missing_files: int = 0
     roots_superseded: int = 0
     commits_covered: int = 0
+    # Time commits waited for the index's write lock (held by maintenance, a capture's
+    # lease, another writer): the sum and the longest wait.
+    lock_wait_s: float = 0.0
+    lock_wait_max_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,8 @@ class PageStore:
         self._touches: dict[tuple[str, int], float] = {}  # (key, pos) -> when accessed
         self._leases: dict[tuple[str, int], float] = {}  # (key, pos) -> protected until
         self._touches_since = 0.0
+        # Rows collection deleted whose files it has yet to unlink: (key, generation, bytes).
+        self._unlinking: deque[tuple[str, str, int]] = deque()
         self._objects_fd = os.open(self.layout.objects_dir, DIR_FLAGS)
         self._quarantine_fd = os.open(self.layout.quarantine_dir, DIR_FLAGS)
         self._writer = ObjectWriter(self._ops, hook, self._objects_fd)
@@ -160,9 +170,12 @@ class PageStore:
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Flush batched access records and release descriptors and connections."""
+        """Flush batched access records, unlink the files collection left waiting, and
+        release descriptors and connections."""
         try:
             self.flush_touches()
+            while self._unlinking:
+                self._unlink(*self._unlinking.popleft()[:2])
         finally:
             self._writer.close()
             self._wconn.close()
@@ -260,7 +273,11 @@ class PageStore:
         now = self._clock()
         sizes = {k: sum(p.nbytes for p in v) for k, v in zip(keys, pieces, strict=True)}
         surplus.clear()
+        asked = time.perf_counter()
         with index.write_txn(self._wconn) as conn:
+            waited = time.perf_counter() - asked  # BEGIN IMMEDIATE returned: the lock is ours
+            self.counters.lock_wait_s += waited
+            self.counters.lock_wait_max_s = max(self.counters.lock_wait_max_s, waited)
             self._adopt_objects(conn, sizes, written, surplus, now)
             placement = self._place_root(conn, root_id, keys, sizes, now)
             self._hook("commit.index_txn")
@@ -507,7 +524,8 @@ class PageStore:
         """Write batched accesses and leases in one transaction; how many were written."""
         if not self._touches and not self._leases:
             return 0
-        with index.write_txn(self._wconn) as conn:
+        # Unsynced (as eviction): a power cut may lose accesses and leases, never more.
+        with index.unsynced(self._wconn), index.write_txn(self._wconn) as conn:
             return self._write_accesses(conn)
 
     def _write_accesses(self, conn: sqlite3.Connection) -> int:
@@ -578,31 +596,40 @@ class PageStore:
             self._hook("evict.remove")
         return RemoveResult(tuple(removed), tuple(skipped), freed)
 
-    def evict(self, k: int, take_requests: Callable[[], object] = lambda: None) -> RemoveResult:
+    def evict(self, budget: Budget, plan: EvictionPlan, need: int,
+              take_requests: Callable[[], object] = lambda: None) -> EvictResult:
         """One eviction step, as one transaction under the lookup gate (``store.gate``):
         ``take_requests()`` moves the accesses and leases waiting for this store in
-        (``record_access``, ``record_lease``), they are written, then up to ``k`` unleased
-        roots are removed, least recently used first. ``k == 0`` only writes the requests."""
+        (``record_access``, ``record_lease``), they are written, then unleased roots are cut
+        from their end and removed, least recently used first (``store/eviction.py``), until
+        ``need`` bytes became collectable or ``budget`` is spent. ``plan`` carries the
+        victims chosen and not yet removed from one step to the next. ``need <= 0`` only
+        writes the requests."""
         gate = contextlib.ExitStack()
-        with gate, index.write_txn(self._wconn) as conn:
+        # Unsynced: losing this transaction to a power cut brings its roots back whole,
+        # and the collection that unlinks what it freed commits synced, after it. Its
+        # COMMIT then holds the write lock for no fsync: maintenance's I/O has the lowest
+        # priority, so an fsync of its waits behind commits' I/O while commits wait for it.
+        with gate, index.unsynced(self._wconn), index.write_txn(self._wconn) as conn:
             # After BEGIN IMMEDIATE, so lookups are never shut out while this waits for
             # the write lock; released (by the outer stack) only after COMMIT.
             gate.enter_context(self.gate.exclusive())
             take_requests()
             self._write_accesses(conn)
-            if k <= 0:
-                return RemoveResult((), (), 0)
-            victims = [
-                r[0] for r in conn.execute(
-                    "SELECT id FROM roots WHERE lease_until <= ? "
-                    "ORDER BY lease_until, last_access LIMIT ?",
-                    (self._clock(), k),
-                )
-            ]
-            self._hook("evict.select")
-            freed = sum(self._drop_root(conn, root_id) for root_id in victims)
+            if need <= 0:
+                return EvictResult()
+            progress = eviction.evict(conn, plan, need, budget, self._clock(), self._hook)
             self._hook("evict.remove")
-        return RemoveResult(tuple(victims), (), freed)
+            worked = budget.now()
+        budget.spend(TXN, 1, 0, budget.now() - worked)
+        if progress.left_cut:
+            self._hook("evict.truncated")
+        return EvictResult(
+            removed=tuple(progress.removed), cut=progress.cut, pages=progress.pages,
+            bytes=progress.bytes, reclaimed_objects=progress.reclaimed_objects,
+            reclaimed_bytes=progress.reclaimed_bytes, skipped=progress.skipped,
+            dropped=progress.dropped,
+        )
 
     def verify_and_quarantine(self, key: str, generation: str, reason: str) -> bool:
         """Quarantine object ``key``.``generation`` if it is live and fails verification
@@ -639,22 +666,68 @@ class PageStore:
         except OSError as exc:
             raise StoreError(f"store {self.layout.rank_dir} is unusable: {exc}") from exc
 
-    def collect(self, n: int) -> CollectResult:
-        """Delete up to ``n`` unreferenced object rows durably, then unlink their files."""
+    def collect(self, n: int, budget: Budget | None = None) -> CollectResult:
+        """Delete up to ``n`` unreferenced object rows durably, then unlink their files.
+
+        With a ``budget``: the files of rows an earlier call deleted and left waiting go
+        first; then as many rows as the budget's bytes and time estimate allow are deleted,
+        and their files unlinked one by one while its time lasts. An unlink can take far
+        longer than usual on a busy disk, so files left when the time is up wait for the
+        next call (``unlinking``): their rows are gone, so they are nothing to any reader,
+        and a crash leaves them as orphans that ``reconcile`` removes."""
+        if budget is None:
+            rows = self._delete_garbage(n)
+            for key, generation, _ in rows:
+                self._unlink(key, generation)
+            return CollectResult(objects=len(rows), bytes=sum(r[2] for r in rows))
+        done = self._unlink_waiting(budget)
+        if self._unlinking:
+            return done  # out of time
+        n = budget.affordable(UNLINK, n) or (1 if budget.fresh else 0)
+        if n <= 0 or (budget.bytes_left() <= 0 and not budget.fresh):
+            return done
+        begun = budget.now()
+        self._unlinking.extend(self._delete_garbage(n, budget))
+        budget.spend(TXN, 1, 0, budget.now() - begun)
+        more = self._unlink_waiting(budget)
+        return CollectResult(done.objects + more.objects, done.bytes + more.bytes)
+
+    @property
+    def unlinking(self) -> CollectResult:
+        """Objects whose rows collection deleted and whose files it has yet to unlink."""
+        return CollectResult(len(self._unlinking), sum(r[2] for r in self._unlinking))
+
+    def _delete_garbage(self, n: int, budget: Budget | None = None) -> list[tuple[str, str, int]]:
+        """Delete up to ``n`` unreferenced rows (fitting ``budget``'s bytes) durably."""
         with index.write_txn(self._wconn) as conn:
             rows = conn.execute(
                 "SELECT key, generation, bytes FROM objects WHERE refcount = 0 LIMIT ?", (n,)
             ).fetchall()
+            if budget is not None:
+                rows = eviction.fitting_rows(rows, budget, size=2)
             self._hook("collect.select")
             conn.executemany(
                 "DELETE FROM objects WHERE key = ? AND generation = ? AND refcount = 0",
                 [(k, g) for k, g, _ in rows],
             )
             self._hook("collect.delete")
-        for key, generation, _ in rows:
-            self._hook("collect.unlink")
-            self._writer.discard([WrittenFile(key, generation, renamed=True)])
-        return CollectResult(objects=len(rows), bytes=sum(r[2] for r in rows))
+        return rows
+
+    def _unlink_waiting(self, budget: Budget) -> CollectResult:
+        objects = nbytes = 0
+        while self._unlinking and (budget.fresh or budget.affordable(UNLINK, 1)):
+            key, generation, size = self._unlinking[0]
+            start = budget.now()
+            self._unlink(key, generation)
+            self._unlinking.popleft()
+            budget.spend(UNLINK, 1, size, budget.now() - start)
+            objects += 1
+            nbytes += size
+        return CollectResult(objects, nbytes)
+
+    def _unlink(self, key: str, generation: str) -> None:
+        self._hook("collect.unlink")
+        self._writer.discard([WrittenFile(key, generation, renamed=True)])
 
     # ------------------------------------------------------------------ recovery
 
@@ -686,14 +759,13 @@ class PageStore:
 
     def usage(self) -> Usage:
         """Entries, bytes and objects per state, from trigger-kept totals (no scan)."""
-        with index.read_txn(self._rconn) as conn:
-            totals = {name: (c, b) for name, c, b in conn.execute("SELECT * FROM totals")}
-            garbage = conn.execute("SELECT count(*) FROM objects WHERE refcount = 0").fetchone()[0]
-        states = {k: v for k, v in totals.items() if k != "roots"}
+        totals = {name: (c, b) for name, c, b in self._rconn.execute("SELECT * FROM totals")}
+        states = {k: v for k, v in totals.items() if k not in index.TOTALS_NOT_STATES}
         return Usage(
             entries=totals["roots"][0],
             used_bytes=sum(b for _, b in states.values()),
             objects=sum(c for c, _ in states.values()),
             by_state=states,
-            collectable_objects=garbage,
+            collectable_objects=totals["garbage"][0],
+            collectable_bytes=totals["garbage"][1],
         )

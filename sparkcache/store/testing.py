@@ -6,9 +6,11 @@ import errno
 import hashlib
 import os
 import signal
+import sqlite3
 
 import numpy as np
 
+from sparkcache.store import index
 from sparkcache.store.fileops import FileOps
 from sparkcache.store.objects import split_pieces
 from sparkcache.store.records import PageData, Root
@@ -87,3 +89,32 @@ class KillAt:
             self.seen += 1
             if self.seen == self.nth:
                 os.kill(os.getpid(), signal.SIGKILL)
+
+
+def populate(store_conn: sqlite3.Connection, roots: int, pages: int, page_bytes: int,
+             now: float) -> None:
+    """Fill an empty index with ``roots`` roots of ``pages`` pages each (their own objects,
+    refcount 1, no files), in SQL alone: a million roots in seconds where commits would
+    take hours. Last accesses are one second apart up to ``now``, in the order of the
+    ids (so every index is filled by appends), and leases have ended, so every root is a
+    victim. Row for row what commits leave (fsck would only miss the files), so eviction
+    and collection run as on a real store; a collected object's missing file is ignored,
+    as after a crash."""
+    with index.write_txn(store_conn) as conn:
+        conn.execute(
+            "CREATE TEMP TABLE seq AS WITH RECURSIVE s(i) AS "
+            "(SELECT 0 UNION ALL SELECT i + 1 FROM s WHERE i + 1 < ?) SELECT i FROM s",
+            (roots * pages,),
+        )
+        # Keys and ids as 32 hex digits, in order, so that b-tree inserts are appends.
+        conn.execute(
+            "INSERT INTO objects SELECT printf('%032x', i), '0000000000000000', ?, 1, "
+            "'live', ? FROM seq", (page_bytes, now))
+        conn.execute(
+            "INSERT INTO roots SELECT printf('%032x', i), ?, ?, ?, a, a FROM "
+            "(SELECT i, ? - ? + i AS a FROM seq WHERE i < ?)",
+            (pages * page_bytes, pages, now, now, roots, roots))
+        conn.execute(
+            "INSERT INTO root_pages SELECT printf('%032x', i / ?), i % ?, printf('%032x', i) "
+            "FROM seq", (pages, pages))
+        conn.execute("DROP TABLE seq")

@@ -1,0 +1,170 @@
+"""The maintenance policy with an injected clock, no processes: hysteresis, the duty cap
+over many slices, the I/O cap, the hard cap's clock, a slice's meter."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import random
+
+import pytest
+from eviction_util import FakeClock, meter
+
+from sparkcache import config
+from sparkcache.maintenance_policy import (
+    WINDOW_S,
+    CostModel,
+    DutyCycle,
+    HardCap,
+    IoPacer,
+    Limits,
+    Pacing,
+    Pressure,
+    SliceBudget,
+)
+from sparkcache.store.eviction import PAGE, TXN, UNLINK
+
+
+def test_an_episode_starts_above_max_and_ends_at_the_low_watermark() -> None:
+    p = Pressure(high=100, low=60)
+    assert not p.update(100, 0.0)  # at max_bytes: not above it
+    assert p.update(101, 1.0) and p.since == 1.0
+    assert p.update(80, 2.0) and p.since == 1.0  # between the marks: still evicting
+    assert p.need(80, collectable=5) == 15  # above low and not awaiting collection
+    assert p.need(80, collectable=30) == 0  # collection alone gets it there
+    assert not p.update(60, 3.0) and p.since is None
+    assert not p.update(90, 4.0)  # between the marks again: no new episode
+    assert p.need(90, 0) == 0
+
+
+def windows_busy(spans: list[tuple[float, float]], window: float) -> float:
+    """The most work any window of ``window`` seconds holds, for disjoint spans in order
+    (the busiest window ends where a span ends)."""
+    ends = [e for _, e in spans]
+    prefix = list(itertools.accumulate((e - s for s, e in spans), initial=0.0))
+    worst = 0.0
+    for i, (_, end) in enumerate(spans):
+        lo = end - window
+        j = bisect.bisect_right(ends, lo)  # the first span ending inside the window
+        busy = prefix[i + 1] - prefix[j] - max(0.0, lo - spans[j][0])
+        worst = max(worst, busy)
+    return worst
+
+
+@pytest.mark.parametrize("share", [0.05, 0.2, 0.5, 1.0])
+def test_the_duty_cap_holds_over_any_window_of_many_slices(share: float) -> None:
+    rng = random.Random(1)
+    slice_s = share * WINDOW_S / 4
+    duty = DutyCycle(share, slice_s)
+    now, spans = 0.0, []
+    for _ in range(2000):
+        now += duty.wait(now)
+        assert duty.wait(now) == 0.0
+        length = slice_s * rng.choice([1.0, 1.0, rng.random()])  # at most the budget
+        spans.append((now, now + length))
+        duty.record(now, now + length)
+        now += length + rng.choice([0.0, 0.0, rng.random() * 0.3])  # sometimes idle
+    assert windows_busy(spans, WINDOW_S) <= share * WINDOW_S + 1e-6
+    # On the whole, as on every window: the share (and one window's worth at the end).
+    total = spans[-1][1] - spans[0][0]
+    assert sum(e - s for s, e in spans) <= share * (total + WINDOW_S)
+
+
+def test_the_duty_cap_lets_work_go_at_its_share_when_there_is_always_work() -> None:
+    duty = DutyCycle(0.2, 0.02)
+    now, spans = 0.0, []
+    while now < 60:
+        now += duty.wait(now)
+        duty.record(now, now + 0.02)
+        spans.append((now, now + 0.02))
+        now += 0.02
+    assert windows_busy(spans, WINDOW_S) <= 0.2 + 1e-6
+    assert sum(e - s for s, e in spans) / now >= 0.195
+    assert duty.used(now) == pytest.approx(0.2, abs=0.005)
+
+
+def test_a_slice_that_cannot_fit_the_cap_is_refused() -> None:
+    with pytest.raises(ValueError, match="cannot fit"):
+        DutyCycle(0.1, 0.2)
+
+
+def test_io_pacing_holds_the_rate_after_a_one_second_burst() -> None:
+    io = IoPacer(rate=100.0, now=0.0)
+    assert io.wait(0.0) == 0.0
+    io.charge(250, 0.0)  # a slice spent the burst and more: 150 in debt
+    assert io.wait(0.0) == pytest.approx(1.5)
+    assert io.wait(1.5) == 0.0
+    now, spent = 1.5, 0
+    while now < 100:
+        now += io.wait(now)
+        io.charge(30, now)
+        spent += 30
+    assert spent <= 100 * (now - 1.5) + 100 + 30
+
+
+def test_pacing_waits_for_the_later_of_duty_and_io() -> None:
+    limits = Limits(SliceBudget(16, 1 << 20, 0.02), 0.2, 1000.0, 100, 50, 150)
+    pacing = Pacing(limits, 0.0)
+    for i in range(10):
+        assert pacing.wait(i * 0.02) == 0.0
+        pacing.record(i * 0.02, (i + 1) * 0.02, io_bytes=0)
+    assert pacing.wait(0.2) == pytest.approx(0.8)  # duty: 0.2 s of any second
+    pacing.record(1.0, 1.02, io_bytes=3000)  # 2000 bytes of debt at 1000/s
+    assert pacing.wait(1.02) == pytest.approx(2.0, abs=0.03)
+
+
+def test_the_hard_cap_clock_counts_a_sustained_refusal_and_stops_below() -> None:
+    cap = HardCap(cap=100)
+    cap.update(99, 0.0)
+    assert cap.since is None and cap.total_s == 0
+    cap.update(100, 1.0)
+    cap.update(120, 3.0)
+    cap.update(101, 4.5)
+    assert cap.since == 1.0 and cap.total_s == pytest.approx(3.5)
+    cap.update(80, 5.0)
+    assert cap.since is None and cap.total_s == pytest.approx(3.5)
+    cap.update(100, 9.0)
+    assert cap.since == 9.0
+
+
+def test_the_meter_stops_before_the_time_budget_with_learnt_costs() -> None:
+    clock = FakeClock()
+    costs = CostModel()
+    m = meter(roots=4, nbytes=1000, seconds=0.01, clock=clock, costs=costs)
+    assert m.fresh and m.roots_left() == 4 and m.bytes_left() == 1000
+    assert m.affordable(PAGE, 10**6) == 1  # never measured: one, to learn its cost
+    clock.now += 0.002
+    m.spend(PAGE, 10, 400, seconds=0.002)  # 0.2 ms a page
+    m.spend(TXN, 1, 0, seconds=0.001)  # a commit: 1 ms, kept in reserve from now on
+    assert costs.estimate(PAGE) == pytest.approx(0.0002)
+    assert not m.fresh and m.bytes_left() == 600
+    clock.now += 0.001
+    assert m.affordable(PAGE, 10**6) == pytest.approx((0.01 - 0.003 - 0.001) / 0.0002, abs=1)
+    assert m.affordable(PAGE, 3) == 3
+    clock.now += 0.01
+    assert m.affordable(PAGE, 5) == 0  # past the budget
+    m.take_root()
+    assert m.roots_left() == 3
+
+
+def test_costs_rise_at_once_and_decay_slowly() -> None:
+    costs = CostModel()
+    assert costs.estimate(UNLINK) is None
+    costs.observe(UNLINK, 2, 0.01)
+    assert costs.estimate(UNLINK) == pytest.approx(0.005)
+    costs.observe(UNLINK, 1, 0.02)
+    assert costs.estimate(UNLINK) == pytest.approx(0.02)  # slower: at once
+    costs.observe(UNLINK, 10, 0.001)
+    assert costs.estimate(UNLINK) == pytest.approx(0.02 + 0.2 * (0.0001 - 0.02))
+    costs.observe(UNLINK, 0, 5.0)  # nothing done: nothing learnt
+    assert costs.estimate(UNLINK) < 0.02
+
+
+def test_limits_come_from_the_configuration(tmp_path) -> None:
+    cfg = config.load({"SPARKCACHE_STORE_DIR": str(tmp_path),
+                       "SPARKCACHE_MAINTENANCE_SLICE_MS": "12.5",
+                       "SPARKCACHE_MAINTENANCE_SLICE_BYTES": "8MiB"})
+    limits = Limits.from_config(cfg)
+    assert limits.budget == SliceBudget(16, 8 << 20, 0.0125)
+    assert limits.duty == 0.2 and limits.io_bytes_per_s == 1 << 30
+    assert limits.hard_cap_bytes == cfg.hard_cap_bytes

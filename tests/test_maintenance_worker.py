@@ -1,0 +1,133 @@
+"""The maintenance worker's loop in the test's own process (real segments and store, an
+injected clock, no processes): an episode evicts from above max_bytes down to the low
+watermark and stops there; the duty cap holds while the store is held at its cap; the
+hard cap refuses publications, shows it in the stats, and publishing resumes by itself;
+the backlog is in the stats slot."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from eviction_util import FakeClock
+from worker_rig import Rig, rig
+
+from sparkcache import segments
+from sparkcache.config import KiB
+from sparkcache.store.fsck import fsck
+from sparkcache.store.testing import make_root
+from workers.lifecycle import Role
+
+PAGE = 16 * KiB
+# 20 pages to max_bytes, 10 to the low watermark, 30 to the hard cap; leases end at once.
+SETTINGS = {"max_bytes": "320KiB", "low_watermark_bytes": "160KiB", "lease_seconds": "0",
+            "maintenance_slice_bytes": "64KiB"}
+
+
+def put(r: Rig, pages: int) -> None:
+    """A root of ``pages`` fresh pages, committed straight into the store."""
+    keys = [os.urandom(16).hex() for _ in range(pages)]
+    r.commit.store.commit(make_root(os.urandom(16).hex(), keys, PAGE))
+
+
+def drive(r: Rig, clock: FakeClock, turns: int) -> None:
+    """Turns of the maintenance loop; its pauses pass on the injected clock."""
+    for _ in range(turns):
+        pause = r.maintenance.step()  # (not `now += step()`: step reads the clock too)
+        clock.now += pause
+
+
+def maintenance_record(r: Rig):
+    with segments.attach_stats(r.cfg, 0) as stats:
+        return stats.read(int(Role.MAINTENANCE))
+
+
+def test_an_episode_evicts_down_to_the_low_watermark_and_stops_there(
+        tmp_path: Path, instance: str) -> None:
+    clock = FakeClock(tick=1e-4)
+    with rig(tmp_path / "store", instance, clock=clock, **SETTINGS) as r:
+        for _ in range(5):
+            put(r, 4)  # 320 KiB: at max_bytes, not above
+        drive(r, clock, 50)
+        rec = maintenance_record(r)
+        assert rec.used_bytes == 320 * KiB and rec.evicted_roots == 0
+        assert rec.episode_since == 0 and rec.backlog == 160 * KiB
+        put(r, 4)  # 384 KiB: an episode starts
+        drive(r, clock, 1)
+        rec = maintenance_record(r)
+        assert rec.episode_since > 0 and rec.over_max_bytes == 64 * KiB
+        assert rec.reclaimed_bytes + rec.collectable_bytes > 0
+        drive(r, clock, 200)
+        rec = maintenance_record(r)
+        # Down to the low watermark to the page, and no further.
+        assert 160 * KiB - PAGE < rec.used_bytes <= 160 * KiB, rec
+        assert rec.episode_since == 0 and rec.over_max_bytes == 0
+        assert rec.reclaimed_bytes == rec.collected_bytes == 384 * KiB - rec.used_bytes
+        assert rec.collectable_objects == 0 and rec.selected_bytes < 64 * KiB
+        assert rec.evicted_roots >= 3 and rec.collected_objects * PAGE == rec.collected_bytes
+        assert 0 < rec.slice_last_s <= rec.slice_max_s <= 0.02
+        evicted = rec.evicted_roots
+        put(r, 4)
+        put(r, 4)  # between the watermarks again: no new episode
+        drive(r, clock, 50)
+        rec = maintenance_record(r)
+        assert rec.evicted_roots == evicted and rec.used_bytes > 160 * KiB
+        assert rec.episode_since == 0
+    assert fsck(tmp_path / "store", grace_seconds=0).ok
+
+
+def test_the_duty_cap_holds_while_the_store_is_held_at_its_cap(
+        tmp_path: Path, instance: str) -> None:
+    """Every clock reading costs 0.2 ms, so slices take time; roots keep coming whenever
+    used bytes fall below max_bytes. Slices keep their time budget, the duty reported
+    (the last 10 s) never passes 20 %, and maintenance keeps the store below the hard
+    cap."""
+    clock = FakeClock(tick=2e-4)
+    with rig(tmp_path / "store", instance, clock=clock, **SETTINGS) as r:
+        m = r.maintenance
+        worst, seen = 0.0, []
+        while clock.now < 1000.0 + 30:
+            if m.store.usage().used_bytes <= 320 * KiB:
+                put(r, 3)
+            pause = m.step()
+            clock.now += pause
+            worst = max(worst, m.life.report["duty"])
+            seen.append(m.life.report["duty"])
+        rec = maintenance_record(r)
+        assert rec.slice_max_s <= 0.02
+        assert worst <= 0.2 + 1e-6
+        assert max(seen[len(seen) // 2:]) >= 0.1  # it did work at its cap meanwhile
+        assert rec.evicted_roots > 20 and rec.refused_s == 0
+
+
+def test_the_hard_cap_refuses_publications_then_publishing_resumes(
+        tmp_path: Path, instance: str) -> None:
+    clock = FakeClock()
+    with rig(tmp_path / "store", instance, clock=clock, **SETTINGS) as r:
+        for _ in range(8):
+            put(r, 4)  # 512 KiB: past the hard cap (480 KiB)
+        r.maintenance.report()
+        engine = r.engine
+        assert not engine.publish("a", list(range(64)), tries=1)
+        assert engine.client.counters.skipped["store_full"] == 1
+        rec = maintenance_record(r)
+        assert rec.refusing_since > 0
+        clock.now += 5
+        r.maintenance.report()
+        assert maintenance_record(r).refused_s == 5.0  # a refusal that lasts is visible
+        for _ in range(100):
+            if maintenance_record(r).used_bytes < 480 * KiB:
+                break
+            r.maintenance.slice()
+            r.maintenance.report()
+        rec = maintenance_record(r)
+        assert rec.refusing_since == 0 and rec.refused_s == 5.0
+        time.sleep(0.1)  # the client reads the store's fill at most every 50 ms
+        assert engine.publish("a", list(range(64)), tries=1), engine.client.counters
+        r.step(3)
+        assert "a" in engine.acknowledged
+        # The commit's wait for the index's write lock is in commit's stats.
+        with segments.attach_stats(r.cfg, 0) as stats:
+            commit = stats.read(int(Role.COMMIT))
+        assert commit.lock_wait_s > 0 and commit.lock_wait_max_s <= commit.lock_wait_s

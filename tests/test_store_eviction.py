@@ -1,0 +1,333 @@
+"""Bounded eviction (``PageStore.evict``, ``store/eviction.py``) and budgeted collection:
+roots cut from their end stay valid, bytes freed are counted apart from roots evicted,
+roots that free nothing are passed over, leased roots are never taken, no step exceeds
+its budget (injected clock), every query is an index walk, and a step costs the same
+with 10,000 roots as with 1,000,000."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+from eviction_util import UNLIMITED, FakeClock, evict, meter
+
+from sparkcache.maintenance_policy import CostModel
+from sparkcache.store import PageStore
+from sparkcache.store.eviction import WALK_FACTOR, EvictionPlan
+from sparkcache.store.fileops import FileOps
+from sparkcache.store.fsck import fsck
+from sparkcache.store.testing import make_root, page_bytes, populate
+
+SIZE = 4096
+NOW = 1_000_000.0
+
+
+def key(tag: str) -> str:
+    return hashlib.blake2b(tag.encode(), digest_size=16).hexdigest()
+
+
+def chain(tag: str, n: int) -> list[str]:
+    return [key(f"{tag}/{i}") for i in range(n)]
+
+
+class LeaseClock:
+    """The store's wall clock (leases, last access), moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = NOW
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def lease_clock() -> LeaseClock:
+    return LeaseClock()
+
+
+@pytest.fixture
+def store(tmp_path: Path, lease_clock: LeaseClock):
+    with PageStore(tmp_path / "s", 0, lease_seconds=10, clock=lease_clock) as s:
+        yield s
+
+
+def commit(store: PageStore, keys: list[str], lease_clock: LeaseClock) -> str:
+    """Commit a root (its access one second after the previous one's, so LRU order is
+    commit order); its id."""
+    root_id = os.urandom(16).hex()
+    store.commit(make_root(root_id, keys, SIZE))
+    lease_clock.now += 1
+    return root_id
+
+
+def pages_of(store: PageStore) -> dict[str, list[str]]:
+    roots: dict[str, list[str]] = {}
+    for root_id, k in store._rconn.execute(
+            "SELECT root_id, key FROM root_pages ORDER BY root_id, pos"):
+        roots.setdefault(root_id, []).append(k)
+    return roots
+
+
+def assert_clean(store: PageStore) -> None:
+    report = fsck(store.layout.store_dir, grace_seconds=0)
+    assert report.ok, report.problems
+
+
+def test_a_root_cut_from_its_end_stays_a_valid_shorter_root(
+        store: PageStore, lease_clock: LeaseClock) -> None:
+    keys = chain("a", 10)
+    root_id = commit(store, keys, lease_clock)
+    lease_clock.now += 100  # its lease is over
+    result = store.evict(meter(nbytes=3 * SIZE), EvictionPlan(), UNLIMITED)
+    assert (result.removed, result.cut, result.pages) == ((), 1, 3)
+    assert result.reclaimed_objects == 3 and result.reclaimed_bytes == 3 * SIZE
+    assert pages_of(store) == {root_id: keys[:7]}
+    usage = store.usage()
+    assert usage.entries == 1 and usage.collectable_objects == 3
+    assert usage.collectable_bytes == 3 * SIZE and usage.used_bytes == 10 * SIZE
+    assert_clean(store)  # refcounts, page counts, totals (roots' bytes, garbage) all hold
+    assert store.lookup(keys) == 7
+    bufs = [bytearray(SIZE) for _ in keys]
+    assert store.restore(keys, bufs) == 7
+    assert [bytes(b) for b in bufs[:7]] == [page_bytes(k, SIZE) for k in keys[:7]]
+    assert store.collect(100).objects == 3
+    assert store.usage().used_bytes == 7 * SIZE and store.usage().collectable_objects == 0
+    assert_clean(store)
+
+
+def test_evicted_roots_and_reclaimed_bytes_are_counted_apart(
+        store: PageStore, lease_clock: LeaseClock) -> None:
+    """Conversations sharing a system prompt: evicting one frees only its own pages; the
+    last one to go frees the prompt too."""
+    prompt = chain("system", 4)
+    ids = [commit(store, prompt + chain(f"c{i}", 3), lease_clock) for i in range(3)]
+    lease_clock.now += 100
+    first = evict(store, 1)
+    assert first.removed == (ids[0],) and first.pages == 7
+    assert first.reclaimed_objects == 3 and first.reclaimed_bytes == 3 * SIZE
+    rest = evict(store, 2)
+    assert rest.removed == tuple(ids[1:]) and rest.pages == 14
+    assert rest.reclaimed_bytes == (3 + 3 + 4) * SIZE  # the prompt went with the last one
+    assert store.usage().entries == 0
+    assert store.collect(100).objects == 13
+    assert store.usage().used_bytes == 0
+    assert_clean(store)
+
+
+def add_prefix_root(store: PageStore, keys: list[str], last_access: float) -> str:
+    """A root holding ``keys``, all held by another root too (an index written before
+    supersession keeps such roots): evicting it frees nothing."""
+    root_id = os.urandom(16).hex()
+    with store._wconn as conn:
+        conn.execute("INSERT INTO roots VALUES (?, ?, ?, ?, ?, ?)",
+                     (root_id, len(keys) * SIZE, len(keys), last_access, last_access,
+                      last_access))
+        conn.executemany("INSERT INTO root_pages VALUES (?, ?, ?)",
+                         [(root_id, pos, k) for pos, k in enumerate(keys)])
+        conn.executemany("UPDATE objects SET refcount = refcount + 1 WHERE key = ?",
+                         [(k,) for k in keys])
+    return root_id
+
+
+def test_roots_that_free_nothing_are_passed_over_while_bytes_are_needed(
+        store: PageStore, lease_clock: LeaseClock) -> None:
+    long = chain("long", 8)
+    holder = commit(store, long, lease_clock)
+    own = commit(store, chain("own", 2), lease_clock)
+    # Many roots older than both, each a prefix of the long one: more than one step walks.
+    prefixes = [add_prefix_root(store, long[: 1 + i % 7], NOW - 100 + i) for i in range(40)]
+    assert_clean(store)
+    lease_clock.now += 100
+    plan = EvictionPlan()
+    skipped, steps = 0, 0
+    while not (result := store.evict(meter(roots=2), plan, SIZE)).pages:
+        assert result.skipped <= WALK_FACTOR * 2  # bounded work per step
+        skipped += result.skipped
+        steps += 1
+    # The cursor went on past what earlier steps passed over, to the long root, whose
+    # last page no prefix root holds: the one page needed.
+    assert steps >= 2 and skipped + result.skipped == len(prefixes)
+    assert (result.cut, result.pages, result.reclaimed_bytes) == (1, 1, SIZE)
+    roots = pages_of(store)
+    assert roots[holder] == long[:7] and roots[own] == chain("own", 2)
+    # Needing more, the rest of it goes (its pages live on in the prefix roots), then own.
+    result = store.evict(meter(roots=2), plan, 3 * SIZE)
+    assert result.removed == (holder, own) and result.reclaimed_bytes == 2 * SIZE
+    assert_clean(store)
+
+
+def test_leased_roots_are_never_taken(store: PageStore, lease_clock: LeaseClock) -> None:
+    rng = random.Random(5)
+    chains = {commit(store, chain(f"r{i}", rng.randint(1, 6)), lease_clock): i
+              for i in range(30)}
+    plan = EvictionPlan()
+    for _ in range(60):
+        lease_clock.now += rng.uniform(0, 6)
+        # Leases come and go: restores renew roots, lookups lease prefixes.
+        for root_id in rng.sample(sorted(chains), 3):
+            keys = pages_of(store).get(root_id)
+            if keys:
+                store.lease_prefix(keys, rng.uniform(1, 20))
+        before = pages_of(store)
+        leased = {r for r, (until,) in ((r, store._rconn.execute(
+            "SELECT lease_until FROM roots WHERE id = ?", (r,)).fetchone()) for r in before)
+            if until > lease_clock.now}
+        store.evict(meter(roots=rng.randint(1, 3), nbytes=rng.randint(1, 8) * SIZE), plan,
+                    UNLIMITED)
+        store.collect(rng.randint(0, 10))
+        after = pages_of(store)
+        for r in leased:
+            assert after.get(r) == before[r], "a leased root lost pages"
+    assert_clean(store)
+
+
+def test_a_victim_leased_after_it_was_planned_is_dropped(
+        store: PageStore, lease_clock: LeaseClock) -> None:
+    a = commit(store, chain("a", 4), lease_clock)
+    b_keys = chain("b", 4)
+    b = commit(store, b_keys, lease_clock)
+    lease_clock.now += 100
+    plan = EvictionPlan()
+    # Plans both, cuts two pages of the first within the byte budget.
+    first = store.evict(meter(roots=2, nbytes=2 * SIZE), plan, UNLIMITED)
+    assert first.cut == 1 and [v.root_id for v in plan.victims] == [a, b]
+    assert store.lease_prefix(b_keys, 50) == 4  # a lookup counted b
+    second = store.evict(meter(), plan, UNLIMITED)
+    assert second.removed == (a,) and second.dropped == 1
+    assert pages_of(store) == {b: b_keys} and not plan.victims
+    assert_clean(store)
+
+
+class SlowDisk(FileOps):
+    """Unlinks that take 3 ms of the injected clock."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+
+    def unlink(self, name: str, dir_fd: int) -> None:
+        self.clock.now += 0.003
+        super().unlink(name, dir_fd)
+
+
+def test_no_step_exceeds_its_root_byte_or_time_budget(tmp_path: Path) -> None:
+    """Slices of collection then eviction, each under one meter, with an injected clock:
+    every reading costs 50 us and every unlink 3 ms. Roots of 1 to 40 pages, some
+    sharing a prompt. No slice goes past 3 roots, 24 pages' bytes or 20 ms, and they get
+    the store down to the goal."""
+    clock = FakeClock(tick=50e-6)
+    lease_clock = LeaseClock()
+    rng = random.Random(3)
+    budget = {"roots": 3, "nbytes": 24 * SIZE, "seconds": 0.020}
+    with PageStore(tmp_path / "s", 0, lease_seconds=1, clock=lease_clock,
+                   fileops=SlowDisk(clock)) as store:
+        prompt = chain("prompt", 5)
+        for i in range(60):
+            own = chain(f"c{i}", rng.randint(1, 40))
+            commit(store, prompt + own if i % 3 == 0 else own, lease_clock)
+        lease_clock.now += 10
+        goal = store.usage().used_bytes // 4
+        costs, plan, slices = CostModel(), EvictionPlan(), 0
+        while (usage := store.usage()).used_bytes > goal:
+            m = meter(**budget, clock=clock, costs=costs)
+            if usage.collectable_objects or store.unlinking.objects:
+                store.collect(1024, m)
+            need = usage.used_bytes - usage.collectable_bytes - goal
+            if need > 0:
+                store.evict(m, plan, need)
+            assert m.roots <= budget["roots"] and m.bytes <= budget["nbytes"]
+            assert clock() - m.started <= budget["seconds"], slices
+            assert not m.fresh  # every slice made progress
+            slices += 1
+        assert goal - 40 * SIZE < store.usage().used_bytes <= goal
+        assert slices > 10
+    report = fsck(tmp_path / "s", grace_seconds=0)
+    assert report.ok, report.problems
+
+
+def explain_each(conn, statements: list[str]) -> list[str]:
+    plans = []
+    for sql in statements:
+        if sql.split()[0].upper() not in ("SELECT", "UPDATE", "DELETE", "INSERT"):
+            continue
+        plans += [f"{row[3]}  <-  {sql[:80]}" for row in conn.execute("EXPLAIN QUERY PLAN " + sql)]
+    return plans
+
+
+def test_every_query_of_a_slice_walks_an_index(tmp_path: Path, lease_clock: LeaseClock) -> None:
+    """usage(), collection, eviction with its requests, as a slice runs them: no table scan,
+    no sort; the two SCANs allowed read only what they return (the garbage's partial index,
+    stopped by LIMIT) or a table of four rows (totals)."""
+    with PageStore(tmp_path / "s", 0, lease_seconds=0, clock=lease_clock) as store:
+        prompt = chain("p", 3)
+        for i in range(20):
+            commit(store, prompt + chain(f"x{i}", 5), lease_clock)
+        evict(store, 2)  # garbage to collect
+        store.record_access(prompt[-1], 2, lease_clock.now)
+        store.record_lease(chain("x7", 5)[-1], 7, lease_clock.now + 5)
+        statements: list[str] = []
+        store._wconn.set_trace_callback(statements.append)
+        store._rconn.set_trace_callback(statements.append)
+        m = meter(roots=3, nbytes=4 * SIZE)
+        store.usage()
+        store.collect(1024, m)
+        store.evict(meter(roots=3, nbytes=12 * SIZE), EvictionPlan(), UNLIMITED)
+        store._wconn.set_trace_callback(None)
+        store._rconn.set_trace_callback(None)
+        plans = explain_each(store._wconn, statements)
+    assert any("roots_lru" in p for p in plans) and any("objects_garbage" in p for p in plans)
+    allowed = ("SCAN objects USING INDEX objects_garbage", "SCAN totals")
+    bad = [p for p in plans if ("SCAN" in p and not p.startswith(allowed)) or "TEMP B-TREE" in p]
+    assert bad == []
+
+
+@pytest.mark.parametrize("k", [16])
+def test_a_slice_costs_the_same_with_10k_and_1m_roots(tmp_path: Path, k: int) -> None:
+    """One slice (usage, collection, eviction of ``k`` roots) against stores of 10,000 and
+    1,000,000 roots built in SQL, timed alternately: medians within 2x. The WAL is not
+    fsynced here (an fsync costs the same at any size, and its noise would hide the
+    index's work), and roots hold one page each, so the walk of roots is what grows."""
+    stores = {}
+    for n in (10_000, 1_000_000):
+        s = PageStore(tmp_path / str(n), 0, lease_seconds=0, clock=lambda: NOW, durable=False)
+        populate(s._wconn, n, 1, SIZE, NOW - 1)
+        stores[n] = (s, EvictionPlan(), CostModel())
+    samples: dict[int, list[float]] = {n: [] for n in stores}
+    try:
+        for i in range(60):
+            for n, (s, plan, costs) in stores.items():
+                start = time.perf_counter()
+                m = meter(roots=k, costs=costs)
+                usage = s.usage()
+                if usage.collectable_objects:
+                    s.collect(1024, m)
+                result = s.evict(m, plan, UNLIMITED)
+                if i >= 10:  # warm: both caches hold what a slice reads
+                    samples[n].append(time.perf_counter() - start)
+                assert len(result.removed) == k or usage.collectable_objects
+        small, big = (statistics.median(samples[n]) for n in stores)
+        assert big / small <= 2.0, (small, big)
+        assert stores[1_000_000][0].usage().entries > 999_000
+    finally:
+        for s, _, _ in stores.values():
+            s.close()
+
+
+def test_collection_of_an_object_whose_file_is_gone_goes_on(
+        store: PageStore, lease_clock: LeaseClock) -> None:
+    commit(store, chain("gone", 3), lease_clock)
+    lease_clock.now += 100
+    evict(store, 1)
+    victim = store._rconn.execute(
+        "SELECT key, generation FROM objects WHERE refcount = 0 LIMIT 1").fetchone()
+    path = store.layout.objects_dir / victim[0][:2] / f"{victim[0]}.{victim[1]}"
+    path.unlink()
+    assert not path.exists() and errno.ENOENT
+    assert store.collect(10).objects == 3
+    assert_clean(store)
+
