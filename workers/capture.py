@@ -33,6 +33,7 @@ from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT
 from sparkcache.store import PageStore
 from workers import lifecycle, slotfmt
 from workers.announce import SlotAnnouncer
+from workers.batches import split_batches
 from workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, WorkerSpec
 from workers.prefault import Prefaulter
 
@@ -48,29 +49,14 @@ _UNIFORM = ("pub_id", "root_hi", "root_lo", "reg_gen", "npages", "deadline")
 
 def split_publications(batch: np.ndarray, capacity: int, latest_deadline: float,
                        ) -> list[tuple[np.ndarray, str | None]]:
-    """The publications in a popped batch, each with the reason it is malformed (one of
-    ``DROP_REASONS``) or None. A publication is the run of records from one with
-    ``page_index`` 0 up to the next; records before the first such run are one malformed
-    group of their own."""
-    starts = np.flatnonzero(batch["page_index"] == 0).tolist()
-    out: list[tuple[np.ndarray, str | None]] = []
-    if not starts or starts[0] > 0:
-        out.append((batch[: starts[0] if starts else len(batch)], "framing"))
-    for s, e in zip(starts, [*starts[1:], len(batch)][: len(starts)], strict=True):
-        recs = batch[s:e]
-        n = int(recs["npages"][0])
-        reason = None
-        if not 0 < n <= capacity or len(recs) != n:
-            reason = "framing"
-        elif not (np.isfinite(recs["deadline"]).all()
-                  and (recs["deadline"] <= latest_deadline).all()):
-            reason = "deadline"
-        elif any((recs[f] != recs[f][0]).any() for f in _UNIFORM):
-            reason = "mixed"
-        elif (recs["page_index"] != np.arange(n)).any():
-            reason = "page_index"
-        out.append((recs, reason))
-    return out
+    """The publications in a popped batch, each with the reason it is malformed or None
+    (``workers.batches.split_batches``); a deadline must be finite and no later than
+    ``latest_deadline``."""
+    def deadline(recs: np.ndarray) -> str | None:
+        ok = np.isfinite(recs["deadline"]).all() and (recs["deadline"] <= latest_deadline).all()
+        return None if ok else "deadline"
+
+    return split_batches(batch, capacity, _UNIFORM, deadline)
 
 
 @dataclass

@@ -46,6 +46,7 @@ from sparkcache.store import StoreError, UnsafeStoreDir
 from sparkcache.store.layout import RankLayout
 from sparkcache.store.reader import BadObject, PlannedPage, ReadResult, StoreReader
 from workers import lifecycle
+from workers.batches import split_batches
 from workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, WorkerSpec
 
 if TYPE_CHECKING:
@@ -73,25 +74,9 @@ _UNIFORM = ("load_id", "reg_gen", "npages", "worker_pid", "worker_start")
 
 
 def split_loads(batch: np.ndarray, capacity: int) -> list[tuple[np.ndarray, str | None]]:
-    """The loads in a popped batch, each with the reason it is malformed (one of
-    ``DROP_REASONS``) or None. A load is the run of records from one with ``page_index``
-    0 up to the next; records before the first such run are one malformed group."""
-    starts = np.flatnonzero(batch["page_index"] == 0).tolist()
-    out: list[tuple[np.ndarray, str | None]] = []
-    if not starts or starts[0] > 0:
-        out.append((batch[: starts[0] if starts else len(batch)], "framing"))
-    for s, e in zip(starts, [*starts[1:], len(batch)][: len(starts)], strict=True):
-        recs = batch[s:e]
-        n = int(recs["npages"][0])
-        reason = None
-        if not 0 < n <= capacity or len(recs) != n:
-            reason = "framing"
-        elif any((recs[f] != recs[f][0]).any() for f in _UNIFORM):
-            reason = "mixed"  # NaN start times compare unequal: mixed too
-        elif (recs["page_index"] != np.arange(n)).any():
-            reason = "page_index"
-        out.append((recs, reason))
-    return out
+    """The loads in a popped batch, each with the reason it is malformed or None
+    (``workers.batches.split_batches``)."""
+    return split_batches(batch, capacity, _UNIFORM)
 
 
 @dataclass
