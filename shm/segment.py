@@ -214,8 +214,11 @@ class Segment:
         return np.frombuffer(self.mm, dtype, count=count, offset=PAYLOAD_OFFSET + offset)
 
     @classmethod
-    def create(cls, name: str, spec: SegmentSpec, payload_size: int) -> Segment:
-        """Create ``name`` (mode 0600, fails if it exists) and write its header."""
+    def create(cls, name: str, spec: SegmentSpec, payload_size: int,
+               reserve: bool = False) -> Segment:
+        """Create ``name`` (mode 0600, fails if it exists) and write its header.
+        ``reserve`` allocates every page now, so a /dev/shm too small for it fails here
+        (OSError ENOSPC, nothing left behind) instead of with a SIGBUS at first touch."""
         total = PAYLOAD_OFFSET + payload_size
         try:
             mem = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=SEGMENT_MODE, size=total)
@@ -225,6 +228,8 @@ class Segment:
             ) from None
         try:
             os.fchmod(mem.fd, SEGMENT_MODE)  # shm_open applies the umask; be explicit
+            if reserve:
+                os.posix_fallocate(mem.fd, 0, total)
             mm = mmap.mmap(mem.fd, total)
         except BaseException:
             mem.close_fd()

@@ -47,7 +47,7 @@ from shm import FREE, Producer, RingEmpty, RingFull
 from shm.layouts import LOAD, PUBLISH, join_key, split_key
 from sparkcache import kvmem, runtime, segments
 from sparkcache.config import AccessMode, Config
-from sparkcache.identity import KeyExtras, Namespace, require_hex, sequence_keys
+from sparkcache.identity import KeyExtras, Namespace, sequence_keys, split_keys
 from sparkcache.protocol import (
     CaptureStatus,
     DurableStatus,
@@ -76,6 +76,11 @@ MAX_LOADS = 256
 # psutil reads /proc twice (~0.3 ms), which at 0.1 s was the engine step's slowest call
 # once in ~50 steps; a dead worker's loads are rare and a supervisor restart is slower.
 LOAD_REAP_S = 0.5
+# How long the restore worker's identity (from its stats report) is trusted for loads and
+# for the reaper. A load addressed to a worker that has just died is reported
+# "worker_gone" by the reaper and recomputed; a stats read per load costs more than the
+# rest of it.
+RESTORE_CACHE_S = 0.25
 
 
 @dataclass
@@ -257,6 +262,8 @@ class SparkCacheClient:
         self._load_results: list[LoadResult] = []
         self._load_wire_ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
         self._reap_at = 0.0
+        self._restore_id_at = 0.0
+        self._restore_id: tuple[int, float] | None = None
 
     # ---------------------------------------------------------------- registration
 
@@ -320,6 +327,15 @@ class SparkCacheClient:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        self._restore_id_at = 0.0
+
+    def _restore_worker(self, conn: _Connection) -> tuple[int, float] | None:
+        """``conn.restore_worker()``, read at most once per ``RESTORE_CACHE_S``."""
+        now = time.monotonic()
+        if now >= self._restore_id_at:
+            self._restore_id = conn.restore_worker()
+            self._restore_id_at = now + RESTORE_CACHE_S
+        return self._restore_id
 
     def _admission(self) -> str | None:
         """Why a publication cannot be taken now, or None."""
@@ -332,9 +348,10 @@ class SparkCacheClient:
         conn = self._connection()
         if conn is None:
             return "supervisor_absent"
-        self._poll(conn)
         if len(self._pending) >= self.max_pending:
-            return "pending_limit"
+            self._poll(conn)  # only then: the engine polls every step anyway
+            if len(self._pending) >= self.max_pending:
+                return "pending_limit"
         now = time.monotonic()
         if now >= self._health_at:
             # Worker reports change at heartbeat pace: reading them per call costs more
@@ -377,8 +394,7 @@ class SparkCacheClient:
         try:
             reason = self._admission()
             if reason is None:
-                reason = self._push(seq_id, [require_hex(k, "page key") for k in keys],
-                                    block_ids)
+                reason = self._push(seq_id, keys, block_ids)
         except ValueError:
             reason = "bad_request"
         except Exception:
@@ -399,7 +415,7 @@ class SparkCacheClient:
         if n > segments.RINGS["publish"][1]:
             return "too_large"
         recs = np.zeros(n, PUBLISH.dtype)
-        halves = np.frombuffer(bytes.fromhex("".join(keys)), "<u8").reshape(n, 2)
+        halves = split_keys(keys)
         recs["key_hi"], recs["key_lo"] = halves[:, 0], halves[:, 1]
         root = hashlib.blake2b(reg.seed + str(seq_id).encode(), digest_size=16).hexdigest()
         pub_id = next(self._pub_ids)
@@ -660,7 +676,7 @@ class SparkCacheClient:
         """``load`` for a caller that computed the page keys itself (vLLM's scheduler
         does): page ``i`` of ``keys`` goes into ``block_ids[i]``."""
         try:
-            keys = [require_hex(k, "page key") for k in keys][: len(block_ids)]
+            keys = list(keys[: len(block_ids)])  # checked (ValueError) as they are queued
             reason = self._queue_load(load_id, keys, len(keys) * self.cfg.page_tokens,
                                       block_ids)
         except ValueError:
@@ -689,20 +705,20 @@ class SparkCacheClient:
             return "empty_load"
         if n > segments.RINGS["load"][1]:
             return "too_large"
+        halves = split_keys(keys)
         blocks = np.asarray(block_ids[:n], dtype=np.int64)
         if (blocks < 0).any() or (blocks >= reg.views.num_blocks).any():
             return "bad_block"
         conn = self._connection()
         if conn is None:
             return "supervisor_absent"
-        worker = conn.restore_worker()
+        worker = self._restore_worker(conn)
         if worker is None:
             # Maybe a new supervisor with new segments: attach afresh (at most once a
             # second). Loads in flight keep their worker; only its death reports them.
             self._disconnect()
             return "restore_down"
         recs = np.zeros(n, LOAD.dtype)
-        halves = np.frombuffer(bytes.fromhex("".join(keys)), "<u8").reshape(n, 2)
         recs["key_hi"], recs["key_lo"] = halves[:, 0], halves[:, 1]
         wire_id = next(self._load_wire_ids)
         recs["load_id"] = wire_id
@@ -769,7 +785,10 @@ class SparkCacheClient:
         if not self._loads or now < self._reap_at:
             return
         self._reap_at = now + LOAD_REAP_S
-        workers = {entry.worker for entry in self._loads.values()}
+        # The live restore worker's fresh report answers for it; psutil reads /proc
+        # (~0.3 ms) only for the others.
+        live = self._restore_worker(self._conn) if self._conn is not None else None
+        workers = {entry.worker for entry in self._loads.values()} - {live}
         gone = {w for w in workers if process_gone(*w)}
         for wire_id, entry in list(self._loads.items()):
             if entry.worker in gone:

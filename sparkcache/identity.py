@@ -90,6 +90,25 @@ def require_hex(value: object, what: str, length: int | None = KEY_HEX_LEN) -> s
     return value  # type: ignore[return-value]
 
 
+def split_keys(keys: Sequence[str], what: str = "page key") -> np.ndarray:
+    """The (n, 2) little-endian u64 halves of ``keys``, as rings carry them; ValueError
+    (naming the first bad key) unless every key is ``KEY_HEX_LEN`` lowercase hex
+    characters. Checked for the batch at once: ``require_hex`` per key costs more than the
+    rest of a publication."""
+    n = len(keys)
+    try:
+        joined = "".join(keys)
+        ok = (set(map(len, keys)) <= {KEY_HEX_LEN} and joined == joined.lower()
+              and len(raw := bytes.fromhex(joined)) == n * KEY_BYTES)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        for key in keys:
+            require_hex(key, what)
+        raise ValueError(f"{what}s: expected {KEY_HEX_LEN} lowercase hex characters each")
+    return np.frombuffer(raw, "<u8").reshape(n, 2)
+
+
 def _field(data: bytes) -> bytes:
     return _U64.pack(len(data)) + data
 

@@ -67,12 +67,50 @@ class SharedKVCaches:
         _LIVE[(addr, addr + total)] = seg.name
         return cls(seg, tensors)
 
+    @classmethod
+    def adopt(cls, instance: str, rank: int, tensors: list[torch.Tensor]) -> SharedKVCaches:
+        """Move the memory of ``tensors`` (private CPU memory: vLLM's CPU KV cache) into
+        one new segment, in place. Each distinct storage's bytes are copied into the
+        segment and the storage's data pointer is swapped with the copy's, so every
+        tensor and view over it, wherever vLLM keeps them, reads and writes the segment
+        from then on, and the private memory is freed. Capture and restore then reach
+        the engine's blocks as they reach a GPU's through CUDA IPC: the engine copies
+        nothing. OSError (ENOSPC) when /dev/shm cannot hold them, nothing changed."""
+        if not can_adopt():
+            raise RuntimeError("this torch cannot swap a storage's memory (_swap_data_ptr_)")
+        storages: dict[int, torch.UntypedStorage] = {}
+        for t in tensors:
+            if t.is_cuda:
+                raise ValueError("adopt takes CPU tensors")
+            storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
+        offsets, total = [], 0
+        for st in storages.values():
+            offsets.append(total)
+            total += (st.nbytes() + _ALIGN - 1) // _ALIGN * _ALIGN
+        seg = Segment.create(segment_name(instance, rank, engine_segment_role(os.getpid())),
+                             KV_SPEC, total, reserve=True)
+        base = seg.array(np.uint8, 0, total)
+        for st, off in zip(storages.values(), offsets, strict=True):
+            copy = torch.from_numpy(base[off : off + st.nbytes()]).untyped_storage()
+            copy.copy_(st)
+            # The storage now owns the segment's bytes (and keeps its numpy view alive);
+            # ``copy`` owns the private memory, freed when it goes.
+            st._swap_data_ptr_(copy)
+        addr = base.ctypes.data
+        _LIVE[(addr, addr + total)] = seg.name
+        return cls(seg, list(tensors))
+
     def close(self) -> None:
         addr = [k for k, v in _LIVE.items() if v == self._seg.name]
         for k in addr:
             del _LIVE[k]
         self.tensors = []
         self._seg.close()
+
+
+def can_adopt() -> bool:
+    """Whether this torch can move a CPU storage's memory in place (``adopt``)."""
+    return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
 def describe(tensors: list[torch.Tensor]) -> dict[str, Any]:

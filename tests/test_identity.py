@@ -364,3 +364,17 @@ def test_key_chain_in_any_chunks_equals_sequence_keys(case: tuple, rnd) -> None:
     assert chain.pages() == want.pages
     assert chain.tail_key() == want.tail
     assert chain.num_tokens == len(tokens)
+
+
+def test_split_keys_is_split_key_per_key_and_names_a_bad_one() -> None:
+    from shm.layouts import split_key
+    from sparkcache.identity import split_keys
+
+    keys = [f"{i:032x}" for i in (1, 2**64, 2**128 - 1)]
+    assert [tuple(map(int, h)) for h in split_keys(keys)] == [split_key(k) for k in keys]
+    assert split_keys([]).shape == (0, 2)
+    for bad in ("AB" * 16, "ab" * 15, "ab" * 17, "zz" * 16, "ab" * 15 + " a", None):
+        with pytest.raises(ValueError, match=f"page key {bad!r}"):
+            split_keys([keys[0], bad])
+    with pytest.raises(ValueError):  # lengths that add up, one short, one long
+        split_keys(["ab" * 15, "ab" * 17])

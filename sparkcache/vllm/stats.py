@@ -8,6 +8,7 @@ hands them to ``SparkCachePromMetrics``, which exposes them on vLLM's /metrics a
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,17 +52,19 @@ class SparkCacheStats(KVConnectorStats):
 
 
 class Reporter:
-    """Turns a side's running totals into the increments since the last report."""
+    """Turns a side's running totals into the increments since the last report. vLLM asks
+    every step, and most steps count nothing: plain dict work, no Counter arithmetic."""
 
     def __init__(self) -> None:
-        self._last: Counter = Counter()
+        self._last: dict[str, float] = {}
 
-    def report(self, totals: Counter) -> SparkCacheStats | None:
-        delta = Counter(totals)
-        delta.subtract(self._last)
-        self._last = Counter(totals)
-        changed = {k: v for k, v in delta.items() if v}
-        return SparkCacheStats(changed) if changed else None
+    def report(self, totals: Mapping[str, float]) -> SparkCacheStats | None:
+        last = self._last
+        changed = {k: v - last.get(k, 0) for k, v in totals.items() if v != last.get(k, 0)}
+        if not changed:
+            return None
+        self._last = dict(totals)
+        return SparkCacheStats(changed)
 
 
 class SparkCachePromMetrics(KVConnectorPromMetrics):

@@ -2,9 +2,12 @@
 
 It registers the rank's KV caches with a ``SparkCacheClient`` and carries out what the
 scheduler side decided: saves (publications to capture) and loads (restores), and it
-reports both back through ``get_finished``. Where the KV lives in memory no other process
-can open (vLLM's CPU backend), pages pass through a ``StagingPool``: the one copy per
-page the engine must make itself.
+reports both back through ``get_finished``. vLLM's CPU backend keeps its KV in private
+memory; the worker side moves it into a shared-memory segment in place
+(``kvmem.SharedKVCaches.adopt``), so capture and restore reach its blocks as they reach a
+GPU's, and the engine copies nothing. Where that cannot be done (a torch without the
+storage swap, a /dev/shm too small for the KV), pages pass through a ``StagingPool``: one
+copy per page on the engine's thread.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class WorkerSide:
         self.client = SparkCacheClient(settings.cfg, rank, model_id=settings.model_id,
                                        tp_size=settings.tp_size)
         self.counters: Counter = Counter()
+        self.shared_kv: kvmem.SharedKVCaches | None = None
         self.staging: StagingPool | None = None
         self._num_blocks = 0
         self._staged: dict[str, list[int]] = {}  # saves: request -> staging pages held
@@ -66,7 +70,9 @@ class WorkerSide:
         num_blocks = max(first.shape[:2])
         block_dim, size_dim = block_dims(tuple(first.shape), num_blocks, self.settings.block_size)
         self._num_blocks = int(first.shape[block_dim])
-        if all(t.is_cuda for t in tensors):
+        if not all(t.is_cuda for t in tensors):
+            self.shared_kv = self._adopt(tensors)
+        if all(t.is_cuda for t in tensors) or self.shared_kv is not None:
             ok = self.client.register_kv_caches(tensors, block_dim, size_dim)
         else:
             # Private CPU memory: stage through shared pages (see StagingPool).
@@ -80,6 +86,21 @@ class WorkerSide:
                 kv_layout=layout)
         if not ok:
             raise RuntimeError("SparkCache refused the KV caches (see the log)")
+
+    def _adopt(self, tensors: list[torch.Tensor]) -> kvmem.SharedKVCaches | None:
+        if not kvmem.can_adopt():
+            log.warning("SparkCache: this torch cannot move the KV cache into shared "
+                        "memory; pages are copied through a staging pool instead")
+            return None
+        try:
+            return kvmem.SharedKVCaches.adopt(self.settings.cfg.instance, self.rank, tensors)
+        except OSError as e:
+            size = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in tensors}.values())
+            log.warning("SparkCache: the KV cache (%.1f GiB) does not fit in /dev/shm (%s); "
+                        "pages are copied through a staging pool instead, on the engine's "
+                        "thread (a larger /dev/shm avoids it)", size / 2**30, e)
+            return None
 
     @staticmethod
     def _staged_size_dim(block_dim: int, size_dim: int) -> int:
@@ -191,20 +212,21 @@ class WorkerSide:
         recving, self._recved = self._recved, set()
         return sending or None, recving or None
 
-    def totals(self) -> Counter:
+    def totals(self) -> dict[str, float]:
         """Everything counted so far, under the names of ``stats.METRICS`` (skips as
         ``skipped:<reason>``)."""
         c = self.counters
-        out = Counter({"loaded_tokens": c["loaded_pages"] * self.settings.block_size,
-                       "load_seconds": c["load_seconds"], "load_errors": c["load_errors"],
-                       "saved_pages": c["saved_pages"]})
+        out: dict[str, float] = {
+            "loaded_tokens": c["loaded_pages"] * self.settings.block_size,
+            "load_seconds": c["load_seconds"], "load_errors": c["load_errors"],
+            "saved_pages": c["saved_pages"]}
         for reason in ("bad_job", "skipped_staging_full", "load_staging_full"):
             if c[reason]:
                 out[f"skipped:{reason}"] = c[reason]
         for reason, n in self.client.counters.skipped.items():
-            out[f"skipped:publish_{reason}"] += n
+            out[f"skipped:publish_{reason}"] = n
         for reason, n in self.client.counters.misses.items():
-            out[f"skipped:load_{reason}"] += n
+            out[f"skipped:load_{reason}"] = n
         return out
 
     def load_errors(self) -> set[int]:
@@ -216,3 +238,7 @@ class WorkerSide:
         if self.staging is not None:
             self.staging.close()
             self.staging = None
+        if self.shared_kv is not None:
+            # Unlinks the name; vLLM's tensors keep the mapping for as long as they live.
+            self.shared_kv.close()
+            self.shared_kv = None

@@ -92,9 +92,18 @@ def supervisor(tmp_path: Path, instance: str):
         yield store
 
 
-def test_first_turn_saved_second_loaded_async_byte_exact(supervisor: Path, instance: str) -> None:
+@pytest.mark.parametrize("kv_memory", ["adopted", "staged"])
+def test_first_turn_saved_second_loaded_async_byte_exact(
+        supervisor: Path, instance: str, kv_memory: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's private CPU KV moved into shared memory (capture and restore reach its
+    blocks), or, where that cannot be done, pages copied through a staging pool."""
+    if kv_memory == "staged":
+        monkeypatch.setattr(kvmem, "can_adopt", lambda: False)
     prefix = list(range(10, 10 + 5 * BLOCK))  # 5 full pages
     with rig(supervisor, instance) as r:
+        worker = r.workers[0]._worker
+        assert (worker.shared_kv is not None) == (kv_memory == "adopted")
+        assert (worker.staging is not None) == (kv_memory == "staged")
         run_turn(r, "A", [*prefix, 7, 8, 9])
         assert "A" in r.finished_sending  # its blocks were held until saved, then freed
         wait_stored(r, 5)

@@ -80,7 +80,7 @@ def start_server(ckpt: Path, store: Path, instance: str, root: Path,
             "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(kv),
             # Stop the engine gracefully: by default (0, "abort") the server SIGKILLs the
             # engine core's process tree at once, and the worker's connector shutdown (which
-            # unlinks its staging segment) races the kill.
+            # unlinks its KV segment) races the kill.
             "--shutdown-timeout", "20",
             "--host", "127.0.0.1", "--port", str(port)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
@@ -170,7 +170,7 @@ def server(tmp_path_factory):
                 code, err = stop_supervisor(sup)
                 print("supervisor's stderr:", err[-3000:], sep="\n")
                 assert code == 0, err[-2000:]
-        # The worker's staging segment is named with the instance: gone with the server.
+        # The worker's KV segment is named with the instance: gone with the server.
         assert not instance_entries(instance), instance_entries(instance)
 
 
@@ -238,7 +238,7 @@ def test_second_turn_restores_the_prefix_and_matches_recompute(server) -> None:
     want_tokens, want_lp, cached = complete(server, turn_b, salt="recompute")
     assert cached == 0
     save_turn(server, [*prefix, 7, 8, 9], PREFIX_PAGES)
-    # The worker's KV is private memory: its pages pass through its staging segment.
+    # The worker moved its KV cache into its own segment (SharedKVCaches.adopt).
     assert any(".kv" in e for e in instance_entries(server.instance)), \
         instance_entries(server.instance)
     tokens, lp, cached = complete(server, turn_b)
