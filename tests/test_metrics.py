@@ -6,7 +6,9 @@ and the carry's arithmetic."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -126,7 +128,7 @@ def test_metrics_and_health_of_a_running_instance(tmp_path: Path, instance: str)
         _wait(lambda: value(scrape(port)[1], "store_entries", rank="0") > 0, 10,
               "maintenance to report the roots committed")
         types, s = scrape(port)
-        assert set(types) >= FAMILIES, FAMILIES - set(types)
+        assert set(types) == FAMILIES, set(types) ^ FAMILIES
         assert types["publications"] == "counter" and types["capture_slots"] == "gauge"
         assert types["commit_duration_seconds"] == "histogram"
         for role in ROLES:
@@ -263,6 +265,27 @@ def test_bad_metrics_settings_are_refused_naming_what_is_allowed(tmp_path: Path)
         cfg = config.load(env={"SPARKCACHE_METRICS_HOST": host},
                           overrides={"store_dir": str(tmp_path)})
         assert cfg.metrics_host == host and cfg.metrics_port == 9464
+
+
+def test_docs_list_every_metric_served() -> None:
+    """docs/metrics.md has one table row per family the endpoint serves (FAMILIES, which
+    the test above checks against a live scrape), and no other."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
+    rows = re.findall(r"^\| `([a-z0-9_]+)` \| (gauge|counter|histogram) \|", doc, re.M)
+    assert len(rows) == len({name for name, _ in rows})
+    assert {name for name, _ in rows} == FAMILIES
+
+
+def test_dashboard_plots_only_metrics_that_exist() -> None:
+    """Every series docs/grafana/sparkcache.json queries is served here, or is vLLM's
+    engine-side skips counter."""
+    dash = json.loads((Path(__file__).resolve().parent.parent / "docs" / "grafana"
+                       / "sparkcache.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    names = {re.sub(r"_(total|bucket|count|sum)$", "", n)
+             for e in exprs for n in re.findall(r"vllm:sparkcache_(\w+)", e)}
+    assert "commit_duration_seconds" in names and "maintenance_backlog_bytes" in names
+    assert names - FAMILIES == {"skips"}
 
 
 _Rec = namedtuple("_Rec", ["pid", "pid_start", *COUNTER_FIELDS])

@@ -240,7 +240,8 @@ class SparkCacheCollector(Collector):
         pubs = CounterMetricFamily(
             PREFIX + "publications",
             "Publications that reached capture, by outcome: durable, commit_failed, "
-            "bad_slot (commit), capture_<status> (refused or failed by capture). Skips "
+            "bad_slot (commit), capture_<status> (refused or failed by capture, e.g. "
+            "capture_no_slot). Skips "
             "before capture are counted by the engine (vllm:sparkcache_skips_total).",
             labels=["rank", "outcome"])
         restores = CounterMetricFamily(
