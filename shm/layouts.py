@@ -135,11 +135,25 @@ DROP_REASONS = (
     "stale",  # a load addressed to another restore worker (a predecessor, now dead)
 )
 
+# Upper bounds (seconds) of the buckets of each worker's item durations (capture: one
+# publication; commit: one root; restore: one load; maintenance: one slice), defined once
+# for the workers that count and the metrics that expose them. A worker counts each
+# duration in the first bucket whose bound holds it (``dur_le_<i>``); longer ones are only
+# in ``dur_count``, which is the +Inf bucket. Spans 1 ms (a small restore) to 30 s (a
+# commit of a 300k-token root on a busy disk); append-only, like every stats field.
+DURATION_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
+# Items handled, by the status each ended with: ``outcome_<n>`` counts status number n of
+# the role's status enum (sparkcache.protocol: capture CaptureStatus, commit DurableStatus,
+# restore LoadStatus). Enough for the largest of them.
+OUTCOMES = 8
+
 # One slot per worker of a rank (see workers.lifecycle.Role), written by that worker.
 WORKER_STATS = RecordLayout(
     "worker_stats",
-    5,  # 4 had no lock wait and no maintenance backlog; 3 no roots_superseded; 2 no
-    # pid_start and no drop_stale
+    6,  # 5 had no entries, outcomes or durations; 4 no lock wait and no maintenance
+    # backlog; 3 no roots_superseded; 2 no pid_start and no drop_stale
     np.dtype(
         [
             ("pid", "<u4"),
@@ -186,6 +200,11 @@ WORKER_STATS = RecordLayout(
             ("refusing_since", "<f8"),  # time.time() used bytes reached the hard cap; 0: below
             ("refused_s", "<f8"),  # seconds at the hard cap (publications refused), in all
             *[(f"drop_{reason}", "<u8") for reason in DROP_REASONS],
+            ("entries", "<u8"),  # maintenance: roots in the store
+            *[(f"outcome_{n}", "<u8") for n in range(OUTCOMES)],
+            ("dur_count", "<u8"),  # item durations counted, in all (the +Inf bucket)
+            ("dur_sum_s", "<f8"),  # and their sum
+            *[(f"dur_le_{i}", "<u8") for i in range(len(DURATION_BUCKETS_S))],
         ]
     ),
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import ipaddress
 import os
 import re
 import tempfile
@@ -31,6 +32,11 @@ TiB = 1024 * GiB
 _SIZE_UNITS = {"": 1, "B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": TiB}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+# A DNS host name (RFC 1123 labels); an address is checked by ipaddress instead.
+_HOSTNAME_RE = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
+)
 # Workers beat at least every 0.2 s when idle, and at least once a second while a long step
 # makes progress (workers.lifecycle.checkpoint); a shorter limit would kill healthy ones.
 MIN_HEARTBEAT_TIMEOUT_S = 1.0
@@ -149,11 +155,14 @@ class Config:
     )
     metrics_host: str = field(
         default="127.0.0.1",
-        metadata=_help("Address reserved for the /metrics endpoint (not served yet)."),
+        metadata=_help(
+            "Address the supervisor's /metrics and /healthz endpoint binds: an IP address "
+            "(0.0.0.0 or :: for every interface) or a host name."
+        ),
     )
     metrics_port: int = field(
         default=9464,
-        metadata=_help("Port reserved for the /metrics endpoint (not served yet); 0: none."),
+        metadata=_help("Port of the supervisor's /metrics and /healthz endpoint; 0: none."),
     )
 
     @property
@@ -351,7 +360,10 @@ def validate(
         bad("heartbeat_timeout_s", f"a number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S:g}")
     _validate_maintenance(cfg, bad)
     if not 0 <= cfg.metrics_port <= 65535:
-        bad("metrics_port", "a port from 0 to 65535")
+        bad("metrics_port", "a port from 0 to 65535 (0: no endpoint)")
+    if not is_host(cfg.metrics_host):
+        bad("metrics_host", "an IP address such as 127.0.0.1, 0.0.0.0 or ::1, or a host name "
+            "such as localhost")
     if cfg.cpus is not None:
         count = psutil.cpu_count(logical=True) or 1
         missing = [c for c in cfg.cpus if c >= count]
@@ -379,6 +391,16 @@ def _validate_maintenance(cfg: Config, bad: Callable[[str, str], None]) -> None:
         bad("maintenance_slice_ms",
             f"more than 0 and at most {duty * 1000:g} milliseconds (the maintenance duty, "
             f"{duty:g}, of a second)")
+
+
+def is_host(text: str) -> bool:
+    """An IPv4 or IPv6 address, or a syntactically valid host name (not resolved here:
+    the supervisor resolves it when it binds, and says so if that fails)."""
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return bool(_HOSTNAME_RE.match(text)) and not text.replace(".", "").isdigit()
+    return True
 
 
 def store_dir_problem(path: Path) -> str | None:

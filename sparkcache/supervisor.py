@@ -29,6 +29,9 @@ from shm import SegmentError, TornRead, sweep
 from shm.segment import SHM_DIR, foreign_entries, instance_entries, read_creator, user
 from sparkcache import runtime, segments
 from sparkcache.config import AccessMode, Config
+from sparkcache.metrics.carry import Carry
+from sparkcache.metrics.reading import Source, WorkerInfo
+from sparkcache.metrics.server import MetricsServer, MetricsServerError
 from sparkcache.runtime import RUNTIME_FILE
 from sparkcache.store import UnsafeStoreDir, layout
 from sparkcache.supervisor_states import (
@@ -71,6 +74,8 @@ class Worker:
     cpus: list[int]
     proc: mp.process.BaseProcess | None = None
     view: WorkerView = field(default_factory=WorkerView)
+    # Counter totals of its exited processes, so metrics stay monotonic across restarts.
+    carry: Carry = field(default_factory=Carry)
 
     @property
     def name(self) -> str:
@@ -114,6 +119,7 @@ class Supervisor:
         self._ctx = mp.get_context("spawn")
         self._lock_fd: int | None = None
         self._wake_r, self._wake_w = os.pipe()
+        self.metrics: MetricsServer | None = None
 
     # ------------------------------------------------------------------ start-up
 
@@ -224,6 +230,7 @@ class Supervisor:
         old = w.view
         step = tick(old, time.monotonic(), obs, self.policy)
         if obs.exit_code is not None:
+            self._carry_totals(w, obs.pid)
             w.proc = None
         w.view = step.view
         if step.note:
@@ -239,6 +246,52 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(w.proc.pid, signal.SIGKILL)
         return step
+
+    def _carry_totals(self, w: Worker, pid: int | None) -> None:
+        """Fold the last record of ``w``'s exited process ``pid`` into its carry. The slot
+        still holds it: the next process is spawned only after this tick."""
+        if pid is None or w.rank >= len(self.segments):
+            return
+        try:
+            rec = self.segments[w.rank].stats.read(int(w.role))
+        except TornRead:
+            return  # killed in the middle of a write: its totals since its last one are lost
+        if rec is not None and int(rec.pid) == pid:
+            w.carry.fold(rec)
+
+    # ------------------------------------------------------------------ metrics
+
+    def worker_infos(self) -> list[WorkerInfo]:
+        """What the metrics endpoint reads of the workers (from its own thread: each
+        field is read once, and every one is replaced whole by this thread)."""
+        infos = []
+        for w in self.workers:
+            proc, view = w.proc, w.view
+            infos.append(WorkerInfo(
+                rank=w.rank, role=w.role.name.lower(), slot=int(w.role), name=w.name,
+                state=view.state.value, pid=proc.pid if proc is not None else None,
+                restarts=view.restarts, last_exit=view.last_exit, carry=w.carry,
+            ))
+        return infos
+
+    def _start_metrics(self) -> None:
+        """Listen on the metrics host and port (none when the port is 0). A port that is
+        taken fails the start in one line, as any other bad setting does."""
+        if self.cfg.metrics_port == 0:
+            return
+        server = MetricsServer(Source(self.cfg, lambda: tuple(self.segments),
+                                      self.worker_infos))
+        try:
+            server.start()
+        except MetricsServerError as exc:
+            raise SupervisorError(str(exc)) from None
+        self.metrics = server
+
+    def _metrics_address(self) -> dict | None:
+        if self.metrics is None:
+            return None
+        host, port = self.metrics.address
+        return {"host": host, "port": port}
 
     @staticmethod
     def _shown(view: WorkerView) -> tuple:
@@ -270,6 +323,8 @@ class Supervisor:
                 raise SupervisorError(
                     f"a semaphore of instance {self.cfg.instance} already exists: {what}"
                 ) from None
+            # Before the workers: /healthz answers 503 while they start.
+            self._start_metrics()
             for w in self.workers:
                 self._tick(w)  # STOPPED -> STARTING: spawned
             # Unlike a restart, a worker that fails to start now fails the whole start:
@@ -340,6 +395,8 @@ class Supervisor:
             # The engine side refuses publications past this: the supervisor's settings
             # are the ones enforced, whatever the engine's own environment says.
             "hard_cap_bytes": self.cfg.hard_cap_bytes,
+            # Where tools find /metrics and /healthz: the port bound (none when off).
+            "metrics": self._metrics_address(),
             "workers": [
                 {
                     "name": w.name, "rank": w.rank, "role": w.role.name.lower(),
@@ -405,9 +462,13 @@ class Supervisor:
         for w in self.workers:
             if w.proc is None or w.proc.exitcode is not None:
                 self._tick(w)  # exited, or in BACKOFF: STOPPED
-        for seg in self.segments:
+        # The endpoint reads the segments: it stops before they are unlinked.
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
+        segs, self.segments = self.segments, []
+        for seg in segs:
             seg.close()
-        self.segments = []
         with contextlib.suppress(FileNotFoundError):
             (self.cfg.store_dir / RUNTIME_FILE).unlink()
         if self._lock_fd is not None:

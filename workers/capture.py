@@ -131,6 +131,7 @@ class Capture:
                 self.life.drop(malformed, f"publication {pub_id} ({len(recs)} records)")
                 status = CaptureStatus.MALFORMED
             else:
+                t0 = time.perf_counter()
                 try:
                     status, copied = self._capture(recs)
                 except ENVIRONMENT_FAULTS:
@@ -138,6 +139,8 @@ class Capture:
                 except Exception:
                     self.life.item_error(f"publication {pub_id}")
                     status = CaptureStatus.FAILED
+                self.life.timed(time.perf_counter() - t0)
+            self.life.outcome(int(status))
             if status != CaptureStatus.CAPTURED:
                 self.life.failed += 1
             try:

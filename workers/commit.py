@@ -164,6 +164,7 @@ class Commit:
     def _commit_slot(self, slot: int) -> None:
         buf = self.arena.slot_array(slot)
         pub_id, status = None, DurableStatus.BAD_SLOT
+        started = time.perf_counter()
         try:
             contents = slotfmt.read(buf)
             pub_id = contents.pub_id
@@ -196,6 +197,8 @@ class Commit:
             self.life.failed += 1
             self.life.item_error(f"slot {slot}")
             self.store.check_usable()
+        self.life.timed(time.perf_counter() - started)
+        self.life.outcome(int(status))
         counters = self.store.counters
         self.life.report.update(lock_wait_s=counters.lock_wait_s,
                                 lock_wait_max_s=counters.lock_wait_max_s)

@@ -4,6 +4,7 @@ the process title, and signal handlers that only set a flag."""
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import importlib
 import logging
@@ -22,7 +23,7 @@ import posix_ipc
 import setproctitle
 
 from shm import SegmentError, StatsBlock
-from shm.layouts import DROP_REASONS, WORKER_STATS
+from shm.layouts import DROP_REASONS, DURATION_BUCKETS_S, OUTCOMES, WORKER_STATS
 from shm.segment import process_start
 from sparkcache import segments
 from sparkcache.config import Config
@@ -167,6 +168,12 @@ class Lifecycle:
         self._rare = RateLimitedLog(log)
         self.prefaulted_bytes = 0  # set by capture's prefault thread (an int store)
         self.roots_superseded = 0
+        # Items by the status they ended with, and the histogram of their durations
+        # (shm.layouts.OUTCOMES, DURATION_BUCKETS_S): what the supervisor's metrics expose.
+        self.outcomes = [0] * OUTCOMES
+        self.dur_count = 0
+        self.dur_sum_s = 0.0
+        self.dur_buckets = [0] * len(DURATION_BUCKETS_S)
         # Role-specific fields of the stats record (WORKER_STATS names), the rest zero:
         # commit's lock wait, maintenance's backlog.
         self.report: dict[str, float] = {}
@@ -231,9 +238,27 @@ class Lifecycle:
             copy_bytes=self.copy_bytes, copy_seconds=self.copy_seconds,
             prefaulted_bytes=self.prefaulted_bytes, pid_start=self.pid_start,
             roots_superseded=self.roots_superseded,
+            dur_count=self.dur_count, dur_sum_s=self.dur_sum_s,
             **self.report, **{f"drop_{reason}": n for reason, n in self.drops.items()},
+            **{f"outcome_{n}": c for n, c in enumerate(self.outcomes)},
+            **{f"dur_le_{i}": c for i, c in enumerate(self.dur_buckets)},
         )
         self._stats.write(int(self.spec.role), WORKER_STATS.named(**values))
+
+    def outcome(self, status: int) -> None:
+        """Count an item that ended with ``status`` (a number of the role's status enum,
+        ``sparkcache.protocol``); a number past the record's fields is not counted."""
+        if 0 <= status < OUTCOMES:
+            self.outcomes[status] += 1
+
+    def timed(self, seconds: float) -> None:
+        """Count one item's duration in the record's histogram (its bucket: the first
+        bound that holds it; past the last, only the count)."""
+        self.dur_count += 1
+        self.dur_sum_s += seconds
+        i = bisect.bisect_left(DURATION_BUCKETS_S, seconds)
+        if i < len(self.dur_buckets):
+            self.dur_buckets[i] += 1
 
     def drop(self, reason: str, what: str) -> None:
         """Count a malformed record dropped for ``reason`` (one of DROP_REASONS)."""

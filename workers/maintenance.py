@@ -154,6 +154,7 @@ class Maintenance:
         self.pacing.record(meter.started, end, io)
         self.slice_last_s = end - meter.started
         self.slice_max_s = max(self.slice_max_s, self.slice_last_s)
+        self.life.timed(self.slice_last_s)
         t = self.totals
         t["evicted_roots"] += len(evicted.removed)
         t["cut_roots"] += evicted.cut
@@ -185,7 +186,7 @@ class Maintenance:
             slice_last_s=self.slice_last_s, slice_max_s=self.slice_max_s,
             duty=self.pacing.duty.used(now),
             refusing_since=self._wall(self.hard_cap.since, now),
-            refused_s=self.hard_cap.total_s,
+            refused_s=self.hard_cap.total_s, entries=usage.entries,
             **self.totals,
         )
         self.life.beat()

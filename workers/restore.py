@@ -262,6 +262,8 @@ class Restore:
                     self._check_usable()
                     outcome = _Outcome(LoadStatus.FAILED)
                 self.life.copy_seconds += time.perf_counter() - t0
+                self.life.timed(time.perf_counter() - t0)
+            self.life.outcome(int(outcome.status))
             if outcome.status in (LoadStatus.OK, LoadStatus.PARTIAL):
                 self.life.processed += 1
             else:
