@@ -82,6 +82,29 @@ def status(
     raise typer.Exit(store_cli.status(cfg.store_dir, json_out, cfg.max_bytes))
 
 
+@app.command("top")
+@with_config_flags
+def top(
+    cfg: config.Config,
+    once: bool = typer.Option(False, "--once", help="Print one frame and exit."),
+    json_out: bool = typer.Option(False, "--json", help="Print one frame as JSON and exit."),
+    interval: float = typer.Option(
+        2.0, "--interval", help="Seconds between refreshes (and over which rates are taken)."
+    ),
+    sort: str = typer.Option(
+        "rank", "--sort", help="Worker order: rank, role, cpu, mem or io (keys r o c m i)."
+    ),
+) -> None:
+    """Live view of the running instance on the store dir: every worker's process
+    (cores, CPU, RSS, I/O, switches, state, heartbeat) and every rank's rings, slots,
+    pending publications, restores, maintenance and used bytes. q quits."""
+    # Imported here: spawn re-imports this module in every worker, which needs no rich.
+    from sparkcache.top import command
+
+    raise typer.Exit(command.main(cfg.store_dir, cfg, once_=once, json_out=json_out,
+                                  interval=interval, sort=sort))
+
+
 @app.command("fsck")
 @with_config_flags
 def fsck(
