@@ -105,6 +105,43 @@ def top(
                                   interval=interval, sort=sort))
 
 
+@app.command("sizing")
+@with_config_flags
+def sizing(
+    cfg: config.Config,
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    window: float = typer.Option(
+        10.0, "--window", help="Seconds over which to measure the running instance."
+    ),
+    target_interval: float = typer.Option(
+        3600.0, "--target-interval", help="Wanted seconds between pressure episodes."
+    ),
+    net_growth_bytes_per_s: str | None = typer.Option(
+        None, "--net-growth-bytes-per-s",
+        help="Plan with this growth a second (e.g. 50MiB) instead of measuring."),
+    reclaim_bytes_per_s: str | None = typer.Option(
+        None, "--reclaim-bytes-per-s", help="Eviction's reclaim rate a second."),
+    largest_publication_bytes: str | None = typer.Option(
+        None, "--largest-publication-bytes", help="The largest publication's bytes."),
+    working_set_bytes: str | None = typer.Option(
+        None, "--working-set-bytes", help="Bytes that must stay resident to be hit."),
+    mean_root_bytes: str | None = typer.Option(
+        None, "--mean-root-bytes", help="A conversation's mean bytes (roots per episode)."),
+) -> None:
+    """Advice on max_bytes and the low watermark from growth and reclaim rates, measured
+    on the running instance or given as flags; each figure says where it came from."""
+    from sparkcache import sizing_cli
+
+    given = {
+        "net_growth_bytes_per_s": net_growth_bytes_per_s,
+        "reclaim_bytes_per_s": reclaim_bytes_per_s,
+        "largest_publication_bytes": largest_publication_bytes,
+        "working_set_bytes": working_set_bytes, "mean_root_bytes": mean_root_bytes,
+    }
+    raise typer.Exit(sizing_cli.main(cfg, json_out=json_out, window_s=window,
+                                     target_interval_s=target_interval, given=given))
+
+
 @app.command("fsck")
 @with_config_flags
 def fsck(
