@@ -258,6 +258,12 @@ class Ring:
             return 0
         return max(0, m.entry(pushed - 1)[0] - m.u64(_TAIL))
 
+    def batch_counts(self) -> tuple[int, int]:
+        """(batches pushed, batches the consumer finished), read without synchronisation
+        like ``depth``: gauges for a reader that counts whole batches (a load is one)."""
+        m = self._m
+        return m.batches_posted(), m.u64(_BATCH)
+
     def close(self) -> None:
         """Unmap; the owner also unlinks the segment and its semaphores. Idempotent."""
         if self._m is None:

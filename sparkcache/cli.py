@@ -82,6 +82,66 @@ def status(
     raise typer.Exit(store_cli.status(cfg.store_dir, json_out, cfg.max_bytes))
 
 
+@app.command("top")
+@with_config_flags
+def top(
+    cfg: config.Config,
+    once: bool = typer.Option(False, "--once", help="Print one frame and exit."),
+    json_out: bool = typer.Option(False, "--json", help="Print one frame as JSON and exit."),
+    interval: float = typer.Option(
+        2.0, "--interval", help="Seconds between refreshes (and over which rates are taken)."
+    ),
+    sort: str = typer.Option(
+        "rank", "--sort", help="Worker order: rank, role, cpu, mem or io (keys r o c m i)."
+    ),
+) -> None:
+    """Live view of the running instance on the store dir: every worker's process
+    (cores, CPU, RSS, I/O, switches, state, heartbeat) and every rank's rings, slots,
+    pending publications, restores, maintenance and used bytes. q quits."""
+    # Imported here: spawn re-imports this module in every worker, which needs no rich.
+    from sparkcache.top import command
+
+    raise typer.Exit(command.main(cfg.store_dir, cfg, once_=once, json_out=json_out,
+                                  interval=interval, sort=sort))
+
+
+@app.command("sizing")
+@with_config_flags
+def sizing(
+    cfg: config.Config,
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    window: float = typer.Option(
+        10.0, "--window", help="Seconds over which to measure the running instance."
+    ),
+    target_interval: float = typer.Option(
+        3600.0, "--target-interval", help="Wanted seconds between pressure episodes."
+    ),
+    net_growth_bytes_per_s: str | None = typer.Option(
+        None, "--net-growth-bytes-per-s",
+        help="Plan with this growth a second (e.g. 50MiB) instead of measuring."),
+    reclaim_bytes_per_s: str | None = typer.Option(
+        None, "--reclaim-bytes-per-s", help="Eviction's reclaim rate a second."),
+    largest_publication_bytes: str | None = typer.Option(
+        None, "--largest-publication-bytes", help="The largest publication's bytes."),
+    working_set_bytes: str | None = typer.Option(
+        None, "--working-set-bytes", help="Bytes that must stay resident to be hit."),
+    mean_root_bytes: str | None = typer.Option(
+        None, "--mean-root-bytes", help="A conversation's mean bytes (roots per episode)."),
+) -> None:
+    """Advice on max_bytes and the low watermark from growth and reclaim rates, measured
+    on the running instance or given as flags; each figure says where it came from."""
+    from sparkcache import sizing_cli
+
+    given = {
+        "net_growth_bytes_per_s": net_growth_bytes_per_s,
+        "reclaim_bytes_per_s": reclaim_bytes_per_s,
+        "largest_publication_bytes": largest_publication_bytes,
+        "working_set_bytes": working_set_bytes, "mean_root_bytes": mean_root_bytes,
+    }
+    raise typer.Exit(sizing_cli.main(cfg, json_out=json_out, window_s=window,
+                                     target_interval_s=target_interval, given=given))
+
+
 @app.command("fsck")
 @with_config_flags
 def fsck(

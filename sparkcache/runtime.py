@@ -17,6 +17,13 @@ import psutil
 from sparkcache.store import layout
 
 RUNTIME_FILE = "runtime.json"
+# Settings the supervisor repeats under "settings" (numbers only): what ``status``,
+# ``top`` and ``sizing`` read of the instance they look at, rather than their own
+# environment's values.
+RUNTIME_SETTINGS = (
+    "max_bytes", "low_watermark_bytes", "lease_seconds", "maintenance_slice_bytes",
+    "maintenance_slice_ms", "maintenance_duty", "maintenance_io_bytes_per_s",
+)
 
 
 def write(store_dir: Path, data: dict[str, Any]) -> None:

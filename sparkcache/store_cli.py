@@ -29,8 +29,22 @@ class RankStatus:
     rank: int
     entries: int
     used_bytes: int
-    healthy: bool
+    healthy: bool  # within max_bytes
     error: str | None = None
+    # Where entries and used come from: "live" (maintenance's current record in the
+    # running instance) or "index" (read from the rank's index.sqlite).
+    source: str = "index"
+
+
+@dataclass(frozen=True)
+class LiveView:
+    """What a running instance says of itself: its reading's per-rank figures and the
+    /healthz verdict."""
+
+    ranks: list[RankStatus]
+    max_bytes: int
+    healthy: bool
+    health: str
 
 
 def _rank_status(store_dir: Path, rank: int, max_bytes: int) -> RankStatus:
@@ -48,6 +62,47 @@ def _rank_status(store_dir: Path, rank: int, max_bytes: int) -> RankStatus:
         conn.close()
     used = totals["live"][1] + totals["quarantined"][1]
     return RankStatus(rank, totals["roots"][0], used, used <= max_bytes)
+
+
+def _live(store_dir: Path, max_bytes: int) -> tuple[LiveView | None, str]:
+    """The running instance's own figures, or None and why they cannot be had. Entries and
+    used bytes come from each rank's maintenance record while its current process has
+    reported (from the index otherwise); healthy is the verdict ``/healthz`` gives."""
+    # Imported here: the reading imports the workers' lifecycle, which status without a
+    # supervisor does not need.
+    from sparkcache.instance import Instance, NoSupervisor
+    from sparkcache.metrics import reading
+
+    try:
+        with Instance.open(store_dir) as inst:
+            rt = inst.runtime
+            if not rt.worker_infos():
+                # A supervisor writes runtime.json only with every worker listed.
+                return None, "runtime.json lists no workers"
+            rd = inst.read()
+    except (NoSupervisor, SegmentError, OSError) as exc:
+        return None, str(exc)
+    max_b = int((rt.data.get("settings") or {}).get("max_bytes", max_bytes))
+    maintenance = {w.info.rank: w for w in rd.workers if w.info.role == "maintenance"}
+    ranks = []
+    for rank in range(rt.ranks):
+        m = maintenance.get(rank)
+        if m is not None and m.live and m.record is not None:
+            used = int(m.record.used_bytes)
+            ranks.append(RankStatus(rank, int(m.record.entries), used, used <= max_b,
+                                    source="live"))
+        else:
+            ranks.append(_rank_status(store_dir, rank, max_b))
+    healthy, why = reading.health(rd)
+    return LiveView(ranks, max_b, healthy, why), ""
+
+
+def _metrics_url(sup: dict) -> str | None:
+    m = sup.get("metrics")
+    if not m:
+        return None
+    host = f"[{m['host']}]" if ":" in str(m["host"]) else m["host"]
+    return f"http://{host}:{m['port']}"
 
 
 def _supervisor(store_dir: Path) -> dict:
@@ -136,14 +191,21 @@ def _report_line(r: dict, now: float) -> str:
 
 def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
     """Print the capacity line operators grep, then the supervisor and its workers (or
-    JSON); 0 if every rank is within capacity and no worker of a running supervisor is
-    FATAL."""
-    try:
-        ranks = [_rank_status(store_dir, r, max_bytes) for r in list_ranks(store_dir)]
-        error = None
-    except (OSError, StoreError) as exc:
-        ranks, error = [], str(exc)
+    JSON). With a supervisor running, entries and used bytes are its maintenance
+    workers' live figures and healthy is the /healthz verdict (every worker READY with a
+    fresh heartbeat); without one, they come from the index and healthy means every rank
+    is within ``max_bytes``. Returns 0 when healthy."""
     sup = _supervisor(store_dir)
+    live, why_not_live = _live(store_dir, max_bytes) if sup["state"] == "running" else (None, "")
+    error = None
+    if live is not None:
+        ranks, capacity_each = live.ranks, live.max_bytes
+    else:
+        capacity_each = max_bytes
+        try:
+            ranks = [_rank_status(store_dir, r, max_bytes) for r in list_ranks(store_dir)]
+        except (OSError, StoreError) as exc:
+            ranks, error = [], str(exc)
     fatal = [w["name"] for w in sup.get("workers", []) if w["state"] == "FATAL"]
     if fatal and error is None:
         error = f"FATAL: {', '.join(fatal)}"
@@ -151,8 +213,12 @@ def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) 
                if sup["state"] == "running" else [])
     entries = sum(r.entries for r in ranks)
     used = sum(r.used_bytes for r in ranks)
-    capacity = max_bytes * len(ranks)
-    healthy = bool(ranks) and error is None and all(r.healthy for r in ranks)
+    capacity = capacity_each * len(ranks)
+    if live is not None:
+        healthy = live.healthy  # the verdict /healthz gives, word for word
+    else:
+        healthy = bool(ranks) and error is None and all(r.healthy for r in ranks)
+    metrics = _metrics_url(sup)
     if json_out:
         print(
             json.dumps(
@@ -164,6 +230,10 @@ def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) 
                     "healthy": healthy,
                     "error": error,
                     "per_rank": [asdict(r) for r in ranks],
+                    "live": live is not None,
+                    "live_error": why_not_live or None,
+                    "health": live.health if live is not None else None,
+                    "metrics_url": metrics,
                     "supervisor": sup,
                     "maintenance": reports,
                 }
@@ -176,6 +246,17 @@ def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) 
         )
         for line in _supervisor_lines(sup):
             print(line)
+        if metrics is not None:
+            print(f"sparkcache: metrics {metrics}/metrics and {metrics}/healthz")
+        if live is not None and live.healthy:
+            print(f"sparkcache: health {live.health}")
+        elif live is not None:
+            print("sparkcache: health not ok (/healthz would answer 503):")
+            for line in live.health.splitlines():
+                print(f"  {line}")
+        elif why_not_live:
+            print(f"sparkcache: no live figures ({why_not_live}); entries and used from "
+                  "the index")
         now = time.time()
         for report in reports:
             print(_report_line(report, now))

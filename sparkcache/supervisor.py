@@ -32,7 +32,7 @@ from sparkcache.config import AccessMode, Config
 from sparkcache.metrics.carry import Carry
 from sparkcache.metrics.reading import Source, WorkerInfo
 from sparkcache.metrics.server import MetricsServer, MetricsServerError
-from sparkcache.runtime import RUNTIME_FILE
+from sparkcache.runtime import RUNTIME_FILE, RUNTIME_SETTINGS
 from sparkcache.store import UnsafeStoreDir, layout
 from sparkcache.supervisor_states import (
     Action,
@@ -395,6 +395,9 @@ class Supervisor:
             # The engine side refuses publications past this: the supervisor's settings
             # are the ones enforced, whatever the engine's own environment says.
             "hard_cap_bytes": self.cfg.hard_cap_bytes,
+            # The capacity settings enforced, for the tools that read a running instance
+            # (status, top, sizing) rather than their own environment.
+            "settings": {name: getattr(self.cfg, name) for name in RUNTIME_SETTINGS},
             # Where tools find /metrics and /healthz: the port bound (none when off).
             "metrics": self._metrics_address(),
             "workers": [

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from pipeline_util import make_cfg
+from pipeline_util import make_cfg, pipeline, wait_committed
 from typer.testing import CliRunner
 
 from shm.layouts import WORKER_STATS
@@ -22,7 +25,8 @@ from sparkcache.config import GiB
 from sparkcache.segments import RankSegments
 from sparkcache.store import PageStore
 from sparkcache.store.testing import make_root
-from sparkcache.store_cli import fsck_command, status
+from sparkcache.store_cli import RankStatus, _rank_status, fsck_command, status
+from sparkcache.synthetic import sequences
 
 SIZE = 1 << 20
 
@@ -204,3 +208,79 @@ def test_status_says_why_a_rank_has_no_report(
     assert status(store_dir, json_out=False) == 0
     assert capsys.readouterr().out.splitlines()[-1].split()[:3] == [
         "maintenance[r0]", "no", "report"]
+
+
+@pytest.mark.slow
+def test_status_reads_live_figures_from_a_running_instance(tmp_path: Path,
+                                                           instance: str) -> None:
+    """With a supervisor running: entries and used bytes are maintenance's live figures
+    (the same as the index once it has caught up), capacity is the supervisor's
+    max_bytes (not the caller's default), healthy is /healthz's verdict, and the metrics
+    address is shown."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = tmp_path / "store"
+    cli = [sys.executable, "-m", "sparkcache", "status", "--store-dir", str(store)]
+
+    def shown(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*cli, *args], capture_output=True, text=True, timeout=60)
+
+    with pipeline(store, instance, {"metrics_port": str(port)}) as engine:
+        for sid, tokens in list(sequences(4).items())[:3]:
+            assert engine.publish(sid, tokens), engine.client.counters
+        engine.drain()
+        assert wait_committed(engine, settle=3) == {}
+        index_view = store_cli_rank(store)
+
+        def caught_up() -> bool:
+            data = json.loads(shown("--json").stdout)
+            (rank,) = data["per_rank"]
+            return (rank["source"] == "live" and rank["entries"] == index_view.entries
+                    and rank["used_bytes"] == index_view.used_bytes)
+
+        deadline = time.monotonic() + 20
+        while not caught_up():
+            assert time.monotonic() < deadline, "maintenance's figures never matched"
+            time.sleep(0.3)
+        out = shown()
+        assert out.returncode == 0, out.stdout + out.stderr
+        lines = out.stdout.splitlines()
+        used = index_view.used_bytes / GiB
+        assert lines[0] == (f"sparkcache: capacity ranks=1 entries={index_view.entries} "
+                            f"used={used:.1f}/1.0GiB healthy=yes")
+        assert (f"sparkcache: metrics http://127.0.0.1:{port}/metrics and "
+                f"http://127.0.0.1:{port}/healthz") in lines
+        assert "sparkcache: health ok: 4 workers READY with a fresh heartbeat" in lines
+        data = json.loads(shown("--json").stdout)
+        assert data["live"] is True and data["healthy"] is True
+        assert data["capacity_bytes"] == GiB and data["metrics_url"].endswith(f":{port}")
+
+        # Commit stopped: /healthz would say 503, and so does status.
+        commit = next(w["pid"] for w in runtime.read(store)["workers"]
+                      if w["role"] == "commit")
+        os.kill(commit, signal.SIGSTOP)
+        try:
+            time.sleep(2.5)
+            out = shown()
+        finally:
+            os.kill(commit, signal.SIGCONT)
+        assert out.returncode == 1
+        lines = out.stdout.splitlines()
+        assert lines[0].endswith("healthy=no"), lines
+        assert "sparkcache: health not ok (/healthz would answer 503):" in lines
+        assert any(line.startswith("  sparkcache::commit[r0]: no heartbeat for")
+                   for line in lines), lines
+        deadline = time.monotonic() + 20
+        while shown().returncode != 0:
+            assert time.monotonic() < deadline, "status never healthy again"
+            time.sleep(0.3)
+    # Stopped: the index again, and the caller's max_bytes.
+    out = shown("--max-bytes", "2GiB", "--low-watermark-bytes", "1GiB")
+    assert out.stdout.splitlines()[0] == (
+        f"sparkcache: capacity ranks=1 entries={index_view.entries} "
+        f"used={index_view.used_bytes / GiB:.1f}/2.0GiB healthy=yes")
+
+
+def store_cli_rank(store: Path) -> RankStatus:
+    return _rank_status(store, 0, GiB)

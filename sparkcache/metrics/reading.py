@@ -128,10 +128,16 @@ def read_rank(seg: RankSegments, monotonic_now: float) -> RankReading:
 
 def read(source: Source) -> Reading:
     """Read everything now."""
+    return read_from(source.segments(), source.workers())
+
+
+def read_from(rank_segments: Sequence[RankSegments], infos: Sequence[WorkerInfo]) -> Reading:
+    """Read everything now from these segments (the supervisor's own, or another
+    process's read-only mappings: ``sparkcache.instance``) and workers."""
     now, mono = time.time(), time.monotonic()
-    segs = list(source.segments())
+    segs = list(rank_segments)
     by_rank = {seg.rank: seg for seg in segs}
-    workers = [read_worker(info, by_rank.get(info.rank), now) for info in source.workers()]
+    workers = [read_worker(info, by_rank.get(info.rank), now) for info in infos]
     ranks = [read_rank(seg, mono) for seg in segs]
     return Reading(now, workers, ranks, bool(segs))
 
