@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shm.segment import instance_entries
 from sparkcache.identity import KeyChain, Namespace
 from sparkcache.soak import engine as engine_mod
 from sparkcache.soak.backend import NullBackend, ServiceBackend
@@ -83,10 +84,6 @@ def seed_store(store_dir: Path, params: SoakParams, ns: Namespace) -> int:
                                   [PageData(k, page_content(k, nbytes)) for k in chain.keys]))
                 written += size
     return written
-
-
-def shm_left(instance: str) -> list[str]:
-    return sorted(n for n in os.listdir("/dev/shm") if f"sparkcache.{instance}." in n)
 
 
 class _Timeline:
@@ -201,10 +198,14 @@ def run_lane(name: str, params: SoakParams, model: ToyModel, workdir: Path,
         if inline is not None:
             inline.close()
         engine.close()
-        left = shm_left(instance)
+        left = instance_entries(instance)
         if left:
             log.warning("lane %s left shared memory: %s", name, left)
         shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def _share(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
 
 
 def _mean(xs: list[float]) -> float:
@@ -224,6 +225,8 @@ def _figures(params: SoakParams, r: LaneResult, engine: SoakEngine, timeline: _T
         "after_over_before": round(_mean(after) / _mean(before), 4) if before else 0.0,
         "first_token_before_s": [round(p.first_token_s, 4) for p in r.before],
         "first_token_after_s": [round(p.first_token_s, 4) for p in r.after],
+        "core_other_busy_before": [_share(p.core_other_busy) for p in r.before],
+        "core_other_busy_after": [_share(p.core_other_busy) for p in r.after],
         "step_p50_ms": round(percentile(soak_ms, 50), 3),
         "step_p99_ms": round(percentile(soak_ms, 99), 3),
         "step_max_ms": round(max(soak_ms, default=0.0), 3),

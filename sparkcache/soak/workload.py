@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sparkcache.identity import KeyChain, Namespace
+from sparkcache.soak.contention import CoreMeter
 from sparkcache.soak.engine import Request, SoakEngine
 from sparkcache.soak.params import SoakParams
 
@@ -32,6 +33,8 @@ class ProbeResult:
     phase: str
     first_token_s: float
     decode_tok_s: float
+    # Share of the engine's core other processes used meanwhile (contention.CoreMeter).
+    core_other_busy: float | None = None
 
 
 @dataclass
@@ -85,13 +88,15 @@ def run_probe(engine: SoakEngine, params: SoakParams, ns: Namespace, phase: str,
                   params.probe_decode_tokens, lambda: int(rng.integers(0, VOCAB)),
                   done.append)
     engine.phase = phase
+    meter = CoreMeter(params.engine_core)
     engine.submit(req)
     if not engine.run_until(lambda: bool(done), time.perf_counter() + timeout_s):
         raise TimeoutError(f"probe {req.req_id} did not finish in {timeout_s:g}s")
     assert req.first_token_at is not None and req.finished_at is not None
     decode_s = req.finished_at - req.first_token_at
     return ProbeResult(phase, req.first_token_at - req.arrived,
-                       (req.generated - 1) / decode_s if decode_s > 0 else 0.0)
+                       (req.generated - 1) / decode_s if decode_s > 0 else 0.0,
+                       meter.share())
 
 
 def run_conversations(engine: SoakEngine, params: SoakParams, ns: Namespace,
