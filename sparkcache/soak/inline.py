@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<8sQI")  # magic, payload length, CRC-32 of the payload
 _MAGIC = b"SPKINLN1"
 PASS_INTERVAL_S = 0.5  # a pass after every commit, and at least this often
-SLOTS = 2  # publications copied and not yet committed (as SparkCache's capture slots)
 
 
 @dataclass
@@ -52,6 +51,7 @@ class InlineStats:
     pass_max_s: float = 0.0
     commits: int = 0
     pages_written: int = 0
+    queue_max: int = 0  # publications saved and not yet committed, at most
     # (perf_counter at the end, seconds) of every commit: the figures and the timeline.
     commit_durations: list[tuple[float, float]] = field(default_factory=list)
 
@@ -99,11 +99,11 @@ class InlineStore:
         return True
 
     def save(self, req_id: str, keys: Sequence[str], blocks: Sequence[int]) -> bool:
+        # No admission and no slots: the old design queued every publication, and its
+        # backlog was whatever commit had not caught up with (SparkCache skips instead).
         with self._lock:
-            if self._in_flight >= SLOTS:
-                self.skipped["publish_no_slot"] += 1
-                return False
             self._in_flight += 1
+            self.stats.queue_max = max(self.stats.queue_max, self._in_flight)
         self._capture_q.put((req_id, list(keys), list(blocks)))
         return True
 
@@ -153,6 +153,8 @@ class InlineStore:
             t0 = time.perf_counter()
             try:
                 for key, data in pages:
+                    if os.path.exists(self._path(key)):
+                        continue  # a publication queued earlier wrote it meanwhile
                     header = _HEADER.pack(_MAGIC, data.size, zlib.crc32(data))
                     self._write(self._path(key), [header, data])
                 self._write(str(self.roots / f"{req_id}.json"), [json.dumps(keys).encode()])

@@ -98,6 +98,7 @@ class _Timeline:
         self.samples: list[StatsSample] = []
         self._step_at = 0
         self._commit_at = 0
+        self._pass_s = 0.0
 
     def tick(self) -> None:
         steps = self.engine.steps[self._step_at:]
@@ -124,7 +125,9 @@ class _Timeline:
             self._commit_at = len(st.commit_durations)
             row.update(used_bytes=st.used_bytes, evicted_roots=st.evicted_roots,
                        reclaimed_bytes=st.reclaimed_bytes, commits=len(new),
-                       commit_mean_s=sum(d for _, d in new) / len(new) if new else 0.0)
+                       commit_mean_s=sum(d for _, d in new) / len(new) if new else 0.0,
+                       maintenance_s=round(st.pass_s - self._pass_s, 4))
+            self._pass_s = st.pass_s
         self.rows.append(row)
 
 
@@ -272,7 +275,8 @@ def _figures(params: SoakParams, r: LaneResult, engine: SoakEngine, timeline: _T
             commit_p50_s=round(percentile(durs, 50), 4),
             commit_p99_s=round(percentile(durs, 99), 4),
             maintenance_passes=st.passes, maintenance_pass_s=round(st.pass_s, 3),
-            maintenance_pass_max_s=round(st.pass_max_s, 4), pages_fsynced=st.pages_written)
+            maintenance_pass_max_s=round(st.pass_max_s, 4), pages_fsynced=st.pages_written,
+            commit_queue_max=st.queue_max)
     else:
         fig.update(evicted_roots=0, cut_roots=0, reclaimed_bytes=0, commits=0)
     return fig
