@@ -158,6 +158,8 @@ def soak(
                                                    help="Eviction stops here, e.g. 32MiB."),
     lease_seconds: float | None = typer.Option(None, "--lease-seconds",
                                                help="Seconds a new root cannot be evicted."),
+    lookup_lease_seconds: float | None = typer.Option(
+        None, "--lookup-lease-seconds", help="Seconds a lookup protects what it counted."),
     probes: int | None = typer.Option(None, "--probes", help="Idle probes before and after."),
     probe_tokens: int | None = typer.Option(None, "--probe-tokens",
                                             help="Prompt tokens of a probe."),
@@ -186,7 +188,8 @@ def soak(
         "duration_s": duration, "conversations": conversations, "context_min": context_min,
         "context_max": context_max, "tail_tokens": tail_tokens,
         "turn_decode_tokens": decode_tokens, "page_tokens": page_tokens,
-        "lease_seconds": lease_seconds, "probes": probes, "probe_tokens": probe_tokens,
+        "lease_seconds": lease_seconds, "lookup_lease_seconds": lookup_lease_seconds,
+        "probes": probes, "probe_tokens": probe_tokens,
         "probe_decode_tokens": probe_decode_tokens, "engine_core": engine_core, "seed": seed,
     }
     for name, text in (("max_bytes", max_bytes), ("low_watermark_bytes", low_watermark_bytes)):

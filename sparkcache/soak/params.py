@@ -60,6 +60,10 @@ class SoakParams:
     # against its hour-long soak, scaled to minutes (a root leased for the whole soak
     # could never be evicted, and the store would only refuse at its hard cap).
     lease_seconds: float = 3.0
+    # Seconds a lookup protects the prefix it counted, for the load that follows (here
+    # within a step or two). SparkCache's default (30 s) would keep every conversation
+    # ever looked up in a minutes-long soak from eviction.
+    lookup_lease_seconds: float = 2.0
     probes: int = 3  # idle probes before and after the soak
     probe_tokens: int = 2048  # prompt tokens of a probe
     probe_decode_tokens: int = 128  # tokens a probe generates
@@ -81,7 +85,8 @@ class SoakParams:
         if unknown or not self.lanes:
             raise SoakParamError(f"--lanes {','.join(self.lanes)!r}: expected a comma-"
                                  f"separated list of {', '.join(LANES)}")
-        positive = ("duration_s", "lease_seconds", "conversations", "context_min", "tail_tokens",
+        positive = ("duration_s", "lease_seconds", "lookup_lease_seconds", "conversations",
+                    "context_min", "tail_tokens",
                     "turn_decode_tokens", "page_tokens", "max_bytes", "low_watermark_bytes",
                     "probes", "probe_tokens", "probe_decode_tokens")
         for name in positive:

@@ -35,7 +35,8 @@ def settings(params: SoakParams, store_dir: Path, instance: str, access_mode: st
         "low_watermark_bytes": str(params.low_watermark_bytes),
         "access_mode": access_mode, "capture_slots": "2",
         "capture_slot_bytes": str(slot_bytes), "page_tokens": str(params.page_tokens),
-        "lease_seconds": str(params.lease_seconds), "metrics_port": "0",
+        "lease_seconds": str(params.lease_seconds),
+        "lookup_lease_seconds": str(params.lookup_lease_seconds), "metrics_port": "0",
     }
     if cpus:
         env["cpus"] = ",".join(map(str, cpus))
