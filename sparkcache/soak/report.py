@@ -4,6 +4,7 @@ JSON object and the picture."""
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 from sparkcache.config import MiB
@@ -57,8 +58,10 @@ def table(results: dict[str, LaneResult]) -> str:
 
 
 def write_csvs(results: dict[str, LaneResult], csv_dir: Path) -> list[Path]:
-    """``<csv_dir>/<lane>.csv``: the lane's timeline, a row a quarter second."""
+    """``<csv_dir>/<lane>.csv``: the lane's timeline, a row a quarter second; and
+    ``soak.json``, what ``--json`` prints, so one run gives both the table and the JSON."""
     csv_dir.mkdir(parents=True, exist_ok=True)
+    (csv_dir / "soak.json").write_text(json.dumps(as_json(results), indent=1) + "\n")
     out = []
     for name, r in results.items():
         fields: list[str] = []
