@@ -230,6 +230,8 @@ def _figures(params: SoakParams, r: LaneResult, engine: SoakEngine, timeline: _T
         "first_token_after_s": [round(p.first_token_s, 4) for p in r.after],
         "core_other_busy_before": [_share(p.core_other_busy) for p in r.before],
         "core_other_busy_after": [_share(p.core_other_busy) for p in r.after],
+        "engine_cpu_share_before": [_share(p.engine_cpu_share) for p in r.before],
+        "engine_cpu_share_after": [_share(p.engine_cpu_share) for p in r.after],
         "step_p50_ms": round(percentile(soak_ms, 50), 3),
         "step_p99_ms": round(percentile(soak_ms, 99), 3),
         "step_max_ms": round(max(soak_ms, default=0.0), 3),

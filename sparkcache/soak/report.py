@@ -23,7 +23,7 @@ def _tok(xs: object) -> str:
 
 
 def _busy(xs: object) -> str:
-    """Mean share of the engine's core other processes took during the probes."""
+    """The mean of per-probe shares, as a percentage."""
     known = [x for x in xs if x is not None]  # type: ignore[attr-defined]
     return f"{100 * sum(known) / len(known):.0f}%" if known else "?"
 
@@ -36,8 +36,9 @@ def table(results: dict[str, LaneResult]) -> str:
     """The before/after table (markdown), then the soak's own figures."""
     lines = [
         "| lane | decode tok/s before | after | after/before | first token before (s) "
-        "| after (s) | engine core taken by others, before / after |",
-        "|---|---|---|---|---|---|---|",
+        "| after (s) | engine core taken by others, before / after "
+        "| engine thread's CPU share, before / after |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         f = r.figures
@@ -45,7 +46,8 @@ def table(results: dict[str, LaneResult]) -> str:
             f"| {name} | {_tok(f['before_tok_s'])} | {_tok(f['after_tok_s'])} "
             f"| {f['after_over_before']:.3f} "
             f"| {_secs(f['first_token_before_s'])} | {_secs(f['first_token_after_s'])} "
-            f"| {_busy(f['core_other_busy_before'])} / {_busy(f['core_other_busy_after'])} |")
+            f"| {_busy(f['core_other_busy_before'])} / {_busy(f['core_other_busy_after'])} "
+            f"| {_busy(f['engine_cpu_share_before'])} / {_busy(f['engine_cpu_share_after'])} |")
     lines += [
         "",
         "| lane | step p50 / p99 ms (soak) | turns | commit mean s | evicted roots "

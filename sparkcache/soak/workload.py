@@ -35,6 +35,10 @@ class ProbeResult:
     decode_tok_s: float
     # Share of the engine's core other processes used meanwhile (contention.CoreMeter).
     core_other_busy: float | None = None
+    # The engine thread's CPU time over the probe's wall time. Alone on its core it is
+    # ~1 however fast the host runs that core today; threads of its own process (the
+    # inline lane), processes on its core and GIL waits take it below.
+    engine_cpu_share: float | None = None
 
 
 @dataclass
@@ -89,14 +93,16 @@ def run_probe(engine: SoakEngine, params: SoakParams, ns: Namespace, phase: str,
                   done.append)
     engine.phase = phase
     meter = CoreMeter(params.engine_core)
+    cpu0, wall0 = time.thread_time(), time.perf_counter()
     engine.submit(req)
     if not engine.run_until(lambda: bool(done), time.perf_counter() + timeout_s):
         raise TimeoutError(f"probe {req.req_id} did not finish in {timeout_s:g}s")
     assert req.first_token_at is not None and req.finished_at is not None
+    share = (time.thread_time() - cpu0) / max(1e-9, time.perf_counter() - wall0)
     decode_s = req.finished_at - req.first_token_at
     return ProbeResult(phase, req.first_token_at - req.arrived,
                        (req.generated - 1) / decode_s if decode_s > 0 else 0.0,
-                       meter.share())
+                       meter.share(), share)
 
 
 def run_conversations(engine: SoakEngine, params: SoakParams, ns: Namespace,
