@@ -7,11 +7,13 @@ import inspect
 import json
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import typer
 
 from sparkcache import config, store_cli, supervisor
+from sparkcache.soak import params as soak_params
 from sparkcache.store.fsck import DEFAULT_FSCK_GRACE_SECONDS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True)
@@ -191,3 +193,111 @@ def supervise(
         f"sparkcache: supervising instance={cfg.instance} ranks={cfg.ranks} cores={sup.cpus}"
     )
     raise typer.Exit(sup.run())
+
+
+@app.command("soak")
+def soak(
+    quick: bool = typer.Option(False, "--quick", help="Small sizes: every lane in < 3 min."),
+    lanes: str = typer.Option(",".join(soak_params.LANES), "--lanes",
+                              help="Comma-separated lanes to run, in order."),
+    duration: float | None = typer.Option(None, "--duration", help="Seconds of soak per lane."),
+    conversations: int | None = typer.Option(None, "--conversations",
+                                             help="Concurrent conversations."),
+    context_min: int | None = typer.Option(None, "--context-min",
+                                           help="Tokens of a conversation's first turn."),
+    context_max: int | None = typer.Option(None, "--context-max",
+                                           help="A conversation past this starts over."),
+    tail_tokens: int | None = typer.Option(None, "--tail-tokens",
+                                           help="New prompt tokens (prefilled) each turn."),
+    decode_tokens: int | None = typer.Option(None, "--decode-tokens",
+                                             help="Tokens generated each turn."),
+    page_tokens: int | None = typer.Option(None, "--page-tokens", help="Tokens per page."),
+    max_bytes: str | None = typer.Option(None, "--max-bytes",
+                                         help="Store cap (high watermark), e.g. 48MiB."),
+    low_watermark_bytes: str | None = typer.Option(None, "--low-watermark-bytes",
+                                                   help="Eviction stops here, e.g. 32MiB."),
+    lease_seconds: float | None = typer.Option(None, "--lease-seconds",
+                                               help="Seconds a new root cannot be evicted."),
+    lookup_lease_seconds: float | None = typer.Option(
+        None, "--lookup-lease-seconds", help="Seconds a lookup protects what it counted."),
+    probes: int | None = typer.Option(None, "--probes", help="Idle probes before and after."),
+    probe_tokens: int | None = typer.Option(None, "--probe-tokens",
+                                            help="Prompt tokens of a probe."),
+    probe_decode_tokens: int | None = typer.Option(None, "--probe-decode-tokens",
+                                                   help="Tokens a probe generates."),
+    engine_core: int | None = typer.Option(None, "--engine-core",
+                                           help="Core the engine is pinned to (default 0)."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of every token stream."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    csv_dir: str | None = typer.Option(None, "--csv-dir", help="Write <lane>.csv here."),
+    plot_file: str | None = typer.Option(None, "--plot", help="Draw the lanes to FILE.png."),
+    work_dir: str | None = typer.Option(None, "--work-dir",
+                                         help="Where the lanes' stores live (default: TMPDIR)."),
+) -> None:
+    """Idle probes, a soak of long conversations at the store's cap, the probes again:
+    lane by lane (docs/soak.md)."""
+    from sparkcache.soak import report
+    from sparkcache.soak.run import run
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s soak %(levelname)s %(message)s")
+    if plot_file is not None and not report.plot_available():
+        typer.echo(f"sparkcache: {report.PLOT_EXTRA_HINT}", err=True)
+        raise typer.Exit(2)
+    given: dict[str, Any] = {
+        "lanes": tuple(n.strip() for n in lanes.split(",") if n.strip()),
+        "duration_s": duration, "conversations": conversations, "context_min": context_min,
+        "context_max": context_max, "tail_tokens": tail_tokens,
+        "turn_decode_tokens": decode_tokens, "page_tokens": page_tokens,
+        "lease_seconds": lease_seconds, "lookup_lease_seconds": lookup_lease_seconds,
+        "probes": probes, "probe_tokens": probe_tokens,
+        "probe_decode_tokens": probe_decode_tokens, "engine_core": engine_core, "seed": seed,
+    }
+    for name, text in (("max_bytes", max_bytes), ("low_watermark_bytes", low_watermark_bytes)):
+        if text is not None:
+            try:
+                given[name] = config.parse_size(text)
+            except ValueError as e:
+                typer.echo(f"sparkcache: --{name.replace('_', '-')}={text!r} is invalid: "
+                           f"expected {e}", err=True)
+                raise typer.Exit(2) from None
+    given = {k: v for k, v in given.items() if v is not None}
+    params = (soak_params.SoakParams.quick(**given) if quick
+              else soak_params.SoakParams(**given))
+    try:
+        params.check()
+    except soak_params.SoakParamError as e:
+        typer.echo(f"sparkcache: {e}", err=True)
+        raise typer.Exit(2) from None
+    results = _run_with_progress(run, params, Path(work_dir) if work_dir else None)
+    if csv_dir is not None:
+        report.write_csvs(results, Path(csv_dir))
+    if plot_file is not None:
+        report.plot(results, Path(plot_file))
+    if json_out:
+        typer.echo(json.dumps(report.as_json(results)))
+    else:
+        typer.echo(report.table(results))
+    bad = [n for n, r in results.items() if r.figures["restore_mismatches"]]
+    if bad:
+        typer.echo(f"sparkcache: restored pages differed in {', '.join(bad)}", err=True)
+        raise typer.Exit(1)
+
+
+def _run_with_progress(run: Callable[..., Any], params: Any, work_dir: Path | None) -> Any:
+    """``run`` under a rich progress bar on stderr: a bar per lane."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.fields[lane]:<20}"), BarColumn(),
+                  TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=console, transient=False) as bar:
+        tasks = {name: bar.add_task("waiting", total=1.0, lane=name, start=False)
+                 for name in params.lanes}
+
+        def progress(lane: str, what: str, share: float) -> None:
+            task = tasks[lane]
+            bar.start_task(task)
+            bar.update(task, description=what, completed=share)
+
+        return run(params, progress, work_dir)

@@ -1,0 +1,88 @@
+"""A tiny ``sparkcache soak`` (seconds): the JSON's shape, every restore verified, the
+read-write lanes evicting, nothing left running and nothing left in /dev/shm."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from shm.segment import instance_entries
+from sparkcache.soak.params import LANES, SoakParamError, SoakParams
+
+REPO = Path(__file__).resolve().parent.parent
+LANES_RUN = ("isolated-read-write", "inline-read-write", "restore-only")
+KEYS = ("before_tok_s", "after_tok_s", "after_over_before", "first_token_before_s",
+        "first_token_after_s", "step_p50_ms", "step_p99_ms", "evicted_roots",
+        "reclaimed_bytes", "restores_verified", "restore_mismatches", "hit_tokens")
+TINY = ["--duration", "4", "--conversations", "3", "--context-min", "256",
+        "--context-max", "1024", "--tail-tokens", "128", "--decode-tokens", "8",
+        "--max-bytes", "2MiB", "--low-watermark-bytes", "1536KiB", "--lease-seconds", "0.5",
+        "--probes", "2", "--probe-tokens", "256", "--probe-decode-tokens", "16"]
+
+
+def _ours(prefix: str) -> list[psutil.Process]:
+    """Processes whose environment names an instance of the soak's (its supervisor and
+    workers inherit SPARKCACHE_INSTANCE)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("SPARKCACHE_INSTANCE", "").startswith(prefix):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the isolated lane needs 2 cores")
+def test_tiny_soak_verifies_every_restore_and_leaves_nothing(tmp_path):
+    csv_dir = tmp_path / "csv"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sparkcache", "soak", "--quick", "--json",
+         "--lanes", ",".join(LANES_RUN), *TINY, "--csv-dir", str(csv_dir),
+         "--work-dir", str(tmp_path)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPARKCACHE_")},
+    )
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    lanes = json.loads(out)["lanes"]
+    assert list(lanes) == list(LANES_RUN)
+    for name, fig in lanes.items():
+        for key in KEYS:
+            assert key in fig, (name, key)
+        assert len(fig["before_tok_s"]) == len(fig["after_tok_s"]) == 2
+        assert all(x > 0 for x in fig["before_tok_s"] + fig["after_tok_s"])
+        assert fig["restore_mismatches"] == 0, name
+        assert fig["restores_verified"] > 0, name
+        assert fig["hit_tokens"] == fig["restores_verified"] * 16
+        assert fig["lent_blocks_returned"], name
+        assert (csv_dir / f"{name}.csv").stat().st_size > 0
+    for name in ("isolated-read-write", "inline-read-write"):
+        assert lanes[name]["evicted_roots"] > 0, (name, lanes[name])
+        assert lanes[name]["reclaimed_bytes"] > 0, name
+    assert lanes["isolated-read-write"]["supervisor_exit"] == 0
+    prefix = f"soak{proc.pid}"
+    assert not _ours(prefix)
+    for i in range(len(LANES)):
+        assert not instance_entries(f"{prefix}{i}")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("sparkcache-soak-")]
+
+
+def test_bad_parameters_are_refused_naming_what_is_allowed():
+    with pytest.raises(SoakParamError, match="expected a comma-separated list"):
+        SoakParams(lanes=("nope",)).check()
+    with pytest.raises(SoakParamError, match="--low-watermark-bytes"):
+        SoakParams(max_bytes=10, low_watermark_bytes=10).check()
+    with pytest.raises(SoakParamError, match="--context-max"):
+        SoakParams(context_min=4096, context_max=4096).check()
+    result = subprocess.run(
+        [sys.executable, "-m", "sparkcache", "soak", "--lanes", "isolated,off"],
+        cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "isolated-read-write" in result.stderr
