@@ -17,10 +17,10 @@ means the counters are simply not published.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -54,14 +54,19 @@ assert len(WRITERS) == segments.ENGINE_SLOTS
 Fields = Mapping[str, float]
 
 
+@functools.cache
+def _field_names(prefix: str, known: tuple[str, ...]) -> dict[str, str]:
+    return {reason: prefix + reason for reason in known}
+
+
 def by_reason(prefix: str, counts: Mapping[str, int], known: tuple[str, ...]) -> dict[str, int]:
     """``counts`` (reason -> n) as the fields ``<prefix><reason>`` of ``known``; a reason
     not known (one the code added later) is added to ``<prefix>other``."""
-    out = dict.fromkeys((prefix + reason for reason in known), 0)
+    names = _field_names(prefix, known)
+    out = dict.fromkeys(names.values(), 0)
     other = prefix + "other"
     for reason, n in counts.items():
-        key = prefix + reason
-        out[key if key in out else other] += n
+        out[names.get(reason, other)] += n
     return out
 
 
@@ -69,8 +74,8 @@ def client_fields(c: ClientCounters) -> dict[str, float]:
     """The fields of a ``SparkCacheClient``'s record, from its counters."""
     # ``misses`` counts every miss; those of lookups are also in ``lookup_misses``, and the
     # rest are the read side's (loads and synchronous restores).
-    read_misses = Counter(c.misses)
-    read_misses.subtract(c.lookup_misses)
+    looked = c.lookup_misses
+    read_misses = {reason: n - looked.get(reason, 0) for reason, n in c.misses.items()}
     return {
         "lookups": c.lookups,
         "lookup_tokens": c.lookup_tokens,
@@ -84,7 +89,7 @@ def client_fields(c: ClientCounters) -> dict[str, float]:
         **by_reason("load_", c.load_status, LOAD_RESULTS),
         "loaded_pages": c.loaded_pages,
         "restored_pages": c.restored_pages,
-        **by_reason("load_miss_", +read_misses, LOAD_MISS_REASONS),
+        **by_reason("load_miss_", read_misses, LOAD_MISS_REASONS),
         "checksum_failures": c.misses["corrupt"],
         "requests_dropped": c.requests_dropped,
         "ring_errors": c.ring_errors,
