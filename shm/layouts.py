@@ -210,6 +210,63 @@ WORKER_STATS = RecordLayout(
 )
 
 
+# Engine-side counters, per reason: the reasons the engine's code counts (sparkcache/
+# client.py, sparkcache/prefix_lookup.py), each with its own field; a reason not listed
+# (one added to the code later) is counted in ``other``, so nothing is lost. Append-only,
+# like every stats field: their order is the order of the fields.
+LOOKUP_MISS_REASONS = ("unavailable", "evicting", "not_stored", "no_lease", "error", "other")
+SKIP_REASONS = (
+    "register_failed", "mode_off", "restore_only", "unregistered", "supervisor_absent",
+    "pending_limit", "capture_down", "store_full", "no_slot", "bad_request", "too_large",
+    "ring_full", "error", "other",
+)
+# A reported load's status: sparkcache.protocol.LoadStatus in lower case, and the
+# client's own ``worker_gone`` (the worker died with it).
+LOAD_RESULTS = (
+    "ok", "partial", "corrupt", "unregistered", "bad_block", "failed", "malformed", "stale",
+    "worker_gone", "other",
+)
+# Why a load or a synchronous restore the engine asked for missed.
+LOAD_MISS_REASONS = (
+    "mode_off", "unregistered", "duplicate_load", "load_limit", "empty_load", "too_large",
+    "bad_block", "bad_request", "supervisor_absent", "restore_down", "ring_full", "error",
+    "not_stored", "corrupt", "worker_gone", "other",
+)
+
+# One slot per engine-side writer of a rank (sparkcache.engine_stats: slot 0 the rank's
+# SparkCacheClient, slot 1 the prefix lookups of vLLM's scheduler, rank 0's block only),
+# written by that process alone every 0.5 s at most; the supervisor serves them. Counters
+# count from 0 in each engine process.
+ENGINE_STATS = RecordLayout(
+    "engine_stats",
+    1,
+    np.dtype(
+        [
+            ("pid", "<u4"),
+            ("pad", "<u4"),
+            ("pid_start", "<f8"),  # the writer's start time (psutil create_time)
+            ("written", "<f8"),  # time.time() of this record
+            ("lookups", "<u8"),  # prefix lookups asked
+            ("lookup_tokens", "<u8"),  # tokens they asked about, beyond the caller's own
+            ("lookup_hit_tokens", "<u8"),  # of those, tokens found (and leased)
+            *[(f"lookup_miss_{reason}", "<u8") for reason in LOOKUP_MISS_REASONS],
+            ("publications", "<u8"),  # publications taken (handed to capture)
+            ("published_pages", "<u8"),
+            *[(f"skip_{reason}", "<u8") for reason in SKIP_REASONS],
+            ("expired", "<u8"),  # publications released at their deadline, unanswered
+            ("loads", "<u8"),  # loads handed to the restore worker
+            *[(f"load_{status}", "<u8") for status in LOAD_RESULTS],
+            ("loaded_pages", "<u8"),  # pages the restore worker wrote for the engine
+            ("restored_pages", "<u8"),  # pages read by the engine itself (restore)
+            *[(f"load_miss_{reason}", "<u8") for reason in LOAD_MISS_REASONS],
+            ("checksum_failures", "<u8"),  # pages the engine saw fail verification
+            ("requests_dropped", "<u8"),  # requests to maintenance that found no room
+            ("ring_errors", "<u8"),  # ring faults (the client reconnected)
+        ]
+    ),
+)
+
+
 def split_key(hex_key: str) -> tuple[int, int]:
     raw = bytes.fromhex(hex_key)
     return int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:16], "little")

@@ -47,6 +47,7 @@ from shm import FREE, Producer, RingEmpty, RingFull
 from shm.layouts import LOAD, PUBLISH, join_key, split_key
 from sparkcache import kvmem, runtime, segments
 from sparkcache.config import AccessMode, Config
+from sparkcache.engine_stats import SLOT_CLIENT, EngineStatsWriter, client_fields
 from sparkcache.identity import KeyExtras, Namespace, sequence_keys, split_keys
 from sparkcache.protocol import (
     CaptureStatus,
@@ -96,6 +97,9 @@ class ClientCounters:
     not_durable: Counter = field(default_factory=Counter)
     skipped: Counter = field(default_factory=Counter)
     lookups: int = 0
+    lookup_tokens: int = 0  # tokens the lookups asked about
+    hit_tokens: int = 0  # tokens they found
+    lookup_misses: Counter = field(default_factory=Counter)  # also in ``misses``
     unleased_lookups: int = 0  # counted with no supervisor running (nothing evicts then)
     restored_pages: int = 0
     misses: Counter = field(default_factory=Counter)
@@ -185,6 +189,11 @@ class _Connection:
                 "hard_cap_bytes", cfg.hard_cap_bytes))
             self.load = self._keep(segments.producer(cfg, rank, "load"))
             self.loaded = self._keep(segments.consumer(cfg, rank, "loaded", spin_s=0))
+            # Optional: without it (a supervisor of an older version) the counters are
+            # only not published.
+            self.engine = EngineStatsWriter.attach(cfg, rank, SLOT_CLIENT)
+            if self.engine is not None:
+                self._keep(self.engine)
         except BaseException:
             self.close()
             raise
@@ -323,8 +332,18 @@ class SparkCacheClient:
             log.debug("supervisor segments not available: %s", exc)
         return self._conn
 
+    def _publish_counters(self, force: bool = False) -> None:
+        """Copy the counters into the rank's engine stats block for the supervisor's
+        /metrics, at most once per ``engine_stats.WRITE_INTERVAL_S`` (a clock read
+        otherwise). Called from the polls and lookups the engine makes anyway."""
+        conn = self._conn
+        if conn is not None and conn.engine is not None:
+            conn.engine.write_due(lambda: client_fields(self.counters), force)
+
     def _disconnect(self) -> None:
         if self._conn is not None:
+            # What was counted since the last write reaches this supervisor's block.
+            self._publish_counters(force=True)
             self._conn.close()
             self._conn = None
         self._restore_id_at = 0.0
@@ -491,6 +510,7 @@ class SparkCacheClient:
                 self._poll(conn)
         except Exception:
             self._ring_fault("completion poll")
+        self._publish_counters()
 
     def poll_completions(self) -> list[Completion]:
         """Publications whose blocks the engine may reuse now: captured (copied; see
@@ -564,28 +584,40 @@ class SparkCacheClient:
             if self.cfg.access_mode is AccessMode.OFF or self._reg is None:
                 return 0
             self.counters.lookups += 1
-            keys = self._keys(token_ids, extra)
-            reader = self._open_reader()
-            if not reader.gate.try_shared():
-                self.counters.misses["evicting"] += 1
-                return 0
-            try:
-                pages = reader.lookup(keys)
-                if pages and self._connection() is None:
-                    # No supervisor, so no maintenance evicts: what was counted stays
-                    # until one starts. Restoring from disk then still works.
-                    self.counters.unleased_lookups += 1
-                elif pages and not self._request(RequestKind.LEASE, keys[pages - 1],
-                                                 pages - 1, self.cfg.lookup_lease_seconds):
-                    self.counters.misses["no_lease"] += 1
-                    return 0
-            finally:
-                reader.gate.release()
-            return min(pages * self.cfg.page_tokens, len(token_ids))
+            self.counters.lookup_tokens += len(token_ids)
+            tokens = self._lookup(token_ids, extra)
+            self.counters.hit_tokens += tokens
+            return tokens
         except Exception:
             log.warning("lookup failed; a miss", exc_info=True)
-            self.counters.misses["error"] += 1
+            self._lookup_miss("error")
             return 0
+        finally:
+            self._publish_counters()
+
+    def _lookup_miss(self, reason: str) -> None:
+        self.counters.misses[reason] += 1
+        self.counters.lookup_misses[reason] += 1
+
+    def _lookup(self, token_ids: Sequence[int] | np.ndarray, extra: KeyExtras | None) -> int:
+        keys = self._keys(token_ids, extra)
+        reader = self._open_reader()
+        if not reader.gate.try_shared():
+            self._lookup_miss("evicting")
+            return 0
+        try:
+            pages = reader.lookup(keys)
+            if pages and self._connection() is None:
+                # No supervisor, so no maintenance evicts: what was counted stays
+                # until one starts. Restoring from disk then still works.
+                self.counters.unleased_lookups += 1
+            elif pages and not self._request(RequestKind.LEASE, keys[pages - 1],
+                                             pages - 1, self.cfg.lookup_lease_seconds):
+                self._lookup_miss("no_lease")
+                return 0
+        finally:
+            reader.gate.release()
+        return min(pages * self.cfg.page_tokens, len(token_ids))
 
     def restore(self, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int], *,
                 extra: KeyExtras | None = None) -> int:
@@ -749,6 +781,7 @@ class SparkCacheClient:
             self._reap_loads()
         except Exception:
             log.warning("checking the restore worker failed", exc_info=True)
+        self._publish_counters()
         done, self._load_results = self._load_results, []
         return done
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shm import Ring, SegmentError, SlotArena, StatsBlock
-from shm.layouts import WORKER_STATS
+from shm.layouts import ENGINE_STATS, WORKER_STATS
 from sparkcache import runtime, segments
 from sparkcache.metrics import reading
 from sparkcache.metrics.carry import Carry
@@ -105,11 +105,23 @@ def _attach_rank(instance: str, rank: int) -> RankSegments:
         arena = SlotArena.attach(segments.name(instance, rank, segments.ARENA))
         made.append(arena)
         stats = StatsBlock.attach(segments.name(instance, rank, segments.STATS), WORKER_STATS)
+        made.append(stats)
+        engine = _attach_engine(instance, rank)
     except BaseException:
         for seg in made:
             seg.close()
         raise
-    return RankSegments(rank, rings, arena, stats)
+    return RankSegments(rank, rings, arena, stats, engine)
+
+
+def _attach_engine(instance: str, rank: int) -> StatsBlock | None:
+    """The rank's engine stats block, or None: a supervisor of an older version made
+    none, and the workers' figures are still worth showing without the engine's."""
+    try:
+        return StatsBlock.attach(segments.name(instance, rank, segments.ENGINE), ENGINE_STATS)
+    except Exception as exc:
+        log.debug("no engine stats block for rank %d: %s", rank, exc)
+        return None
 
 
 class Instance:

@@ -21,6 +21,12 @@ from shm import Producer, RingFull, StatsBlock
 from shm.layouts import split_key
 from sparkcache import segments
 from sparkcache.config import AccessMode, Config
+from sparkcache.engine_stats import (
+    SLOT_LOOKUP,
+    WRITE_INTERVAL_S,
+    EngineStatsWriter,
+    lookup_fields,
+)
 from sparkcache.protocol import RequestKind, worker_alive
 from sparkcache.ratelog import RateLimitedLog
 from sparkcache.store.reader import StoreReader
@@ -39,6 +45,11 @@ class PrefixLookup:
         self.tp_size = tp_size
         self.misses: Counter = Counter()
         self.lookups = 0
+        self.lookup_tokens = 0  # tokens asked about beyond the caller's own
+        self.hit_tokens = 0  # of those, tokens found and leased
+        # Rank 0's engine stats block: one scheduler serves every rank.
+        self._engine: EngineStatsWriter | None = None
+        self._engine_at = 0.0
         self._readers: list[StoreReader | None] = [None] * tp_size
         self._leases: list[Producer | None] = [None] * tp_size
         self._stats: list[StatsBlock | None] = [None] * tp_size
@@ -74,20 +85,43 @@ class PrefixLookup:
         if self.cfg.access_mode is AccessMode.OFF or len(keys) <= beyond:
             return 0
         self.lookups += 1
+        self.lookup_tokens += (len(keys) - beyond) * self.cfg.page_tokens
         now = time.monotonic()
-        if now < self._retry_at:
-            self.misses["unavailable"] += 1
-            return 0
         try:
-            return self._lookup(keys, beyond)
-        except Exception as exc:
-            # A store not created yet, a supervisor gone: try again a little later, and
-            # drop every handle (a new supervisor makes new rings).
-            self._log.warning("unavailable", "prefix lookups miss: %s", exc)
-            self.misses["unavailable"] += 1
-            self._retry_at = now + RETRY_INTERVAL_S
-            self.close()
-            return 0
+            if now < self._retry_at:
+                self.misses["unavailable"] += 1
+                return 0
+            try:
+                pages = self._lookup(keys, beyond)
+            except Exception as exc:
+                # A store not created yet, a supervisor gone: try again a little later,
+                # and drop every handle (a new supervisor makes new rings).
+                self._log.warning("unavailable", "prefix lookups miss: %s", exc)
+                self.misses["unavailable"] += 1
+                self._retry_at = now + RETRY_INTERVAL_S
+                self.close()
+                return 0
+            if pages:
+                self.hit_tokens += (pages - beyond) * self.cfg.page_tokens
+            return pages
+        finally:
+            self._publish_counters(now)
+
+    def _fields(self) -> dict[str, float]:
+        return lookup_fields(self.lookups, self.lookup_tokens, self.hit_tokens, self.misses)
+
+    def _publish_counters(self, now: float) -> None:
+        """Copy the counters into rank 0's engine stats block for the supervisor's
+        /metrics, at most once per ``engine_stats.WRITE_INTERVAL_S``; the block is
+        attached (or found missing) no more often than that either."""
+        if self._engine is None:
+            if now < self._engine_at:
+                return
+            self._engine_at = now + WRITE_INTERVAL_S
+            self._engine = EngineStatsWriter.attach(self.cfg, 0, SLOT_LOOKUP)
+            if self._engine is None:
+                return
+        self._engine.write_due(self._fields)
 
     def _lookup(self, keys: Sequence[str], beyond: int) -> int:
         if not all(self._maintenance_alive(r) for r in range(self.tp_size)):
@@ -127,6 +161,12 @@ class PrefixLookup:
         return True
 
     def close(self) -> None:
+        if self._engine is not None:
+            # What was counted since the last write reaches the block (this supervisor's,
+            # or a stopped one's, where it is harmless).
+            self._engine.write_due(self._fields, force=True)
+            self._engine.close()
+            self._engine = None
         for i, reader in enumerate(self._readers):
             if reader is not None:
                 try:

@@ -13,6 +13,7 @@ from shm import Consumer, Producer, Ring, SlotArena, StatsBlock, segment_name
 from shm.layouts import (
     COMPLETION,
     DURABLE,
+    ENGINE_STATS,
     FILLED,
     FREED,
     LOAD,
@@ -61,6 +62,10 @@ RINGS: dict[str, tuple[RecordLayout, int]] = {
 ARENA = "arena"
 STATS = "stats"
 STATS_SLOTS = 4  # one per worker role (workers.lifecycle.Role: its value is its slot)
+# The engine's counters (ENGINE_STATS), one slot per engine-side writer
+# (sparkcache.engine_stats): the supervisor creates the block so that it can serve them.
+ENGINE = "engine_stats"
+ENGINE_SLOTS = 2
 # Slot owners in the arena (FREE = 0 is shm.FREE).
 OWNER_CAPTURE = 1
 OWNER_COMMIT = 2
@@ -88,6 +93,10 @@ def attach_stats(cfg: Config, rank: int) -> StatsBlock:
     return StatsBlock.attach(name(cfg.instance, rank, STATS), WORKER_STATS)
 
 
+def attach_engine_stats(cfg: Config, rank: int) -> StatsBlock:
+    return StatsBlock.attach(name(cfg.instance, rank, ENGINE), ENGINE_STATS)
+
+
 @dataclass
 class RankSegments:
     """Every segment of one rank, as created by the supervisor (their owner)."""
@@ -96,6 +105,8 @@ class RankSegments:
     rings: dict[str, Ring]
     arena: SlotArena
     stats: StatsBlock
+    # None where an observer found none (a supervisor of an older version).
+    engine: StatsBlock | None = None
 
     @classmethod
     def create(cls, cfg: Config, rank: int, stats_slots: int) -> RankSegments:
@@ -110,11 +121,14 @@ class RankSegments:
             )
             made.append(arena)
             stats = StatsBlock.create(name(cfg.instance, rank, STATS), WORKER_STATS, stats_slots)
+            made.append(stats)
+            engine = StatsBlock.create(name(cfg.instance, rank, ENGINE), ENGINE_STATS,
+                                       ENGINE_SLOTS)
         except BaseException:
             for seg in made:
                 seg.close()
             raise
-        return cls(rank, rings, arena, stats)
+        return cls(rank, rings, arena, stats, engine)
 
     def close(self) -> None:
         """Unlink everything; the owner's job."""
@@ -122,6 +136,8 @@ class RankSegments:
             ring.close()
         self.arena.close()
         self.stats.close()
+        if self.engine is not None:
+            self.engine.close()
 
 
 # ---------------------------------------------------------------------- /dev/shm space
@@ -139,7 +155,7 @@ def shm_needed(cfg: Config) -> dict[str, int]:
     """Bytes of /dev/shm one rank's segments take once in use, to the page (an upper
     bound): the arena (only in read-write mode: without capture nobody touches it and
     tmpfs allocates nothing), the rings (records and their table, two semaphores each),
-    the stats block."""
+    the stats blocks (the workers' and the engine's)."""
     arena = 0
     if cfg.access_mode is AccessMode.READ_WRITE:
         # Slot data starts on a page past the header and slot table: one page more.
@@ -150,7 +166,8 @@ def shm_needed(cfg: Config) -> dict[str, int]:
         for layout, capacity in RINGS.values()
     )
     stats = _pages(_HEADER + STATS_SLOTS * (16 + WORKER_STATS.itemsize + 128))
-    return {"arena": arena, "rings": rings, "stats": stats}
+    engine = _pages(_HEADER + ENGINE_SLOTS * (16 + ENGINE_STATS.itemsize + 128))
+    return {"arena": arena, "rings": rings, "stats": stats, "engine_stats": engine}
 
 
 class ShmSpaceError(RuntimeError):
@@ -177,7 +194,7 @@ def check_shm_space(cfg: Config, shm_dir: Path = SHM_DIR) -> None:
     total = cfg.ranks * sum(need.values())
     if total <= free:
         return
-    other = _size(need["rings"] + need["stats"])
+    other = _size(need["rings"] + need["stats"] + need["engine_stats"])
     arena = (f"{cfg.capture_slots} slots x {_size(cfg.capture_slot_bytes)} + "
              if need["arena"] else "")
     raise ShmSpaceError(

@@ -22,7 +22,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from shm.layouts import DROP_REASONS, DURATION_BUCKETS_S
-from sparkcache.metrics import reading
+from sparkcache.metrics import engine, reading
 from sparkcache.metrics.reading import Reading, Source, WorkerReading
 from sparkcache.protocol import CaptureStatus, DurableStatus, LoadStatus, status_name
 
@@ -103,6 +103,7 @@ class SparkCacheCollector(Collector):
         yield from self._maintenance(now)
         yield from self._outcomes(now)
         yield from self._durations(now)
+        yield from engine.families(now)
 
     # ------------------------------------------------------------------ every worker
 
@@ -242,7 +243,8 @@ class SparkCacheCollector(Collector):
             "Publications that reached capture, by outcome: durable, commit_failed, "
             "bad_slot (commit), capture_<status> (refused or failed by capture, e.g. "
             "capture_no_slot). Skips "
-            "before capture are counted by the engine (vllm:sparkcache_skips_total).",
+            "before capture are counted by the engine "
+            "(vllm:sparkcache_engine_publication_skips_total).",
             labels=["rank", "outcome"])
         restores = CounterMetricFamily(
             PREFIX + "restores", "Loads the restore worker answered, by result.",

@@ -1,11 +1,12 @@
 """One reading of a running instance, taken at scrape time: every worker's stats record
 (with its age now, and whether it is the report of the live process), every rank's
-capture slots by owner, pending publications and ring depths, and the supervisor's
-state of each worker. The collector turns a reading into metrics and the health check
-judges it; nothing here is cached between readings, so an age advances at every one
-while the engine is idle, and a dead worker reads as down, not as its last report.
+capture slots by owner, pending publications and ring depths, the supervisor's state of
+each worker, and the counters the engine's processes published (``engine_stats``). The
+collector turns a reading into metrics and the health check judges it; nothing here is
+cached between readings, so an age advances at every one while the engine is idle, and a
+dead worker reads as down, not as its last report.
 
-Only the stats block's seqlock (plus CRC) orders what is read here; the arena's slot
+Only the stats blocks' seqlock (plus CRC) orders what is read here; the arena's slot
 states and the ring counters are read without synchronisation, as gauges (docs/shm.md).
 """
 
@@ -13,10 +14,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shm import FREE, TornRead
 from sparkcache.config import Config
+from sparkcache.engine_stats import WRITERS
 from sparkcache.metrics.carry import Carry
 from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT, RankSegments
 from workers.lifecycle import State
@@ -76,11 +78,22 @@ class RankReading:
 
 
 @dataclass(frozen=True)
+class EngineReading:
+    """One engine-side writer's last record (shm.layouts.ENGINE_STATS)."""
+
+    rank: int
+    writer: str  # engine_stats.WRITERS: client, lookup
+    record: tuple  # counters of the writing process, from 0 at its start
+    age_s: float  # now - its time of writing
+
+
+@dataclass(frozen=True)
 class Reading:
     at: float  # time.time() of the reading
     workers: list[WorkerReading]
     ranks: list[RankReading]
     segments_ready: bool
+    engines: list[EngineReading] = field(default_factory=list)  # slots written so far
 
 
 def _read_record(seg: RankSegments, slot: int) -> tuple | None:
@@ -126,6 +139,22 @@ def read_rank(seg: RankSegments, monotonic_now: float) -> RankReading:
     return RankReading(seg.rank, slots, pending, pending_bytes, max(0.0, oldest), rings)
 
 
+def read_engines(seg: RankSegments, now: float) -> list[EngineReading]:
+    """The engine records of a rank, of the slots ever written (none without a block)."""
+    out = []
+    if seg.engine is None:
+        return out
+    for slot, writer in WRITERS.items():
+        try:
+            record = seg.engine.read(slot, retries=64)
+        except TornRead:
+            continue  # a writer stopped in the middle of a write: its last is unknown
+        if record is not None:
+            out.append(EngineReading(seg.rank, writer, record,
+                                     max(0.0, now - float(record.written))))
+    return out
+
+
 def read(source: Source) -> Reading:
     """Read everything now."""
     return read_from(source.segments(), source.workers())
@@ -139,7 +168,8 @@ def read_from(rank_segments: Sequence[RankSegments], infos: Sequence[WorkerInfo]
     by_rank = {seg.rank: seg for seg in segs}
     workers = [read_worker(info, by_rank.get(info.rank), now) for info in infos]
     ranks = [read_rank(seg, mono) for seg in segs]
-    return Reading(now, workers, ranks, bool(segs))
+    engines = [e for seg in segs for e in read_engines(seg, now)]
+    return Reading(now, workers, ranks, bool(segs), engines)
 
 
 def health(reading: Reading) -> tuple[bool, str]:
