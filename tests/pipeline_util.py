@@ -6,10 +6,11 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,23 @@ SETTINGS = {
     "page_tokens": str(PAGE_TOKENS), "max_bytes": "1GiB", "low_watermark_bytes": "512MiB",
     "metrics_port": "0",
 }
+
+
+def wait_for(cond: Callable[[], object], timeout: float, what: str,
+             poll: float = 0.05) -> None:
+    """Poll ``cond`` until it is true; fail the test naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(poll)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def make_cfg(store: Path, instance: str, **more: str) -> config.Config:

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from pipeline_util import make_cfg, pipeline, wait_committed
-from test_metrics import free_port, get, scrape, value
+from pipeline_util import free_port, make_cfg, pipeline, wait_committed
+from test_metrics import get, scrape, value
 
 from shm.layouts import (
     ENGINE_STATS,

@@ -6,6 +6,7 @@ and the carry's arithmetic."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -17,12 +18,11 @@ import time
 import urllib.error
 import urllib.request
 from collections import namedtuple
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
-from pipeline_util import SETTINGS, pipeline, runtime, wait_committed
+from pipeline_util import SETTINGS, free_port, pipeline, runtime, wait_committed, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from shm.layouts import DURATION_BUCKETS_S
@@ -31,6 +31,8 @@ from sparkcache.metrics.carry import COUNTER_FIELDS, Carry
 from sparkcache.synthetic import sequences
 
 pytestmark = pytest.mark.slow
+# Each check is a scrape: a tenth of a second apart is often enough.
+_wait = functools.partial(wait_for, poll=0.1)
 
 P = "vllm:sparkcache_"
 # Every family the endpoint serves (counters and histograms by their family name).
@@ -59,12 +61,6 @@ FAMILIES = {
 ROLES = ("capture", "commit", "maintenance", "restore")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def get(port: int, path: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
@@ -91,14 +87,6 @@ def scrape(port: int) -> tuple[dict[str, str], Sample]:
 
 def value(samples: Sample, name: str, **labels: str) -> float:
     return samples[(name, frozenset(labels.items()))]
-
-
-def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def _pids(store: Path) -> dict[str, int]:

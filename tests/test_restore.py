@@ -15,7 +15,14 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from pipeline_util import SyntheticEngine, pipeline, runtime, sequences, wait_committed
+from pipeline_util import (
+    SyntheticEngine,
+    pipeline,
+    runtime,
+    sequences,
+    wait_committed,
+    wait_for,
+)
 
 from sparkcache import segments
 from sparkcache.store import PageStore
@@ -57,14 +64,6 @@ def _holds_sentinel(engine: SyntheticEngine, blocks: list[int]) -> list[bool]:
 
 def _worker(store: Path, role: str) -> dict:
     return next(w for w in runtime(store)["workers"] if w["role"] == role)
-
-
-def _wait(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _restore_stats(engine: SyntheticEngine):
@@ -185,7 +184,7 @@ def test_restore_worker_killed_with_loads_in_flight(tmp_path: Path, instance: st
         # The engine reuses the blocks now: nothing may write them any more.
         every = [b for blocks in plans.values() for b in blocks]
         _fill(engine, every)
-        _wait(lambda: _worker(store, "restore")["pid"] not in (None, first)
+        wait_for(lambda: _worker(store, "restore")["pid"] not in (None, first)
               and _worker(store, "restore")["state"] == "RUNNING", 30, "restore restarted")
         time.sleep(1.0)
         assert all(_holds_sentinel(engine, every)), "a write after the load was reported"
@@ -210,9 +209,9 @@ def test_restore_worker_killed_with_loads_in_flight(tmp_path: Path, instance: st
             with contextlib.suppress(ProcessLookupError):
                 os.kill(second, signal.SIGKILL)
         assert {r.status for r in again.values()} == {"worker_gone"}
-        _wait(lambda: _worker(store, "restore")["pid"] not in (None, first, second)
+        wait_for(lambda: _worker(store, "restore")["pid"] not in (None, first, second)
               and _worker(store, "restore")["state"] == "RUNNING", 30, "restore restarted")
-        _wait(lambda: _restore_stats(engine).drop_stale >= len(seqs), 10,
+        wait_for(lambda: _restore_stats(engine).drop_stale >= len(seqs), 10,
               "the successor to drop the stale loads")
         time.sleep(0.5)
         assert all(_holds_sentinel(engine, every)), "a stale load was written"

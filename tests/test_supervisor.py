@@ -9,12 +9,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
-from pipeline_util import make_cfg, runtime, start_supervisor, stop_supervisor
+from pipeline_util import make_cfg, runtime, start_supervisor, stop_supervisor, wait_for
 
 from shm.layouts import WORKER_STATS
 from shm.segment import Segment, SegmentSpec, instance_entries, user
@@ -32,14 +31,6 @@ from workers.lifecycle import (
 )
 
 pytestmark = pytest.mark.slow
-
-
-def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _worker(store: Path, role: str) -> dict:
@@ -66,7 +57,7 @@ def test_crash_loop_ends_fatal_and_second_supervisor_refused(
         # kill can land inside startsecs.
         time.sleep(3.5)
         os.kill(commit_pid, signal.SIGKILL)
-        _wait(lambda: _worker(store, "commit")["state"] == "FATAL", 60, "commit FATAL")
+        wait_for(lambda: _worker(store, "commit")["state"] == "FATAL", 60, "commit FATAL")
         w = _worker(store, "commit")
         assert w["last_exit"] == CRASH_EXIT
         # One restart after the kill (it had run long enough), then failed starts with
@@ -114,7 +105,7 @@ def test_sigkilled_supervisor_is_swept_by_the_next(tmp_path: Path, instance: str
     sup.kill()
     sup.communicate(timeout=30)
     # Workers die with it (PR_SET_PDEATHSIG) ...
-    _wait(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+    wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
                           for p in pids), 20, "workers to die with the supervisor")
     assert instance_entries(instance)  # ... but its segments stay until the next start
     assert read_live(store) == (read(store), False)  # its runtime.json stays too: stale
@@ -196,7 +187,7 @@ def test_sigstopped_worker_is_killed_and_restarted(tmp_path: Path, instance: str
             w = _worker(store, "commit")
             return w["restarts"] == 1 and w["state"] == "RUNNING"
 
-        _wait(restarted, 60, "the stopped commit to be killed, restarted and RUNNING")
+        wait_for(restarted, 60, "the stopped commit to be killed, restarted and RUNNING")
         took = time.monotonic() - stopped_at
         w = _worker(store, "commit")
         assert w["last_exit"] == -signal.SIGKILL and w["pid"] != before["commit"]
@@ -227,7 +218,7 @@ def test_restart_is_running_only_once_ready(tmp_path: Path, instance: str) -> No
         time.sleep(1.0)  # past --startsecs
         stall.touch()  # from now on a new commit stays STARTING
         os.kill(first, signal.SIGKILL)
-        _wait(lambda: _worker(store, "commit")["restarts"] == 1, 30, "commit restarted")
+        wait_for(lambda: _worker(store, "commit")["restarts"] == 1, 30, "commit restarted")
         # Up for four times --startsecs, beating, but never READY: not RUNNING.
         time.sleep(2.0)
         w = _worker(store, "commit")
@@ -236,7 +227,7 @@ def test_restart_is_running_only_once_ready(tmp_path: Path, instance: str) -> No
                                capture_output=True, text=True, timeout=60).stdout
         assert "workers=3/4 running" in shown
         stall.unlink()  # now it reports READY
-        _wait(lambda: _worker(store, "commit")["state"] == "RUNNING", 30, "commit RUNNING")
+        wait_for(lambda: _worker(store, "commit")["state"] == "RUNNING", 30, "commit RUNNING")
         assert _worker(store, "commit")["pid"] == w["pid"]
     finally:
         rc, err = stop_supervisor(sup)
@@ -344,7 +335,7 @@ def test_ready_fast_with_gib_slots_prefaulted_behind_ready(tmp_path: Path, insta
         assert ready_s < 30, ready_s
         field = WORKER_STATS.dtype.names.index("prefaulted_bytes")
         with segments.attach_stats(make_cfg(store, instance), 0) as stats:
-            _wait(lambda: stats.read(int(Role.CAPTURE))[field] == arena, 120,
+            wait_for(lambda: stats.read(int(Role.CAPTURE))[field] == arena, 120,
                   "the slots to be prefaulted")
         rss = psutil.Process(_worker(store, "capture")["pid"]).memory_info().rss
         assert rss > arena  # resident now: counted in capture's RSS (shared memory)
@@ -384,7 +375,7 @@ def test_environment_fault_is_fatal_at_once_not_a_crash_loop(
         rank.rename(store / "elsewhere")
         rank.symlink_to(store / "elsewhere")
         os.kill(before["commit"], signal.SIGKILL)
-        _wait(lambda: _worker(store, "commit")["state"] == "FATAL", 30, "commit FATAL")
+        wait_for(lambda: _worker(store, "commit")["state"] == "FATAL", 30, "commit FATAL")
         w = _worker(store, "commit")
         assert w["restarts"] == 1 and w["last_exit"] == ENV_FAULT_EXIT, w
         for role in ("capture", "maintenance"):

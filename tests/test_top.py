@@ -5,17 +5,16 @@ line and exit 1. Also the pure parts: sorting and the used-bytes bar."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from pipeline_util import SETTINGS, pipeline, runtime, wait_committed
+from pipeline_util import SETTINGS, pipeline, runtime, wait_committed, wait_for
 
 from sparkcache.synthetic import sequences
 from sparkcache.top.gather import ProcessFigures, WorkerRow, sort_workers
@@ -23,6 +22,8 @@ from sparkcache.top.render import bar
 from workers.lifecycle import FAULT_ROLE_ENV, STALL_FILE_ENV
 
 ROLES = ("capture", "commit", "maintenance", "restore")
+# Each check runs `sparkcache top` in a new interpreter: not more than 5 a second.
+_wait = functools.partial(wait_for, poll=0.2)
 
 
 def top(store: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -36,14 +37,6 @@ def top_json(store: Path) -> dict:
     out = top(store, "--json", "--interval", "0.2")
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
-
-
-def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def _by_role(frame: dict) -> dict[str, dict]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.pipeline_util import start_supervisor, stop_supervisor
+from tests.pipeline_util import free_port, start_supervisor, stop_supervisor
 from tests.with_vllm.engine_util import (
     BLOCK,
     engine_installed,
@@ -58,12 +57,6 @@ class Server:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(ckpt: Path, store: Path, instance: str, root: Path,
