@@ -57,6 +57,10 @@ MAINTENANCE_NICE = 10
 # publications were refused (docs/maintenance.md). Its budget, duty and I/O caps bound
 # what it asks of the disk instead.
 MAINTENANCE_IOPRIO = 7
+# Forked from one fork server that imported torch once (workers/forkserver.py); the others
+# are spawned, and never carry torch.
+FORKED_ROLES = frozenset({Role.CAPTURE, Role.RESTORE})
+FORKSERVER_MODULE = "workers.forkserver"
 WATCH_S = 0.5  # longest wait between looks at the workers (heartbeats, READY)
 STARTING_WATCH_S = 0.1  # ... while one is starting, so READY shows soon
 
@@ -116,7 +120,9 @@ class Supervisor:
         self.workers = [Worker(r, role, self.cpus) for r in range(cfg.ranks) for role in roles]
         self.segments: list[segments.RankSegments] = []
         self.stop = False
-        self._ctx = mp.get_context("spawn")
+        self._spawn_ctx = mp.get_context("spawn")
+        self._fork_ctx = mp.get_context("forkserver")
+        self._fork_ctx.set_forkserver_preload([FORKSERVER_MODULE])
         self._lock_fd: int | None = None
         self._wake_r, self._wake_w = os.pipe()
         self.metrics: MetricsServer | None = None
@@ -191,7 +197,8 @@ class Supervisor:
 
     def _spawn(self, w: Worker) -> None:
         spec = WorkerSpec(self.cfg, w.rank, w.role, os.getpid())
-        proc = self._ctx.Process(target=run_worker, args=(spec,), name=w.name)
+        ctx = self._fork_ctx if w.role in FORKED_ROLES else self._spawn_ctx
+        proc = ctx.Process(target=run_worker, args=(spec,), name=w.name)
         proc.start()
         w.proc = proc
         try:
@@ -325,7 +332,9 @@ class Supervisor:
                 ) from None
             # Before the workers: /healthz answers 503 while they start.
             self._start_metrics()
-            for w in self.workers:
+            # Spawned ones first: starting the first forked one waits for the fork
+            # server to import torch, while they start beside it.
+            for w in sorted(self.workers, key=lambda w: w.role in FORKED_ROLES):
                 self._tick(w)  # STOPPED -> STARTING: spawned
             # Unlike a restart, a worker that fails to start now fails the whole start:
             # it will most likely fail again, and the operator is watching.

@@ -60,14 +60,14 @@ def make_cfg(store: Path, instance: str, **more: str) -> config.Config:
 
 
 def start_supervisor(store: Path, instance: str, *extra: str, env: dict | None = None,
-                     wait_ready: bool = True) -> subprocess.Popen:
+                     wait_ready: bool = True, new_session: bool = False) -> subprocess.Popen:
     args = [sys.executable, "-m", "sparkcache", "supervise", "--store-dir", str(store),
             "--instance", instance]
     for k, v in SETTINGS.items():
         args += [config.flag_name(k), v]
     proc = subprocess.Popen(
         [*args, *extra], env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        stderr=subprocess.PIPE, text=True, start_new_session=new_session,
     )
     if wait_ready:
         deadline = time.monotonic() + 90

@@ -102,11 +102,13 @@ def test_sigkilled_supervisor_is_swept_by_the_next(tmp_path: Path, instance: str
     store = tmp_path / "store"
     sup = start_supervisor(store, instance)
     pids = [w["pid"] for w in runtime(store)["workers"]]
+    tree = [p.pid for p in psutil.Process(sup.pid).children(recursive=True)]
+    assert set(pids) < set(tree)  # and the fork server of capture and restore
     sup.kill()
     sup.communicate(timeout=30)
-    # Workers die with it (PR_SET_PDEATHSIG) ...
+    # Workers and the fork server die with it (PR_SET_PDEATHSIG) ...
     wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                          for p in pids), 20, "workers to die with the supervisor")
+                          for p in tree), 20, "workers to die with the supervisor")
     assert instance_entries(instance)  # ... but its segments stay until the next start
     assert read_live(store) == (read(store), False)  # its runtime.json stays too: stale
     out = subprocess.run([*_cli(), "status", "--store-dir", str(store)], capture_output=True,
@@ -119,6 +121,28 @@ def test_sigkilled_supervisor_is_swept_by_the_next(tmp_path: Path, instance: str
     finally:
         rc, _ = stop_supervisor(sup)
     assert rc == 0
+    assert instance_entries(instance) == []
+
+
+def test_sigterm_to_the_whole_process_group_drains_every_worker(
+        tmp_path: Path, instance: str) -> None:
+    """A service manager stops the unit by signalling every process in it at once: the
+    fork server survives it (its workers would die with it, mid-drain), each worker
+    drains, and the supervisor stops cleanly. Capture is stopped (SIGSTOP) meanwhile, so
+    that its drain comes only once the supervisor continues it, well after the signal."""
+    store = tmp_path / "store"
+    sup = start_supervisor(store, instance, new_session=True)
+    tree = [p.pid for p in psutil.Process(sup.pid).children(recursive=True)]
+    capture = next(w["pid"] for w in runtime(store)["workers"] if w["role"] == "capture")
+    os.kill(capture, signal.SIGSTOP)
+    os.killpg(sup.pid, signal.SIGTERM)
+    rc, err = stop_supervisor(sup)
+    assert rc == 0, err[-3000:]
+    for role in ("capture", "commit", "maintenance", "restore"):
+        assert f"sparkcache::{role}[r0]: DRAINING -> STOPPED" in err, role
+    assert "killed" not in err
+    wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                          for p in tree), 20, "every process of the supervisor to end")
     assert instance_entries(instance) == []
 
 
