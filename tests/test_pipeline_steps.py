@@ -57,6 +57,7 @@ STEPS = (*CAPTURE_STEPS, *COMMIT_WORKER_STEPS, "maintenance.requests", *EVICTION
 
 FIRST, SECOND = 12, 8
 RELEASE_S = 2.0
+ACK_SETTLE_S = 2.0
 # One slot: a slot the pipeline loses stalls everything after it instead of hiding.
 PIPELINE = {"capture_slots": "1", "release_timeout_seconds": str(RELEASE_S)}
 # Pages are 16 KiB: the first batch alone crosses max_bytes; a zero lease makes every
@@ -71,9 +72,22 @@ def _role(step: str) -> str:
 
 
 def _publish(engine: SyntheticEngine, seqs: dict[str, list[int]]) -> None:
+    """Publish ``seqs`` and wait until every block came back and each is acknowledged, or
+    no acknowledgement came for ``ACK_SETTLE_S``: a commit killed between committing and
+    acknowledging loses that acknowledgement, which the client gives up on only after
+    minutes."""
     for sid, tokens in seqs.items():
         engine.publish(sid, tokens)
-    engine.drain(timeout=RELEASE_S + 5)
+    deadline = time.monotonic() + RELEASE_S + 5
+    acked, since = len(engine.acknowledged), time.monotonic()
+    while time.monotonic() < deadline:
+        engine.poll()
+        if len(engine.acknowledged) != acked:
+            acked, since = len(engine.acknowledged), time.monotonic()
+        if not engine.client.pending and (
+                set(seqs) <= engine.acknowledged or time.monotonic() - since > ACK_SETTLE_S):
+            break
+        time.sleep(0.01)
     assert engine.client.pending == 0, engine.client.counters
 
 
