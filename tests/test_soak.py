@@ -14,6 +14,7 @@ import pytest
 
 from shm.segment import instance_entries
 from sparkcache.soak.params import LANES, SoakParamError, SoakParams
+from sparkcache.soak.report import plot_available
 
 REPO = Path(__file__).resolve().parent.parent
 LANES_RUN = ("isolated-read-write", "inline-read-write", "restore-only")
@@ -42,10 +43,13 @@ def _ours(prefix: str) -> list[psutil.Process]:
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the isolated lane needs 2 cores")
 def test_tiny_soak_verifies_every_restore_and_leaves_nothing(tmp_path):
     csv_dir = tmp_path / "csv"
+    # The picture too, where the optional extra is installed (scripts/setup installs it).
+    plotting = plot_available()
+    picture = tmp_path / "soak.png"
     proc = subprocess.Popen(
         [sys.executable, "-m", "sparkcache", "soak", "--quick", "--json",
          "--lanes", ",".join(LANES_RUN), *TINY, "--csv-dir", str(csv_dir),
-         "--work-dir", str(tmp_path)],
+         "--work-dir", str(tmp_path), *(["--plot", str(picture)] if plotting else [])],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={k: v for k, v in os.environ.items() if not k.startswith("SPARKCACHE_")},
     )
@@ -67,6 +71,8 @@ def test_tiny_soak_verifies_every_restore_and_leaves_nothing(tmp_path):
         assert lanes[name]["evicted_roots"] > 0, (name, lanes[name])
         assert lanes[name]["reclaimed_bytes"] > 0, name
     assert lanes["isolated-read-write"]["supervisor_exit"] == 0
+    if plotting:
+        assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     prefix = f"soak{proc.pid}"
     assert not _ours(prefix)
     for i in range(len(LANES)):
