@@ -386,11 +386,12 @@ def _summary(engine: str, lane: dict, off: dict | None, stored: int) -> dict:
 
 
 def _brief_status(st: dict | None) -> dict | None:
-    """LMCache's /status is long: keep its L1 figures."""
+    """LMCache's /status is long: keep its L1 memory figures."""
     if not st or "store_dir_mib" in st:
         return st
-    l1 = st.get("l1_manager") or st.get("l1") or {}
-    return {k: v for k, v in l1.items() if not isinstance(v, (dict, list))} or None
+    l1 = (st.get("storage_manager") or {}).get("l1_manager") or {}
+    keys = ("memory_used_bytes", "memory_total_bytes", "total_object_count")
+    return {k: l1[k] for k in keys if k in l1} or None
 
 
 def _compare(got: dict, want: dict | None) -> dict | None:
