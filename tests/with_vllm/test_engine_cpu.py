@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
-from unittest import mock
 
 import pytest
 
@@ -18,6 +17,7 @@ from tests.with_vllm.engine_util import (
     stored_prefix_pages,
     wait_until,
     write_checkpoint,
+    wrong_page_restored,
 )
 
 if not engine_installed():
@@ -101,25 +101,12 @@ def test_negative_control_a_wrong_page_changes_the_output(engine) -> None:
     page's, the same check sees different logprobs. (Swapping pages between the blocks
     of one request would not do: each page's K carries its positions' rotation, so
     attention over the same set of pages is the same in any block order.)"""
-    from sparkcache.vllm.worker_side import WorkerSide, block_dims
-
     llm, store = engine
     prefix = [(i * 53) % 500 + 3 for i in range(PREFIX_PAGES * BLOCK)]
     turn = [*prefix, 21, 22, 23]
     want_tokens, want_lp, _ = generate(llm, turn, salt="recompute-2")
     save_turn(llm, store, [*prefix, 1, 2], PREFIX_PAGES)
-    real_end_load = WorkerSide._end_load
-
-    def first_page_twice(self, job, pages, got):
-        # The engine's KV lives in the adopted segment: the restore worker wrote the
-        # blocks themselves. Overwrite the last restored block with the first.
-        assert self.shared_kv is not None and got > 1
-        for t in self.shared_kv.tensors:
-            dim, _ = block_dims(tuple(t.shape), self._num_blocks, BLOCK)
-            t.select(dim, job.block_ids[got - 1]).copy_(t.select(dim, job.block_ids[0]))
-        real_end_load(self, job, pages, got)
-
-    with mock.patch.object(WorkerSide, "_end_load", first_page_twice):
+    with wrong_page_restored():
         tokens, lp, cached = generate(llm, turn)
     assert cached >= PREFIX_PAGES * BLOCK
     diff = max(abs(a - b) for a, b in zip(lp, want_lp, strict=True))
