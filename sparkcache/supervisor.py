@@ -330,6 +330,12 @@ class Supervisor:
                 raise SupervisorError(
                     f"a semaphore of instance {self.cfg.instance} already exists: {what}"
                 ) from None
+            # The supervisor's own work (watching, /metrics) and the fork server it starts
+            # stay off the engine's cores too, not only the workers.
+            try:
+                os.sched_setaffinity(0, self.cpus)
+            except OSError as exc:
+                log.warning("could not pin the supervisor to cores %s: %s", self.cpus, exc)
             # Before the workers: /healthz answers 503 while they start.
             self._start_metrics()
             # Spawned ones first: starting the first forked one waits for the fork

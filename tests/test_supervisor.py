@@ -156,6 +156,9 @@ def test_avoid_keeps_workers_off_the_avoided_cores(tmp_path: Path, instance: str
         every = list(range(psutil.cpu_count()))
         sup = start_supervisor(store, instance, "--avoid", str(busy.pid))
         try:
+            # The supervisor and its fork server too.
+            for p in [psutil.Process(sup.pid), *psutil.Process(sup.pid).children()]:
+                assert p.cpu_affinity() == every[1:], p
             for w in runtime(store)["workers"]:
                 p = psutil.Process(w["pid"])
                 assert p.cpu_affinity() == every[1:] == w["cpus"], w
