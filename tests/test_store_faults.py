@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkcache.store import CommitFailed, PageData, PageStore, Root
+from sparkcache.store import CommitFailed, PageData, PageStore, Root, objects
 from sparkcache.store.objects import HEADER_SIZE, split_pieces
 from sparkcache.store.testing import FaultyFileOps, make_root, page_bytes
 
@@ -97,13 +97,19 @@ def test_eio_on_directory_fsync_leaves_nothing_referenced(tmp_path: Path) -> Non
     store.close()
 
 
-def test_a_thousand_bit_flips_are_all_detected(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flags", [objects.FLAG_CRC32C, 0], ids=["crc32c", "crc32"])
+def test_a_thousand_bit_flips_are_all_detected(tmp_path: Path, monkeypatch, flags: int) -> None:
+    """In objects of either checksum: CRC-32C, what is written now, and zlib's CRC-32,
+    what stores written before hold."""
+    monkeypatch.setattr(objects, "WRITE_FLAGS", flags)
     rng = random.Random(1234)
     store = PageStore(tmp_path / "s", 0)
     page_keys = keys(20)
     store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
     paths = {p.name.split(".")[0]: p for p in files(store)}
     originals = {k: paths[k].read_bytes() for k in page_keys}
+    assert {int.from_bytes(o[12:16], "little") for o in originals.values()} == {flags}
+    assert restores(store, page_keys)
     misses = 0
     for _ in range(1000):
         key = rng.choice(page_keys)

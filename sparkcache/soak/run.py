@@ -33,6 +33,7 @@ def run(params: SoakParams, progress: Progress, work_dir: Path | None = None
     os.sched_setaffinity(0, {params.engine_core})
     root = Path(tempfile.mkdtemp(prefix="sparkcache-soak-", dir=work_dir))
     results: dict[str, LaneResult] = {}
+    finished = False
     try:
         model = ToyModel()
         for name in params.lanes:
@@ -40,8 +41,23 @@ def run(params: SoakParams, progress: Progress, work_dir: Path | None = None
             results[name] = run_lane(name, params, model, root, all_cores,
                                      lambda what, share, n=name: progress(n, what, share))
             progress(name, "done", 1.0)
+        finished = True
     finally:
         os.sched_setaffinity(0, all_cores)
         torch.set_num_threads(old_threads)
-        shutil.rmtree(root, ignore_errors=True)
+        _clean(root, keep_logs=not finished)
     return results
+
+
+def _clean(root: Path, keep_logs: bool) -> None:
+    """Remove the soak's stores; after a failure keep its supervisors' logs (the error
+    names them), which are small, and say where."""
+    if not keep_logs:
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    for entry in root.iterdir():
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        elif entry.suffix != ".log":
+            entry.unlink()
+    log.error("soak: the supervisors' logs are kept in %s", root)

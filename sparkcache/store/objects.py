@@ -6,18 +6,22 @@ An object file is a 64-byte header followed by the page bytes::
          0    8 magic b"SPKCPAGE"
          8    2 format version (1)
         10    2 header length (64)
-        12    4 flags (0)
+        12    4 flags (FLAG_CRC32C, or 0)
         16   16 page key (raw digest)
         32    8 generation (raw)
         40    8 payload length
         48   12 reserved (zero)
-        60    4 CRC-32 of bytes 0..59 followed by the payload
+        60    4 checksum of bytes 0..59 followed by the payload
 
-All integers little-endian. The checksum is zlib's CRC-32: it runs at ~1.8 GB/s here
-(blake2b manages ~0.45 GB/s), it detects every error of up to 3 bits and every burst of up
-to 32 bits, so a flipped bit anywhere in the file is always caught; it guards against
-media and torn-write damage, not against an adversary who can write the store (who could
-rewrite the index as well). The key, generation and length are checked on their own too.
+All integers little-endian. The checksum is CRC-32C (Castagnoli) when flags has
+FLAG_CRC32C, what is written now; objects with flags 0, written before, carry zlib's
+CRC-32 and are still read. CRC-32C runs at ~19 GB/s here with the CPU's CRC instructions
+(the crc32c package; ARMv8 has them too) against ~1.8 GB/s for zlib's CRC-32, which had
+been ~40 % of a restore from the page cache. Either detects every error of up to 3 bits
+and every burst of up to 32 bits, so a flipped bit anywhere in the file is always
+caught; they guard against media and torn-write damage, not against an adversary who can
+write the store (who could rewrite the index as well). The key, generation and length
+are checked on their own too.
 """
 
 from __future__ import annotations
@@ -28,11 +32,14 @@ import stat
 import struct
 import zlib
 
+import crc32c
+
 from sparkcache.store.fileops import FileOps, StepHook
 from sparkcache.store.layout import FILE_MODE, object_name, temp_name
 
 MAGIC = b"SPKCPAGE"
 OBJECT_FORMAT_VERSION = 1
+FLAG_CRC32C = 1
 _HEADER = struct.Struct("<8sHHI16s8sQ12sI")
 HEADER_SIZE = _HEADER.size
 _CHECKED = HEADER_SIZE - 4
@@ -61,21 +68,28 @@ def split_pieces(
     return head, []
 
 
+# What is written: CRC-32C. Read: either (see the module's docstring).
+WRITE_FLAGS = FLAG_CRC32C
+_CHECKSUMS = {FLAG_CRC32C: crc32c.crc32c, 0: zlib.crc32}
+
+
 def build_header(key: str, generation: str, payload: list[memoryview]) -> bytes:
+    flags = WRITE_FLAGS
     head = _HEADER.pack(
         MAGIC,
         OBJECT_FORMAT_VERSION,
         HEADER_SIZE,
-        0,
+        flags,
         bytes.fromhex(key),
         bytes.fromhex(generation),
         sum(p.nbytes for p in payload),
         _RESERVED,
         0,
     )[:_CHECKED]
-    crc = zlib.crc32(head)
+    checksum = _CHECKSUMS[flags]
+    crc = checksum(head)
     for p in payload:
-        crc = zlib.crc32(p, crc)
+        crc = checksum(p, crc)
     return head + struct.pack("<I", crc)
 
 
@@ -162,7 +176,8 @@ def check_header(
     magic, version, hlen, flags, hkey, hgen, hlength, reserved, crc = _HEADER.unpack(header)
     if magic != MAGIC:
         raise ObjectCorrupt("bad magic")
-    if version != OBJECT_FORMAT_VERSION or hlen != HEADER_SIZE or flags != 0:
+    checksum = _CHECKSUMS.get(flags)
+    if version != OBJECT_FORMAT_VERSION or hlen != HEADER_SIZE or checksum is None:
         raise ObjectCorrupt(f"unsupported format version {version} / header {hlen} / {flags}")
     if hkey != bytes.fromhex(key):
         raise ObjectCorrupt("key mismatch")
@@ -172,7 +187,7 @@ def check_header(
         raise ObjectCorrupt(f"length {hlength} != {length}")
     if reserved != _RESERVED:
         raise ObjectCorrupt("reserved bytes not zero")
-    if zlib.crc32(payload, zlib.crc32(memoryview(header)[:_CHECKED])) != crc:
+    if checksum(payload, checksum(memoryview(header)[:_CHECKED])) != crc:
         raise ObjectCorrupt("checksum mismatch")
 
 
