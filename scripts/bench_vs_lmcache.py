@@ -238,8 +238,8 @@ class Store:
         self._seen, self._names = {}, {}
         err = open(self.work / f"{self.kind}-store.log", "a")  # noqa: SIM115
         if self.kind == "sparkcache":
-            # taskset: the supervisor too, not only its workers (--cpus), as LMCache's server.
-            cmd = ["taskset", "-c", self.cpus, sys.executable, "-m", "sparkcache",
+            # --cpus pins the supervisor and its workers, as taskset does LMCache's server.
+            cmd = [sys.executable, "-m", "sparkcache",
                    "supervise", "--store-dir",
                    str(self.store_dir), "--instance", self.instance, "--page-tokens",
                    str(BLOCK), "--capture-slots", "2", "--capture-slot-bytes", "512MiB",

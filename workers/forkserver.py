@@ -15,7 +15,6 @@ spawned one would."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 
@@ -24,9 +23,9 @@ import torch  # noqa: F401  the import this module exists to pay once
 
 from sparkcache import kvmem  # noqa: F401
 from workers import capture, restore  # noqa: F401
+from workers.lifecycle import die_with_parent
 
 TITLE = "sparkcache::forkserver"
-PR_SET_PDEATHSIG = 1
 _SERVER_PID = os.getpid()
 
 
@@ -42,5 +41,5 @@ setproctitle.setproctitle(TITLE)
 # long as any process it forked holds its end of a pipe, and those wait for it to die.
 # A supervisor that died before this took effect ends the fork server all the same: it
 # exits once no process holds that pipe, and it has forked none yet.
-ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+die_with_parent()
 signal.signal(signal.SIGTERM, _on_sigterm)

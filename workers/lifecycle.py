@@ -158,6 +158,11 @@ def run_worker(spec: WorkerSpec) -> None:
     os._exit(code)
 
 
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent dies (PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
 def _under(supervisor_pid: int) -> bool:
     """Whether this process's parent is the supervisor (spawned) or the supervisor's fork
     server (forked): then the parent-death signal reaches it once the supervisor is gone,
@@ -229,8 +234,7 @@ class Lifecycle:
         setproctitle.setproctitle(title(spec.role, spec.rank))
         # Die with the supervisor: without it a SIGKILLed supervisor leaves workers
         # attached to segments the next supervisor sweeps.
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        die_with_parent()
         if not _under(spec.supervisor_pid):
             os._exit(1)  # the supervisor died before prctl took effect
         signal.signal(signal.SIGTERM, self._on_signal)

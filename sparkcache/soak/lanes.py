@@ -150,7 +150,7 @@ def run_lane(name: str, params: SoakParams, model: ToyModel, workdir: Path,
                 seed_store(store_dir, params, engine.namespace)
             env = settings(params, store_dir, instance, lane.access_mode, cpus,
                            slot_bytes(params))
-            service = Service.start(env, cpus, workdir / f"{name}.supervisor.log")
+            service = Service.start(env, workdir / f"{name}.supervisor.log")
             engine.backend = ServiceBackend(service.cfg, engine.tensors, engine_mod.MODEL_ID)
         elif lane.placement == "inline":
             inline = InlineStore(store_dir, engine.views, params.max_bytes,

@@ -69,22 +69,16 @@ class Service:
         self._stats = segments.attach_stats(cfg, 0)
 
     @classmethod
-    def start(cls, env: dict[str, str], cpus: list[int] | None, log_file: Path) -> Service:
-        """Start the supervisor, its own process on ``cpus`` (None: any core), and wait
-        until every worker is READY (it writes runtime.json then)."""
+    def start(cls, env: dict[str, str], log_file: Path) -> Service:
+        """Start the supervisor (it pins itself and its workers to ``env``'s cores) and
+        wait until every worker is READY (it writes runtime.json then)."""
         cfg = config.load(env=env)
         full_env = {k: v for k, v in os.environ.items()
                     if not k.startswith(config.ENV_PREFIX)} | env
-        affinity = set(cpus) if cpus else None
-
-        def pin() -> None:
-            if affinity is not None:
-                os.sched_setaffinity(0, affinity)
-
         with open(log_file, "ab") as out:
             proc = subprocess.Popen(  # our own interpreter and module
                 [sys.executable, "-m", "sparkcache", "supervise"], env=full_env,
-                stdout=out, stderr=subprocess.STDOUT, preexec_fn=pin,
+                stdout=out, stderr=subprocess.STDOUT,
                 cwd=os.getcwd(),
             )
         deadline = time.monotonic() + START_TIMEOUT_S
