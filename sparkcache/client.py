@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 
 from shm import FREE, Producer, RingEmpty, RingFull
@@ -308,7 +309,11 @@ class SparkCacheClient:
             )
             kvmem.write_registry(
                 self.cfg.store_dir, self.rank, reg_gen, block_dim,
-                {**kvmem.describe(tensors), "namespace": dataclasses.asdict(ns)},
+                {**kvmem.describe(tensors), "namespace": dataclasses.asdict(ns),
+                 # Whose tensors: restore opens a registration ahead of its first load
+                 # only while its engine lives (a dead one's segment is not kept mapped).
+                 "owner_pid": os.getpid(),
+                 "owner_start": psutil.Process().create_time()},
             )
             self._reg = _Registration(views, reg_gen, ns, ns.seed())
             return True

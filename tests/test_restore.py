@@ -221,3 +221,53 @@ def test_restore_worker_killed_with_loads_in_flight(tmp_path: Path, instance: st
         assert engine.wait_loaded(["after"])["after"].status == "ok"
         assert all(engine.exact_pages(tokens, plans[sid]))
         assert _worker(store, "restore")["restarts"] == 2
+
+
+def _mapped_kib(pid: int, segment: str) -> tuple[int, int]:
+    """(size, resident) in KiB of process ``pid``'s mappings of shm ``segment``."""
+    size = rss = 0
+    inside = False
+    path = f"/dev/shm/{segment.lstrip('/')}"
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0]:  # a mapping's header line
+                inside = line.rstrip().removesuffix(" (deleted)").endswith(path)
+            elif inside and line.startswith("Size:"):
+                size += int(line.split()[1])
+            elif inside and line.startswith("Rss:"):
+                rss += int(line.split()[1])
+    return size, rss
+
+
+def test_an_idle_restore_worker_maps_a_live_engines_kv_before_its_first_load(
+        tmp_path: Path, instance: str) -> None:
+    """A first load after an engine or worker restart used to map every page of the KV
+    segment inside its TTFT; an idle worker now does it ahead. A registration whose
+    engine is dead is left alone (its segment is not kept mapped)."""
+    from sparkcache import registry
+
+    store = tmp_path / "store"
+    with pipeline(store, instance) as engine:
+        desc = registry.read_registry(store, 0)
+        segment = desc["tensors"][0]["segment"]
+        pid = _worker(store, "restore")["pid"]
+        kv_kib = sum(t["storage_bytes"] for t in desc["tensors"]) // 1024
+        wait_for(lambda: _mapped_kib(pid, segment)[1] >= kv_kib, 15,
+                 "the restore worker to map every page of the engine's KV")
+        assert engine.client.loads_in_flight == 0 and _restore_stats(engine).processed == 0
+
+        def register(owner_pid: int, owner_start: float, reg_gen: int) -> None:
+            fake = {**desc, "owner_pid": owner_pid, "owner_start": owner_start,
+                    "tensors": [{**desc["tensors"][0], "segment": f"{segment}-missing"}]}
+            fake.pop("reg_gen"), fake.pop("block_dim")
+            registry.write_registry(store, 0, reg_gen, desc["block_dim"], fake)
+
+        dead = psutil.Popen(["true"])
+        dead.wait()
+        register(dead.pid, time.time() - 1, 7)
+        time.sleep(3 * 1.0)  # three warm checks (WARM_CHECK_S)
+        assert _restore_stats(engine).item_errors == 0  # not tried
+        # The control: the same registration with a live owner is tried (and fails).
+        register(os.getpid(), psutil.Process().create_time(), 8)
+        wait_for(lambda: _restore_stats(engine).item_errors == 1, 10,
+                 "the restore worker to try the live engine's registration")

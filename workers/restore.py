@@ -40,7 +40,7 @@ from posix_ipc import SignalError
 from shm import RingClosed, RingEmpty, RingFull
 from shm.layouts import join_key, split_key
 from sparkcache import registry, segments
-from sparkcache.protocol import LoadStatus
+from sparkcache.protocol import LoadStatus, process_gone
 from sparkcache.ratelog import RateLimitedLog
 from sparkcache.store import StoreError, UnsafeStoreDir
 from sparkcache.store.layout import RankLayout
@@ -66,7 +66,7 @@ CHUNK_BYTES = 8 << 20
 STAGED_CHUNKS = 2 * READERS
 # A reader's index connection may wait this long for a lock (the engine's waits 5 ms).
 READER_BUSY_MS = 1000
-# How often an idle worker looks for a CUDA registration to open ahead of its first load.
+# How often an idle worker looks for a registration to open ahead of its first load.
 WARM_CHECK_S = 1.0
 # Opening a registration (a CUDA context) beats for at most this long.
 SLOW_OPEN_S = 60.0
@@ -204,21 +204,28 @@ class Restore:
             self._warm()
 
     def _warm(self) -> None:
-        """Idle: open a CUDA registration before its first load needs it (making a CUDA
-        context takes seconds). A registration of CPU tensors is cheap to open and is
-        opened by its first load."""
+        """Idle: open the engine's registration, and the index readers, before the first
+        load needs them. On a CUDA device opening makes a CUDA context (seconds); on the
+        CPU it maps every page of the KV segment (``kvmem.open_tensors``, 0.044 s a GiB
+        here), which the first load after an engine or worker restart paid inside its
+        TTFT, and a fresh worker's first reads open the readers' index connections. Only
+        while the registering engine lives: a dead one's segment is not kept mapped."""
         now = time.monotonic()
         if now < self._warm_at:
             return
         self._warm_at = now + WARM_CHECK_S
         desc = registry.read_registry(self.cfg.store_dir, self.rank)
-        if desc is None or desc.get("kind") != "cuda":
+        if desc is None:
             return
         reg_gen = desc.get("reg_gen")
         if reg_gen == self._warmed or not isinstance(reg_gen, int):
             return
+        owner = desc.get("owner_pid"), desc.get("owner_start")
+        if not all(isinstance(x, int | float) for x in owner) or process_gone(*owner):
+            return  # a dead engine's registration: its segment is not worth mapping
         self._warmed = reg_gen  # tried once: a registration that fails is a load's error
-        self._registration(reg_gen)
+        if self._registration(reg_gen) is not None:
+            self._store()
 
     def _flush(self) -> bool:
         """Push the reports the ring refused before, in order; True once none waits."""
