@@ -9,6 +9,7 @@ no cache existed (no hit, nothing saved, blocks released).
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from typing import Any
 
@@ -27,6 +28,8 @@ from sparkcache.vllm.worker_side import WorkerSide
 
 log = logging.getLogger(__name__)
 
+STATS_REFRESH_S = 1.0
+
 
 def _tp_rank() -> int:
     try:
@@ -44,6 +47,7 @@ class SparkCacheConnector(KVConnectorBase_V1):
         self.faults: Counter = Counter()
         self._log = RateLimitedLog(log)
         self._reporter = Reporter()
+        self._stats_at = 0.0
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         transfer = vllm_config.kv_transfer_config
@@ -125,9 +129,17 @@ class SparkCacheConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ stats
 
     def get_kv_connector_stats(self) -> SparkCacheStats | None:
+        """What this side counted since its last report. vLLM asks every step; the sums
+        are made only after a step that may have counted something (``side.counted``),
+        and at least every STATS_REFRESH_S in case a count came by another path."""
         side = self._scheduler or self._worker
         if side is None:
             return None
+        now = time.monotonic()
+        if not side.counted and now < self._stats_at:
+            return None
+        side.counted = False
+        self._stats_at = now + STATS_REFRESH_S
         try:
             return self._reporter.report(side.totals())
         except Exception:

@@ -40,6 +40,9 @@ class SchedulerSide:
         self.block = settings.block_size
         self.lookup = PrefixLookup(settings.cfg, settings.tp_size)
         self.counters: Counter = Counter()
+        # Something may have been counted since totals() was last read (a lookup or a
+        # finished request): the connector's stats skip the sums otherwise.
+        self.counted = False
         self._ns: Namespace | None = None
         self._reqs: dict[str, _Request] = {}
         self._meta = SparkCacheMetadata()
@@ -84,6 +87,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int, bool]:
+        self.counted = True
         prompt = int(request.num_prompt_tokens)
         # At least one prompt token is left to compute: vLLM needs a forward to sample.
         keys = self._keys(request, prompt - 1)
@@ -128,6 +132,7 @@ class SchedulerSide:
     # ------------------------------------------------------------------ saves
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
+        self.counted = True
         state = self._reqs.pop(request.request_id, None)
         if state is not None and state.loading:
             # Aborted while its load runs. vLLM itself holds the blocks of a request
