@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import psutil
 import torch
 
 from shm import FREE, Producer, RingEmpty, RingFull
 from shm.layouts import LOAD, PUBLISH, join_key, split_key
+from shm.segment import process_start
 from sparkcache import kvmem, runtime, segments
 from sparkcache.config import AccessMode, Config
 from sparkcache.engine_stats import SLOT_CLIENT, EngineStatsWriter, client_fields
@@ -313,7 +313,7 @@ class SparkCacheClient:
                  # Whose tensors: restore opens a registration ahead of its first load
                  # only while its engine lives (a dead one's segment is not kept mapped).
                  "owner_pid": os.getpid(),
-                 "owner_start": psutil.Process().create_time()},
+                 "owner_start": process_start(os.getpid())},
             )
             self._reg = _Registration(views, reg_gen, ns, ns.seed())
             return True

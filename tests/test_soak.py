@@ -92,3 +92,18 @@ def test_bad_parameters_are_refused_naming_what_is_allowed():
         cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "isolated-read-write" in result.stderr
+
+
+def test_a_probe_is_repeated_only_where_the_host_not_sparkcache_took_the_core():
+    """Other processes on the engine's core are the host's other tenants only where no
+    SparkCache process may run there; in the unpinned lane they may be SparkCache's own
+    workers, which that lane measures, so its probes stand."""
+    from sparkcache.soak.lanes import FOREIGN_BUSY_MAX, _host_took_core
+    from sparkcache.soak.workload import ProbeResult
+
+    busy = ProbeResult("before", 0.1, 300.0, core_other_busy=FOREIGN_BUSY_MAX + 0.05)
+    quiet = ProbeResult("before", 0.1, 300.0, core_other_busy=FOREIGN_BUSY_MAX / 2)
+    unknown = ProbeResult("before", 0.1, 300.0, core_other_busy=None)
+    repeated = {name for name, lane in LANES.items() if _host_took_core(lane, busy)}
+    assert repeated == {"isolated-read-write", "restore-only", "off"}
+    assert not any(_host_took_core(lane, p) for lane in LANES.values() for p in (quiet, unknown))

@@ -220,10 +220,12 @@ class Restore:
         reg_gen = desc.get("reg_gen")
         if reg_gen == self._warmed or not isinstance(reg_gen, int):
             return
+        # Looked at once: a registration that fails is a load's error, and a dead engine
+        # does not come back (its segment is not worth mapping).
+        self._warmed = reg_gen
         owner = desc.get("owner_pid"), desc.get("owner_start")
         if not all(isinstance(x, int | float) for x in owner) or process_gone(*owner):
-            return  # a dead engine's registration: its segment is not worth mapping
-        self._warmed = reg_gen  # tried once: a registration that fails is a load's error
+            return
         if self._registration(reg_gen) is not None:
             self._store()
 
