@@ -44,7 +44,7 @@ from sparkcache.supervisor_states import (
     WorkerView,
     tick,
 )
-from workers.lifecycle import Role, WorkerSpec, run_worker, title
+from workers.lifecycle import Role, State, WorkerSpec, run_worker, title
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,9 @@ FORKED_ROLES = frozenset({Role.CAPTURE, Role.RESTORE})
 FORKSERVER_MODULE = "workers.forkserver"
 WATCH_S = 0.5  # longest wait between looks at the workers (heartbeats, READY)
 STARTING_WATCH_S = 0.1  # ... while one is starting, so READY shows soon
+# How often a worker that has not begun to drain is sent SIGTERM again (_stop_role). The
+# handler only sets a flag, and every blocking wait in a worker resumes after it.
+RESEND_TERM_S = 1.0
 
 __all__ = ["Policy", "Supervisor", "SupervisorError", "Worker", "default_cpus"]
 
@@ -220,14 +223,8 @@ class Supervisor:
         if not w.proc.is_alive():
             w.proc.join(1)
             exit_code = w.proc.exitcode
-        record = None
-        if w.rank < len(self.segments):
-            try:
-                rec = self.segments[w.rank].stats.read(int(w.role))
-            except TornRead:
-                rec = None  # stopped (SIGSTOP) or killed in the middle of a write
-            if rec is not None:
-                record = Record(int(rec[0]), int(rec[1]), float(rec[2]))
+        rec = self._record(w)
+        record = None if rec is None else Record(int(rec.pid), int(rec.state), float(rec.heartbeat))
         return Observation(w.proc.pid, exit_code, record, self.stop)
 
     def _tick(self, w: Worker, obs: Observation | None = None) -> Step:
@@ -434,12 +431,10 @@ class Supervisor:
 
     def _stop_role(self, role: Role) -> None:
         workers = [w for w in self.workers if w.role is role and w.proc is not None]
+        asked: dict[int, float] = {}  # pid -> when SIGTERM was last sent
         for w in workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(w.proc.pid, signal.SIGTERM)
-                # A stopped (SIGSTOP) worker acts on SIGTERM only once continued: let it
-                # drain now rather than be killed.
-                os.kill(w.proc.pid, signal.SIGCONT)
+            self._ask_to_stop(w)
+            asked[w.proc.pid] = time.monotonic()
         beats: dict[int, tuple[float | None, float]] = {}  # pid -> (heartbeat, seen at)
         while True:
             left = [w for w in workers if w.proc.is_alive()]
@@ -447,7 +442,8 @@ class Supervisor:
                 return
             now = time.monotonic()
             for w in left:
-                beat = self._heartbeat(w)
+                rec = self._record(w)
+                beat = None if rec is None else float(rec.heartbeat)
                 last = beats.get(w.proc.pid)
                 if last is None or beat != last[0]:
                     beats[w.proc.pid] = (beat, now)
@@ -456,16 +452,37 @@ class Supervisor:
                                 "for %.1fs); killed", w.name, now - last[1])
                     w.proc.kill()
                     w.proc.join(5)
+                    continue
+                # A worker forked moments ago can lose the SIGTERM: one that arrives
+                # before CPython's after-fork code has run is cleared by it (it drops the
+                # signals tripped "before the fork"). Such a worker would serve, and
+                # beat, for ever. Until its slot shows the drain, ask again.
+                draining = rec is not None and rec.pid == w.proc.pid and (
+                    rec.state >= State.DRAINING)
+                if (not draining
+                        and now - asked[w.proc.pid] >= RESEND_TERM_S):
+                    log.info("%s has not started draining; SIGTERM sent again", w.name)
+                    self._ask_to_stop(w)
+                    asked[w.proc.pid] = now
             time.sleep(0.05)
 
-    def _heartbeat(self, w: Worker) -> float | None:
+    @staticmethod
+    def _ask_to_stop(w: Worker) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(w.proc.pid, signal.SIGTERM)
+            # A stopped (SIGSTOP) worker acts on SIGTERM only once continued: let it
+            # drain now rather than be killed.
+            os.kill(w.proc.pid, signal.SIGCONT)
+
+    def _record(self, w: Worker) -> tuple | None:
+        """``w``'s stats record (possibly its last process's), or None: none written
+        yet, or caught mid-write (stopped or killed in the middle of a write)."""
         if w.rank >= len(self.segments):
             return None
         try:
-            rec = self.segments[w.rank].stats.read(int(w.role))
+            return self.segments[w.rank].stats.read(int(w.role))
         except TornRead:
             return None
-        return None if rec is None else float(rec.heartbeat)
 
     def shutdown(self) -> None:
         """Stop the workers role by role (restore, which answers the loads queued, then

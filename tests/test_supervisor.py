@@ -4,11 +4,13 @@ supervisor per store dir, a SIGKILLed supervisor's segments are swept, pinning, 
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
 import time
+from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
 import psutil
@@ -20,6 +22,7 @@ from shm.segment import Segment, SegmentSpec, instance_entries, user
 from sparkcache import segments
 from sparkcache.runtime import read, read_live
 from sparkcache.supervisor import Supervisor, default_cpus
+from sparkcache.supervisor_states import Policy
 from workers.lifecycle import (
     CRASH_EXIT,
     ENV_FAULT_EXIT,
@@ -96,6 +99,39 @@ def test_start_up_failure_fails_fast_naming_the_worker(tmp_path: Path, instance:
     assert f"sparkcache::maintenance[r0] died at start-up with exit code {CRASH_EXIT}" in err
     assert instance_entries(instance) == []
     assert not (store / "runtime.json").exists()
+
+
+def _drain_on_the_second_sigterm(ready: EventType) -> None:
+    """A worker that lost the first SIGTERM, as one forked moments before it came can."""
+    terms: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: terms.append(signum))
+    ready.set()
+    while len(terms) < 2:
+        time.sleep(0.01)
+
+
+def test_a_worker_that_lost_its_sigterm_is_asked_again_not_killed(
+        tmp_path: Path, instance: str) -> None:
+    """The flake this fixes: a start-up failure stopped a restore worker forked a few ms
+    earlier, the worker never saw the SIGTERM and served (and beat) for ever."""
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_drain_on_the_second_sigterm, args=(ready,))
+    proc.start()
+    try:
+        assert ready.wait(30)
+        sup = Supervisor(make_cfg(tmp_path, instance),
+                         policy=Policy(heartbeat_timeout_s=60.0))
+        restore = next(w for w in sup.workers if w.role is Role.RESTORE)
+        restore.proc = proc
+        t0 = time.monotonic()
+        sup._stop_role(Role.RESTORE)
+        assert proc.exitcode == 0  # drained and exited by itself, not killed
+        assert time.monotonic() - t0 < 30
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
 
 
 def test_sigkilled_supervisor_is_swept_by_the_next(tmp_path: Path, instance: str) -> None:
