@@ -11,6 +11,7 @@ reported it, as vLLM's output aggregator does."""
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -164,12 +165,18 @@ class Rig:
                     return False
         return True
 
-    def run_until_idle(self, limit: int = 200) -> None:
-        for _ in range(limit):
-            if not self.sched.requests:
-                return
+    def run_until_idle(self, timeout: float = 60.0) -> None:
+        """Step until no request is open. Bounded in time, not steps: a finished request
+        stays open until capture has copied its blocks, which on a loaded host can take
+        longer than any fixed number of these fast steps."""
+        deadline = time.monotonic() + timeout
+        steps = 0
+        while self.sched.requests:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"requests open after {timeout:g} s ({steps} steps): "
+                                     f"{list(self.sched.requests)}")
             self.step()
-        raise AssertionError(f"requests open after {limit} steps: {list(self.sched.requests)}")
+            steps += 1
 
     def close(self) -> None:
         for w in self.workers:
