@@ -61,6 +61,9 @@ def test_tiny_soak_verifies_every_restore_and_leaves_nothing(tmp_path):
         for key in KEYS:
             assert key in fig, (name, key)
         assert len(fig["before_tok_s"]) == len(fig["after_tok_s"]) == 2
+        # The control engine ran every probe beside the engine (soak/control.py).
+        assert len(fig["before_vs_control"]) == len(fig["after_vs_control"]) == 2
+        assert all(x > 0 for x in fig["before_vs_control"] + fig["after_vs_control"])
         assert all(x > 0 for x in fig["before_tok_s"] + fig["after_tok_s"])
         assert fig["restore_mismatches"] == 0, name
         assert fig["restores_verified"] > 0, name
@@ -77,6 +80,9 @@ def test_tiny_soak_verifies_every_restore_and_leaves_nothing(tmp_path):
     assert not _ours(prefix)
     for i in range(len(LANES)):
         assert not instance_entries(f"{prefix}{i}")
+    assert not instance_entries(f"{prefix}ctl")
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if "sparkcache.soak.control" in (p.info["cmdline"] or [])]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("sparkcache-soak-")]
 
 

@@ -43,12 +43,14 @@ class CoreMeter:
         self._own = _own_cpu_s()
         self._at = time.monotonic()
 
-    def share(self) -> float | None:
+    def share(self, besides_s: float = 0.0) -> float | None:
+        """... less ``besides_s`` CPU seconds of a process known to share the core (the
+        soak's control engine)."""
         busy = _core_busy_s(self.core)
         if busy is None or self._busy is None:
             return None
         elapsed = time.monotonic() - self._at
         if elapsed <= 0:
             return None
-        other = (busy - self._busy) - (_own_cpu_s() - self._own)
+        other = (busy - self._busy) - (_own_cpu_s() - self._own) - besides_s
         return max(0.0, min(1.0, other / elapsed))

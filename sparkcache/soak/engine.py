@@ -69,6 +69,9 @@ class Request:
     loaded_pages: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
+    # The engine process's CPU time (time.process_time, every thread) at the same moments.
+    first_token_cpu: float | None = None
+    finished_cpu: float | None = None
     saved: bool = False
 
     @property
@@ -225,6 +228,7 @@ class SoakEngine:
                 req.chain.extend([req.next_token()])
                 req.generated = 1
                 req.first_token_at = now
+                req.first_token_cpu = time.process_time()
                 req.state = "decode"
         self.counters.prefilled_tokens += prefill_tokens
         self.counters.decoded_tokens += len(decoding)
@@ -247,6 +251,7 @@ class SoakEngine:
         assert self.backend is not None
         req.state = "done"
         req.finished_at = time.perf_counter()
+        req.finished_cpu = time.process_time()
         self.running.remove(req)
         del self._by_id[req.req_id]
         self.counters.finished += 1

@@ -20,6 +20,7 @@ from shm.segment import instance_entries
 from sparkcache.identity import KeyChain, Namespace
 from sparkcache.soak import engine as engine_mod
 from sparkcache.soak.backend import NullBackend, ServiceBackend
+from sparkcache.soak.control import ControlEngine
 from sparkcache.soak.engine import SoakEngine, StepRecord
 from sparkcache.soak.inline import InlineStore
 from sparkcache.soak.model import ToyModel
@@ -138,7 +139,8 @@ class _Timeline:
 
 
 def run_lane(name: str, params: SoakParams, model: ToyModel, workdir: Path,
-             all_cores: list[int], progress: Progress) -> LaneResult:
+             all_cores: list[int], progress: Progress,
+             control: ControlEngine | None = None) -> LaneResult:
     lane = LANES[name]
     store_dir = workdir / name
     store_dir.mkdir(mode=0o700, parents=True)
@@ -173,7 +175,8 @@ def run_lane(name: str, params: SoakParams, model: ToyModel, workdir: Path,
             for i in range(params.probes):
                 progress(f"probe {phase} {i + 1}/{params.probes}", 0.0)
                 for attempt in range(1 + PROBE_RETRIES):
-                    probe = run_probe(engine, params, engine.namespace, phase, i)
+                    probe = run_probe(engine, params, engine.namespace, phase, i,
+                                      control=control)
                     timeline.tick()
                     if not _host_took_core(lane, probe) or attempt == PROBE_RETRIES:
                         break
@@ -182,7 +185,7 @@ def run_lane(name: str, params: SoakParams, model: ToyModel, workdir: Path,
             return out
 
         # One probe not counted: the first requests of a process pay for its warm-up.
-        run_probe(engine, params, engine.namespace, "warmup", 0)
+        run_probe(engine, params, engine.namespace, "warmup", 0, control=control)
         before = probes("before")
         until = time.perf_counter() + params.duration_s
         soak_start = time.perf_counter()
@@ -245,11 +248,20 @@ def _figures(params: SoakParams, r: LaneResult, engine: SoakEngine, timeline: _T
     soak_ms = [s.ms for s in r.steps if s.phase == "soak"]
     before = [p.decode_tok_s for p in r.before]
     after = [p.decode_tok_s for p in r.after]
+    before_vs = [p.vs_control for p in r.before if p.vs_control is not None]
+    after_vs = [p.vs_control for p in r.after if p.vs_control is not None]
+    wall_ratio = round(_mean(after) / _mean(before), 4) if before else 0.0
     c = engine.counters
     fig: dict[str, object] = {
         "before_tok_s": [round(x, 2) for x in before],
         "after_tok_s": [round(x, 2) for x in after],
-        "after_over_before": round(_mean(after) / _mean(before), 4) if before else 0.0,
+        # Against the control engine where it ran beside every probe (control.py): the
+        # host's drift cancels. Medians: one probe caught by a burst moves a mean.
+        "after_over_before": (round(float(np.median(after_vs) / np.median(before_vs)), 4)
+                              if before_vs and after_vs else wall_ratio),
+        "after_over_before_wall": wall_ratio,
+        "before_vs_control": [round(x, 4) for x in before_vs],
+        "after_vs_control": [round(x, 4) for x in after_vs],
         "first_token_before_s": [round(p.first_token_s, 4) for p in r.before],
         "first_token_after_s": [round(p.first_token_s, 4) for p in r.after],
         "core_other_busy_before": [_share(p.core_other_busy) for p in r.before],

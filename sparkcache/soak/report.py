@@ -35,15 +35,19 @@ def _secs(xs: object) -> str:
 def table(results: dict[str, LaneResult]) -> str:
     """The before/after table (markdown), then the soak's own figures."""
     lines = [
-        "| lane | decode tok/s before | after | after/before | first token before (s) "
+        "| lane | decode tok/s before | after | after/before, tok/s "
+        "| speed over the control, before | after | after/before "
+        "| first token before (s) "
         "| after (s) | engine core taken by others, before / after "
         "| engine thread's CPU share, before / after |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         f = r.figures
         lines.append(
             f"| {name} | {_tok(f['before_tok_s'])} | {_tok(f['after_tok_s'])} "
+            f"| {f['after_over_before_wall']:.3f} "
+            f"| {_secs(f['before_vs_control'])} | {_secs(f['after_vs_control'])} "
             f"| {f['after_over_before']:.3f} "
             f"| {_secs(f['first_token_before_s'])} | {_secs(f['first_token_after_s'])} "
             f"| {_busy(f['core_other_busy_before'])} / {_busy(f['core_other_busy_after'])} "

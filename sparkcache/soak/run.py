@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from sparkcache.soak.control import ControlEngine
 from sparkcache.soak.lanes import LaneResult, run_lane
 from sparkcache.soak.model import ToyModel
 from sparkcache.soak.params import SoakParams
@@ -34,15 +35,20 @@ def run(params: SoakParams, progress: Progress, work_dir: Path | None = None
     root = Path(tempfile.mkdtemp(prefix="sparkcache-soak-", dir=work_dir))
     results: dict[str, LaneResult] = {}
     finished = False
+    control: ControlEngine | None = None
     try:
         model = ToyModel()
+        control = ControlEngine(params, root / "control.log")
         for name in params.lanes:
             log.info("soak: lane %s", name)
             results[name] = run_lane(name, params, model, root, all_cores,
-                                     lambda what, share, n=name: progress(n, what, share))
+                                     lambda what, share, n=name: progress(n, what, share),
+                                     control)
             progress(name, "done", 1.0)
         finished = True
     finally:
+        if control is not None:
+            control.close()
         os.sched_setaffinity(0, all_cores)
         torch.set_num_threads(old_threads)
         _clean(root, keep_logs=not finished)

@@ -16,6 +16,7 @@ import numpy as np
 
 from sparkcache.identity import KeyChain, Namespace
 from sparkcache.soak.contention import CoreMeter
+from sparkcache.soak.control import ControlEngine, ControlProbe
 from sparkcache.soak.engine import Request, SoakEngine
 from sparkcache.soak.params import SoakParams
 
@@ -37,8 +38,22 @@ class ProbeResult:
     core_other_busy: float | None = None
     # The engine thread's CPU time over the probe's wall time. Alone on its core it is
     # ~1 however fast the host runs that core today; threads of its own process (the
-    # inline lane), processes on its core and GIL waits take it below.
+    # inline lane), processes on its core and GIL waits take it below. About half beside
+    # the control engine, which takes the other half.
     engine_cpu_share: float | None = None
+    # The engine process's CPU seconds (every thread) from first token to last, and over
+    # the whole probe.
+    decode_cpu_s: float = 0.0
+    cpu_s: float = 0.0
+    control: ControlProbe | None = None  # the same probe, run by the control meanwhile
+
+    @property
+    def vs_control(self) -> float | None:
+        """The engine's decode speed over the control's for the same tokens, both on one
+        core at the same time: the control's decode CPU seconds over the engine's."""
+        if self.control is None or self.decode_cpu_s <= 0:
+            return None
+        return self.control.decode_cpu_s / self.decode_cpu_s
 
 
 @dataclass
@@ -81,9 +96,11 @@ class Conversation:
 
 
 def run_probe(engine: SoakEngine, params: SoakParams, ns: Namespace, phase: str,
-              index: int, timeout_s: float = 120.0) -> ProbeResult:
+              index: int, timeout_s: float = 120.0,
+              control: ControlEngine | None = None) -> ProbeResult:
     """One request alone: a fresh ~``probe_tokens`` prompt, then ``probe_decode_tokens``
-    tokens; its first-token latency and its decode rate."""
+    tokens; its first-token latency and its decode rate. With ``control``, the control
+    engine runs the same probe at the same time."""
     rng = np.random.default_rng([params.seed, 1_000_000 + index, zlib.crc32(phase.encode())])
     chain = KeyChain(ns)
     chain.extend(rng.integers(0, VOCAB, params.probe_tokens))
@@ -93,16 +110,22 @@ def run_probe(engine: SoakEngine, params: SoakParams, ns: Namespace, phase: str,
                   done.append)
     engine.phase = phase
     meter = CoreMeter(params.engine_core)
-    cpu0, wall0 = time.thread_time(), time.perf_counter()
+    if control is not None:
+        control.start(phase, index)
+    cpu0, wall0, proc0 = time.thread_time(), time.perf_counter(), time.process_time()
     engine.submit(req)
     if not engine.run_until(lambda: bool(done), time.perf_counter() + timeout_s):
         raise TimeoutError(f"probe {req.req_id} did not finish in {timeout_s:g}s")
     assert req.first_token_at is not None and req.finished_at is not None
+    assert req.first_token_cpu is not None and req.finished_cpu is not None
     share = (time.thread_time() - cpu0) / max(1e-9, time.perf_counter() - wall0)
+    cpu_s = time.process_time() - proc0
+    twin = control.result() if control is not None else None
     decode_s = req.finished_at - req.first_token_at
     return ProbeResult(phase, req.first_token_at - req.arrived,
                        (req.generated - 1) / decode_s if decode_s > 0 else 0.0,
-                       meter.share(), share)
+                       meter.share(twin.cpu_s if twin is not None else 0.0), share,
+                       req.finished_cpu - req.first_token_cpu, cpu_s, twin)
 
 
 def run_conversations(engine: SoakEngine, params: SoakParams, ns: Namespace,

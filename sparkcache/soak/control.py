@@ -1,0 +1,130 @@
+"""The control engine: a twin of the soak's engine with no store, in a process of its
+own on the engine's core, that runs every probe at the same time as the lane's engine.
+
+This guest's speed drifts by tens of percent within seconds (the host, its other
+tenants): `off`, which runs no SparkCache, has read anywhere from 0.55 to 1.49
+after/before. A probe's tok/s compares the lane with the host of that moment. Two
+processes on one core at the same moment see the same host, so the engine's CPU
+seconds for a probe's decode over the control's, for the same work, say what the lane
+costs the engine and cancel what the host does to both (the method of
+``scripts/bench_vs_lmcache.py``, docs/benchmarks.md).
+
+What it counts: every CPU second of the engine process (its connector calls, and in the
+inline lane the predecessor's threads, which are the process's own), and waits that
+hand the core to the control (then the control decodes faster). What it cancels as well:
+whatever slows the core for both, which includes the store's workers' memory traffic
+from the other core; step latency during the soak (``step_p99_ms`` against `off`) is
+the figure for that.
+
+The protocol is a line each way over the child's stdin and stdout: ``ready`` once it
+started; then ``<phase> <index>`` in, and the probe's JSON out. End of input ends it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparkcache.soak.params import SoakParams
+
+START_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class ControlProbe:
+    """What the control measured over its copy of one probe."""
+
+    decode_tok_s: float
+    decode_cpu_s: float  # the control process's CPU seconds from first token to last
+    cpu_s: float  # ... over the whole probe, prefill included
+
+
+class ControlEngine:
+    """The parent's handle on the control process (one per soak: it has no store, so
+    every lane may share it)."""
+
+    def __init__(self, params: SoakParams, log_path: Path) -> None:
+        spec = json.dumps(params.describe())
+        self._log = open(log_path, "wb")  # noqa: SIM115  closed in close()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "sparkcache.soak.control", spec],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            bufsize=1)
+        self._busy = False
+        line = self._proc.stdout.readline() if self._proc.stdout else ""
+        if line.strip() != "ready":
+            self.close()
+            raise RuntimeError(f"the soak's control engine did not start (see {log_path}): "
+                               f"{log_path.read_text()[-2000:]}")
+
+    def start(self, phase: str, index: int) -> None:
+        """Start the control's copy of probe (``phase``, ``index``); it runs while the
+        caller runs its own."""
+        assert self._proc.stdin is not None and not self._busy
+        self._proc.stdin.write(f"{phase} {index}\n")
+        self._busy = True
+
+    def result(self) -> ControlProbe:
+        """Wait for the probe started last and return what the control measured."""
+        assert self._proc.stdout is not None and self._busy
+        line = self._proc.stdout.readline()
+        self._busy = False
+        if not line:
+            raise RuntimeError(f"the soak's control engine exited ({self._proc.wait()})")
+        return ControlProbe(**json.loads(line))
+
+    def close(self) -> None:
+        if self._proc.stdin is not None and not self._proc.stdin.closed:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+        self._log.close()
+
+
+def _serve(params: SoakParams) -> None:
+    import torch
+
+    from sparkcache.soak.backend import NullBackend
+    from sparkcache.soak.engine import SoakEngine
+    from sparkcache.soak.model import ToyModel
+    from sparkcache.soak.workload import run_probe
+
+    torch.set_num_threads(1)
+    os.sched_setaffinity(0, {params.engine_core})
+    page = params.page_tokens
+    blocks = -(-(params.probe_tokens + params.probe_decode_tokens) // page) + 1
+    # Named after the soak's process, as its lanes' instances are (lanes.run_lane).
+    engine = SoakEngine(f"soak{os.getppid()}ctl", page, blocks, ToyModel())
+    engine.backend = NullBackend()
+    try:
+        run_probe(engine, params, engine.namespace, "warmup", 0)
+        print("ready", flush=True)
+        for line in sys.stdin:
+            phase, index = line.split()
+            probe = run_probe(engine, params, engine.namespace, phase, int(index))
+            print(json.dumps({"decode_tok_s": probe.decode_tok_s,
+                              "decode_cpu_s": probe.decode_cpu_s, "cpu_s": probe.cpu_s}),
+                  flush=True)
+    finally:
+        engine.close()
+
+
+def main(argv: list[str]) -> None:
+    fields = json.loads(argv[0])
+    fields["lanes"] = tuple(fields["lanes"])
+    known = {f.name for f in dataclasses.fields(SoakParams)}
+    _serve(SoakParams(**{k: v for k, v in fields.items() if k in known}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
