@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import select
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -56,7 +57,10 @@ class ControlEngine:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
             bufsize=1)
         self._busy = False
-        line = self._proc.stdout.readline() if self._proc.stdout else ""
+        assert self._proc.stdout is not None
+        # Bounded: a control that hangs as it starts must not hang the soak with it.
+        started = select.select([self._proc.stdout], [], [], START_TIMEOUT_S)[0]
+        line = self._proc.stdout.readline() if started else ""
         if line.strip() != "ready":
             self.close()
             raise RuntimeError(f"the soak's control engine did not start (see {log_path}): "
