@@ -10,8 +10,9 @@ costs the engine and cancel what the host does to both (the method of
 ``scripts/bench_vs_lmcache.py``, docs/benchmarks.md).
 
 What it counts: every CPU second of the engine process (its connector calls, and in the
-inline lane the predecessor's threads, which are the process's own), and waits that
-hand the core to the control (then the control decodes faster). What it cancels as well:
+inline lane the predecessor's threads, which are the process's own). Not its waits: a
+wait spends no CPU second, so it shows in ``engine_cpu_share`` (the engine thread's CPU
+time over wall time) falling below its usual half, not here. What it cancels as well:
 whatever slows the core for both, which includes the store's workers' memory traffic
 from the other core; step latency during the soak (``step_p99_ms`` against `off`) is
 the figure for that.
@@ -22,7 +23,6 @@ started; then ``<phase> <index>`` in, and the probe's JSON out. End of input end
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import select
@@ -40,7 +40,6 @@ START_TIMEOUT_S = 120.0
 class ControlProbe:
     """What the control measured over its copy of one probe."""
 
-    decode_tok_s: float
     decode_cpu_s: float  # the control process's CPU seconds from first token to last
     cpu_s: float  # ... over the whole probe, prefill included
 
@@ -116,18 +115,15 @@ def _serve(params: SoakParams) -> None:
         for line in sys.stdin:
             phase, index = line.split()
             probe = run_probe(engine, params, engine.namespace, phase, int(index))
-            print(json.dumps({"decode_tok_s": probe.decode_tok_s,
-                              "decode_cpu_s": probe.decode_cpu_s, "cpu_s": probe.cpu_s}),
+            print(json.dumps({"decode_cpu_s": probe.decode_cpu_s, "cpu_s": probe.cpu_s}),
                   flush=True)
     finally:
         engine.close()
 
 
 def main(argv: list[str]) -> None:
-    fields = json.loads(argv[0])
-    fields["lanes"] = tuple(fields["lanes"])
-    known = {f.name for f in dataclasses.fields(SoakParams)}
-    _serve(SoakParams(**{k: v for k, v in fields.items() if k in known}))
+    fields = json.loads(argv[0])  # SoakParams.describe() of the soak's parameters
+    _serve(SoakParams(**{**fields, "lanes": tuple(fields["lanes"])}))
 
 
 if __name__ == "__main__":
