@@ -10,8 +10,14 @@
   per engine step, scheduler side and one worker side, with 8 requests running and
   loads and saves in flight (vLLM 0.33's real Scheduler and worker-side connector, a real
   supervisor, the stand-in forward of ``tests/with_vllm/harness.py``), after
-  ``WARMUP_STEPS``. Targets <= 500 and <= 200. ``*_cpu_us_p99``: this thread's CPU time
-  in those calls (equal to the wall time: the time is work, not waiting).
+  ``WARMUP_STEPS``. Each step also multiplies two ``--forward-size`` square float32
+  matrices on the engine's core (about 1 ms here at 384), standing in for a model's
+  forward: it leaves the caches as cold as a forward does for the connector's calls,
+  and paces the steps so capture keeps up as it does beside a real model. Without it
+  (``--forward-size 0``) most steps are idle ones waiting for capture, and how many
+  turns, loads and saves a run holds varied 5x from run to run. Targets <= 500 and
+  <= 200. ``*_cpu_us_p99``: this thread's CPU time in those calls (equal to the wall
+  time: the time is work, not waiting).
   ``worker_step_copy_us_p99``: the CPU backend's own copies between its private KV and
   the staging segment (the one copy per page no other process can make);
   ``worker_step_beside_copies_us_p99``: the rest. ``*_slowest_steps_us``: where the
@@ -141,7 +147,7 @@ def _slowest_calls(steps: list[dict[str, float]]) -> dict[str, float]:
 WARMUP_STEPS = 50
 
 
-def step_times(tmp: Path, steps: int) -> dict:
+def step_times(tmp: Path, steps: int, forward_size: int) -> dict:
     from tests.with_vllm.harness import BLOCK, request, rig
 
     store, instance = tmp / "step-store", f"bs{uuid.uuid4().hex[:8]}"
@@ -152,6 +158,7 @@ def step_times(tmp: Path, steps: int) -> dict:
     import torch
 
     torch.set_num_threads(len(ENGINE_CORES))
+    weights = torch.randn(forward_size, forward_size)
     sched_acc: dict[str, float] = defaultdict(float)
     worker_acc: dict[str, float] = defaultdict(float)
     copy_acc: dict[str, float] = defaultdict(float)
@@ -185,6 +192,8 @@ def step_times(tmp: Path, steps: int) -> dict:
                 for acc in (sched_acc, worker_acc, sched_cpu, worker_cpu, copy_acc):
                     acc.clear()
                 before = set(r.sched.requests)
+                if forward_size:
+                    weights @ weights
                 so = r.step()
                 meta = so.kv_connector_metadata
                 loads += len(meta.loads)
@@ -219,7 +228,8 @@ def step_times(tmp: Path, steps: int) -> dict:
             "worker_step_us_p50": round(statistics.median(worker) * 1e6, 1),
             "scheduler_slowest_steps_us": _slowest_calls(per_step["sched"]),
             "worker_slowest_steps_us": _slowest_calls(per_step["worker"]),
-            "steps": steps - WARMUP_STEPS, "loads": loads, "saves": saves,
+            "steps": steps - WARMUP_STEPS, "forward_size": forward_size,
+            "loads": loads, "saves": saves,
             "loaded_pages": int(stats["loaded_pages"])}
 
 
@@ -239,13 +249,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--forward-size", type=int, default=384,
+                        help="matrix size of the stand-in forward each step (0: none)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         result = {"lookup_ms_300k": round(lookup_ms_300k(Path(tmp)), 3)}
         keys = _script_json("bench_keys.py", "--runs", "5")
         result["keys_ms_300k"] = keys.get("keys_ms_300k")
         result["keys_ms_300k_cold"] = keys.get("keys_ms_300k_cold")
-        result.update(step_times(Path(tmp), args.steps))
+        result.update(step_times(Path(tmp), args.steps, args.forward_size))
         restore = _script_json("bench_restore.py")
         result["restore_vs_sequential"] = restore.get("restore_vs_sequential")
     if args.json:

@@ -40,8 +40,11 @@ RETRY_INTERVAL_S = 1.0
 class PrefixLookup:
     """Leased lookups of key chains across ``tp_size`` ranks of one instance."""
 
-    def __init__(self, cfg: Config, tp_size: int) -> None:
+    def __init__(self, cfg: Config, tp_size: int, *, passes: bool = False) -> None:
+        """``passes``: the caller calls ``end_pass`` after each scheduling pass, and
+        maintenance is checked alive once per pass instead of once per lookup."""
         self.cfg = cfg
+        self._passes = passes
         self.tp_size = tp_size
         self.misses: Counter = Counter()
         self.lookups = 0
@@ -54,6 +57,8 @@ class PrefixLookup:
         self._leases: list[Producer | None] = [None] * tp_size
         self._stats: list[StatsBlock | None] = [None] * tp_size
         self._retry_at = 0.0
+        # Maintenance was seen alive on every rank in this scheduling pass (see end_pass).
+        self._alive_this_pass = False
         self._log = RateLimitedLog(log)
 
     def _reader(self, rank: int) -> StoreReader:
@@ -78,10 +83,19 @@ class PrefixLookup:
             stats = self._stats[rank] = segments.attach_stats(self.cfg, rank)
         return worker_alive(stats.read(int(Role.MAINTENANCE)), self.cfg.heartbeat_timeout_s)
 
-    def lookup(self, keys: Sequence[str], beyond: int = 0) -> int:
+    def end_pass(self) -> None:
+        """The caller's scheduling pass is over (see ``passes``): the next lookup checks
+        again that maintenance is alive. vLLM's scheduler asks about every request it admits in
+        one pass; checking once per pass saves a stats read per rank for each further
+        one, and a lease taken in a pass that maintenance died during is lost as it
+        would be a moment later anyway (the lookup is a miss then, the load recomputed)."""
+        self._alive_this_pass = False
+
+    def lookup(self, keys: Sequence[str], beyond: int = 0, hint: int = 0) -> int:
         """Leading ``keys`` every rank holds, leased for ``lookup_lease_seconds``; 0 if
         they are not more than ``beyond`` (the pages the caller has already: one probe
-        per rank tells), and 0 on any fault (a miss, counted in ``misses`` by reason)."""
+        per rank tells), and 0 on any fault (a miss, counted in ``misses`` by reason).
+        ``hint``: the answer the caller expects, checked first (``chained_prefix``)."""
         if self.cfg.access_mode is AccessMode.OFF or len(keys) <= beyond:
             return 0
         self.lookups += 1
@@ -92,7 +106,7 @@ class PrefixLookup:
                 self.misses["unavailable"] += 1
                 return 0
             try:
-                pages = self._lookup(keys, beyond)
+                pages = self._lookup(keys, beyond, hint)
             except Exception as exc:
                 # A store not created yet, a supervisor gone: try again a little later,
                 # and drop every handle (a new supervisor makes new rings).
@@ -123,9 +137,11 @@ class PrefixLookup:
                 return
         self._engine.write_due(self._fields)
 
-    def _lookup(self, keys: Sequence[str], beyond: int) -> int:
-        if not all(self._maintenance_alive(r) for r in range(self.tp_size)):
-            raise RuntimeError("no maintenance worker running: no supervisor, or stopped")
+    def _lookup(self, keys: Sequence[str], beyond: int, hint: int) -> int:
+        if not self._alive_this_pass:
+            if not all(self._maintenance_alive(r) for r in range(self.tp_size)):
+                raise RuntimeError("no maintenance worker running: no supervisor, or stopped")
+            self._alive_this_pass = self._passes
         readers = [self._reader(r) for r in range(self.tp_size)]
         held = []
         try:
@@ -136,7 +152,7 @@ class PrefixLookup:
                 held.append(reader)
             pages = len(keys)
             for reader in readers:
-                pages = reader.lookup(keys[:pages], beyond)
+                pages = reader.lookup(keys[:pages], beyond, hint)
                 if not pages:
                     self.misses["not_stored"] += 1
                     return 0
@@ -161,6 +177,7 @@ class PrefixLookup:
         return True
 
     def close(self) -> None:
+        self._alive_this_pass = False
         if self._engine is not None:
             # What was counted since the last write reaches the block (this supervisor's,
             # or a stopped one's, where it is harmless).

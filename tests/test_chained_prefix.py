@@ -27,9 +27,9 @@ def chain(branch: int, length: int) -> list[str]:
                       max_size=6),
        removed=st.sets(st.integers(0, 5)),
        query=st.tuples(st.integers(0, 3), st.integers(1, 12)),
-       beyond=st.integers(0, 13))
+       beyond=st.integers(0, 13), hint=st.integers(-1, 14))
 def test_binary_search_equals_the_full_scan(tmp_path_factory, roots, removed, query,
-                                            beyond) -> None:
+                                            beyond, hint) -> None:
     store = tmp_path_factory.mktemp("store")
     with PageStore(store, 0) as st_:
         ids = []
@@ -46,6 +46,9 @@ def test_binary_search_equals_the_full_scan(tmp_path_factory, roots, removed, qu
         assert reader.lookup(keys) == full
         # Beyond the pages the caller has: the same prefix, or 0 if it is not longer.
         assert reader.lookup(keys, beyond) == (full if full > beyond else 0)
+        # A hint (the answer expected) changes the probes, never the answer.
+        assert reader.lookup(keys, beyond, hint) == (full if full > beyond else 0)
+        assert reader.lookup(keys, 0, full) == full
     finally:
         reader.close()
 
@@ -80,3 +83,22 @@ def test_a_writer_adds_the_quarantined_index_to_an_older_store(tmp_path: Path) -
         plan = st_._wconn.execute(
             "EXPLAIN QUERY PLAN SELECT key FROM objects WHERE state = 'quarantined'").fetchall()
     assert "objects_quarantined" in str(plan)
+
+
+def test_a_right_hint_is_confirmed_in_two_probes(tmp_path: Path) -> None:
+    keys = chain(1, 64)
+    with PageStore(tmp_path, 0) as st_:
+        st_.commit(make_root("a" * 32, keys[:40], 16))
+    reader = StoreReader(tmp_path, 0)
+    probes: list[str] = []
+    reader.conn.set_trace_callback(
+        lambda sql: probes.append(sql) if sql.startswith("SELECT refcount") else None)
+    try:
+        assert reader.lookup(keys) == 40
+        searched, probes[:] = len(probes), []
+        assert reader.lookup(keys, hint=40) == 40
+        assert len(probes) == 2 < searched
+        probes.clear()
+        assert reader.lookup(keys, hint=30) == 40  # wrong: the search goes on
+    finally:
+        reader.close()

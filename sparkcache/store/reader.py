@@ -74,11 +74,14 @@ def stored_prefix(conn: sqlite3.Connection, keys: Sequence[str]) -> int:
     return n
 
 
-def chained_prefix(conn: sqlite3.Connection, keys: Sequence[str], beyond: int = 0) -> int:
+def chained_prefix(conn: sqlite3.Connection, keys: Sequence[str], beyond: int = 0,
+                   hint: int = 0) -> int:
     """``stored_prefix`` of a key chain in O(log n) lookups instead of n; or 0 when it is
     not longer than ``beyond`` pages, the pages the caller has already (vLLM's own prefix
     cache): one lookup tells, and a quarantined object among those pages does not end
-    the prefix, since it is not read.
+    the prefix, since it is not read. ``hint``, the answer the caller expects (the
+    previous turn of a conversation stored its pages), is probed first: two lookups
+    confirm it, where the search takes log2(n); a wrong hint costs two extra lookups.
 
     Page keys are chained (``sparkcache.identity``): key ``i`` determines keys ``0..i``, so
     a referenced object of key ``i`` belongs to a root that holds all of them, and the
@@ -97,8 +100,11 @@ def chained_prefix(conn: sqlite3.Connection, keys: Sequence[str], beyond: int = 
         if beyond and not referenced(beyond):
             return 0  # nor any key after it: each would imply this one
         lo, hi = beyond, len(keys)  # keys[:lo] referenced; keys[hi:] not
+        probes = [p for p in (hint, hint - 1) if lo < p < hi]
         while lo < hi:
-            mid = (lo + hi) // 2
+            mid = probes.pop() if probes else (lo + hi) // 2
+            if not lo <= mid < hi:
+                continue  # a hint the first probe already settled
             if referenced(mid):
                 lo = mid + 1
             else:
@@ -139,10 +145,11 @@ class StoreReader:
         self.gate.close()
         os.close(self._objects_fd)
 
-    def lookup(self, keys: Sequence[str], beyond: int = 0) -> int:
+    def lookup(self, keys: Sequence[str], beyond: int = 0, hint: int = 0) -> int:
         """Number of leading ``keys`` (a chain) the store holds live: the longest stored
-        prefix, found by ``chained_prefix``; 0 if it is not longer than ``beyond``."""
-        return chained_prefix(self.conn, keys, beyond)
+        prefix, found by ``chained_prefix`` (``hint``: the answer expected, probed first);
+        0 if it is not longer than ``beyond``."""
+        return chained_prefix(self.conn, keys, beyond, hint)
 
     def restore(self, keys: Sequence[str], into: Sequence[object]) -> ReadResult:
         """Read and verify the leading ``keys`` into ``into`` (one writable buffer per page).

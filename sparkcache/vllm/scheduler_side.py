@@ -38,7 +38,7 @@ class SchedulerSide:
         self._hash_block_size = hash_block_size
         self._lookahead = lookahead_tokens
         self.block = settings.block_size
-        self.lookup = PrefixLookup(settings.cfg, settings.tp_size)
+        self.lookup = PrefixLookup(settings.cfg, settings.tp_size, passes=True)
         self.counters: Counter = Counter()
         # Something may have been counted since totals() was last read (a lookup or a
         # finished request): the connector's stats skip the sums otherwise.
@@ -95,11 +95,13 @@ class SchedulerSide:
             self.counters["lookup_skipped"] += 1
             return 0, False
         start = -(-num_computed_tokens // self.block)  # pages vLLM has (or part of)
-        pages = self.lookup.lookup(keys, beyond=start)
+        state = self._reqs[request.request_id]
+        # The answer expected: the pages the keys' memo took from the conversation's
+        # previous turn, which saved them when it finished.
+        pages = self.lookup.lookup(keys, beyond=start, hint=state.keys.memo_pages)
         self.counters["lookups"] += 1
         if pages * self.block <= num_computed_tokens or pages <= start:
             return 0, False
-        state = self._reqs[request.request_id]
         state.load = (start, pages)
         self.counters["hit_tokens"] += (pages - start) * self.block
         return pages * self.block - num_computed_tokens, True
@@ -120,6 +122,7 @@ class SchedulerSide:
             PageJob(request.request_id, state.keys.keys[start:end], block_ids[start:end]))
 
     def build_connector_meta(self, scheduler_output: Any) -> SparkCacheMetadata:
+        self.lookup.end_pass()
         meta, self._meta = self._meta, SparkCacheMetadata()
         return meta
 

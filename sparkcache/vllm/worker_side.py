@@ -131,8 +131,9 @@ class WorkerSide:
             self._load(job)
 
     def _valid(self, job: PageJob) -> bool:
-        ok = len(job.block_ids) >= len(job.keys) and all(
-            0 <= b < self._num_blocks for b in job.block_ids[: len(job.keys)])
+        ids = job.block_ids[: len(job.keys)]
+        ok = len(ids) == len(job.keys) and (
+            not ids or (min(ids) >= 0 and max(ids) < self._num_blocks))
         if not ok:
             self.counters["bad_job"] += 1
         return ok
@@ -184,8 +185,10 @@ class WorkerSide:
         else:
             self._end_load(job, pages, 0)
 
-    def _finish_loads(self) -> None:
-        for result in self.client.poll_loads():
+    def _finish_loads(self) -> bool:
+        """End the loads the restore worker answered; whether there were any."""
+        results = self.client.poll_loads()
+        for result in results:
             entry = self._inflight.pop(str(result.load_id), None)
             if entry is None:
                 continue
@@ -195,6 +198,7 @@ class WorkerSide:
                 self.staging.copy_out(pages[:got], job.block_ids[:got])
             self.counters["load_seconds"] += time.perf_counter() - started
             self._end_load(job, pages, got)
+        return bool(results)
 
     def _end_load(self, job: PageJob, pages: list[int] | None, got: int) -> None:
         """The load is over (``got`` pages in its blocks): the blocks of the rest are load
@@ -213,8 +217,10 @@ class WorkerSide:
         now = time.monotonic()
         if self._inflight or self._saving or self._staged or now >= self._poll_at:
             self._poll_at = now + IDLE_POLL_S
-            self.counted = True
-            self._finish_loads()
+            # Only a load's result changes what totals() sums (a capture's completion
+            # does not); the stats' refresh picks up anything else.
+            if self._finish_loads():
+                self.counted = True
             for done in self.client.poll_completions():
                 req_id = str(done.seq_id)
                 pages = self._staged.pop(req_id, None)

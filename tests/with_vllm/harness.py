@@ -222,6 +222,9 @@ def rig(store: Path, instance: str, *, tp: int = 1, num_blocks: int = 128,
     kv_cache_config = get_kv_cache_config_from_groups(
         vllm_config, [KVCacheGroupSpec(names, spec)], num_blocks * spec.page_size_bytes * LAYERS)
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    # As vLLM's engine core resolves it before making the scheduler (and with it the
+    # connector's scheduler side, whose key memo reads it).
+    kv_cache_config.hash_block_size = BLOCK
     workers, kvs = [], []
     try:
         # Workers first, as in vLLM: they register (and write the registry) before the
