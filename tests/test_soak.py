@@ -71,6 +71,8 @@ def test_tiny_soak_verifies_every_restore_and_leaves_nothing(tmp_path):
         assert fig["lent_blocks_returned"], name
         assert (csv_dir / f"{name}.csv").stat().st_size > 0
     for name in ("isolated-read-write", "inline-read-write"):
+        # Aged to the low watermark (1.5 MiB here) after the before-probes.
+        assert 1_000_000 < lanes[name]["aged_bytes"] <= 1536 * 1024, name
         assert lanes[name]["evicted_roots"] > 0, (name, lanes[name])
         assert lanes[name]["reclaimed_bytes"] > 0, name
     assert lanes["isolated-read-write"]["supervisor_exit"] == 0

@@ -25,14 +25,16 @@ import threading
 import time
 import zlib
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from sparkcache.kvmem import BlockViews
+from sparkcache.soak.aging import AgedConversation
 from sparkcache.soak.backend import Polled
+from sparkcache.soak.pages import page_content
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,27 @@ class InlineStore:
 
     def _path(self, key: str) -> str:
         return str(self.objects / key)
+
+    def age(self, conversations: Iterable[AgedConversation]) -> int:
+        """Write ``conversations`` as the old design left them (``soak.aging``): each
+        page once, one root per turn, oldest first; the bytes written. Set-up, not
+        measured: nothing is fsynced."""
+        nbytes = self.views.page_bytes
+        written = 0
+        for conv in conversations:
+            for key in conv.keys:
+                data = page_content(key, nbytes)
+                fd = os.open(self._path(key), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    os.writev(fd, [_HEADER.pack(_MAGIC, data.size, zlib.crc32(data)), data])
+                finally:
+                    os.close(fd)
+            for turn, end in enumerate(conv.turn_ends):
+                path = self.roots / f"aged{conv.index}t{turn}.json"
+                path.write_text(json.dumps(conv.keys[:end]))
+                path.chmod(0o600)
+            written += len(conv.keys) * nbytes
+        return written
 
     # ---------------------------------------------------------------- engine calls
 

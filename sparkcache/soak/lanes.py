@@ -4,6 +4,7 @@ and the figures gathered."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -19,6 +20,7 @@ import numpy as np
 from shm.segment import instance_entries
 from sparkcache.identity import KeyChain, Namespace
 from sparkcache.soak import engine as engine_mod
+from sparkcache.soak.aging import age_store, aged_conversations
 from sparkcache.soak.backend import NullBackend, ServiceBackend
 from sparkcache.soak.control import ControlEngine
 from sparkcache.soak.engine import SoakEngine, StepRecord
@@ -149,6 +151,7 @@ def run_lane(name: str, params: SoakParams, model: ToyModel, workdir: Path,
     service: Service | None = None
     inline: InlineStore | None = None
     supervisor_exit: int | None = None
+    age: Callable[[], int] | None = None  # fills a read-write lane's store (soak.aging)
     try:
         progress("starting", 0.0)
         if lane.placement in ("isolated", "unpinned"):
@@ -156,6 +159,8 @@ def run_lane(name: str, params: SoakParams, model: ToyModel, workdir: Path,
                     if lane.placement == "isolated" else all_cores)
             if lane.access_mode == "restore-only":
                 seed_store(store_dir, params, engine.namespace)
+            else:
+                age = functools.partial(age_store, store_dir, params, engine.namespace)
             env = settings(params, store_dir, instance, lane.access_mode, cpus,
                            slot_bytes(params))
             service = Service.start(env, workdir / f"{name}.supervisor.log")
@@ -163,6 +168,7 @@ def run_lane(name: str, params: SoakParams, model: ToyModel, workdir: Path,
         elif lane.placement == "inline":
             inline = InlineStore(store_dir, engine.views, params.max_bytes,
                                  params.low_watermark_bytes)
+            age = functools.partial(inline.age, aged_conversations(params, engine.namespace))
             engine.backend = inline
         else:
             engine.backend = NullBackend()
@@ -187,6 +193,9 @@ def run_lane(name: str, params: SoakParams, model: ToyModel, workdir: Path,
         # One probe not counted: the first requests of a process pay for its warm-up.
         run_probe(engine, params, engine.namespace, "warmup", 0, control=control)
         before = probes("before")
+        # The time at the cap before the after-probes, most of it at once (soak.aging).
+        progress("aging the store", 0.0)
+        aged = age() if age is not None else 0
         until = time.perf_counter() + params.duration_s
         soak_start = time.perf_counter()
 
@@ -210,6 +219,7 @@ def run_lane(name: str, params: SoakParams, model: ToyModel, workdir: Path,
                             probe_repeats=repeats)
         result.figures = _figures(params, result, engine, timeline, inline, skips, turns,
                                   wall, drained, supervisor_exit)
+        result.figures["aged_bytes"] = aged
         return result
     finally:
         if service is not None:

@@ -45,17 +45,24 @@ class SoakParams:
     lanes: tuple[str, ...] = tuple(LANES)
     duration_s: float = 40.0  # soak phase of each lane
     conversations: int = 4  # concurrent, each growing turn by turn
-    context_min: int = 4096  # tokens of a conversation's first turn
-    context_max: int = 16384  # a conversation past this starts over (a new one)
-    tail_tokens: int = 1024  # new prompt tokens each turn (prefilled)
+    # The report's conversations grew from 75k to 300k tokens. What the predecessor's
+    # maintenance and commits cost grows with the length of its roots (it reads every
+    # root on every pass; it fsyncs every page), and at a twentieth of that length (the
+    # soak's first sizes) the inline lane showed no slowdown; at a tenth (--quick) to a
+    # fifth (these), with the store aged (soak.aging), it does (docs/soak.md).
+    context_min: int = 16384  # tokens of a conversation's first turn
+    context_max: int = 65536  # a conversation past this starts over (a new one)
+    tail_tokens: int = 2048  # new prompt tokens each turn (prefilled), as in the report
     turn_decode_tokens: int = 32  # tokens generated each turn
     page_tokens: int = 16
     # The store's cap (high watermark) and low watermark: the conversations' own roots
-    # (about half of context_max each, on average) fit under the low watermark, so a
-    # turn finds its prefix; the roots of finished conversations and of probes push the
-    # store to its cap and are what eviction takes, throughout the soak.
-    max_bytes: int = 96 * MiB
-    low_watermark_bytes: int = 72 * MiB
+    # (at most context_max each; the soak's engine stores 1 KiB a token) fit under the
+    # low watermark, so a turn finds its prefix. Each read-write lane's store is filled
+    # to the low watermark after the before-probes (soak.aging); the conversations'
+    # growth, the roots of those that start over and the probes' push it to its cap,
+    # and eviction takes the aged roots first, throughout the soak.
+    max_bytes: int = 384 * MiB
+    low_watermark_bytes: int = 320 * MiB
     # Seconds a new publication is protected from eviction: the production lane's 300 s
     # against its hour-long soak, scaled to minutes (a root leased for the whole soak
     # could never be evicted, and the store would only refuse at its hard cap).
@@ -73,9 +80,9 @@ class SoakParams:
     @classmethod
     def quick(cls, **overrides: object) -> SoakParams:
         """Every lane in under 3 minutes on 2 cores."""
-        base = dict(duration_s=14.0, context_min=2048, context_max=8192, tail_tokens=512,
-                    turn_decode_tokens=24, max_bytes=40 * MiB, low_watermark_bytes=28 * MiB,
-                    probe_tokens=1024, probe_decode_tokens=128)
+        base = dict(duration_s=14.0, context_min=8192, context_max=32768, tail_tokens=2048,
+                    turn_decode_tokens=24, max_bytes=192 * MiB,
+                    low_watermark_bytes=160 * MiB, probe_tokens=1024, probe_decode_tokens=128)
         base.update(overrides)
         return cls(**base)  # type: ignore[arg-type]
 
