@@ -1,5 +1,7 @@
-"""A store as time at its cap leaves it: filled to its low watermark with conversations
-that ended before the soak began.
+"""The stores lanes start from: a store as time at its cap leaves it (``age_store``,
+``InlineStore.age``), filled to its low watermark with conversations that ended before
+the soak began; and the restore-only lane's, seeded with what its conversations will
+ask for (``seed_store``).
 
 The original report's lanes had sat at their cap for an hour when the after-probes ran.
 What the predecessor's maintenance costs grows with what the store holds: every pass
@@ -74,8 +76,31 @@ def age_store(store_dir: Path, params: SoakParams, ns: Namespace) -> int:
     written = 0
     with PageStore(store_dir, 0, lease_seconds=0.0) as store:
         for conv in aged_conversations(params, ns):
-            root_id = hashlib.blake2b(f"aged-{conv.index}".encode(), digest_size=16).hexdigest()
-            store.commit(Root(root_id, [PageData(k, page_content(k, nbytes))
-                                        for k in conv.keys]))
+            _commit(store, f"aged-{conv.index}", conv.keys, nbytes)
             written += len(conv.keys) * nbytes
     return written
+
+
+def seed_store(store_dir: Path, params: SoakParams, ns: Namespace) -> int:
+    """Fill a restore-only lane's store (up to its low watermark) with the opening
+    prompts its conversations will send, as an earlier read-write run would have left
+    it; the bytes written."""
+    nbytes = engine_mod.page_bytes(params.page_tokens)
+    written = 0
+    with PageStore(store_dir, 0) as store:
+        for generation in range(64):
+            for conv in range(params.conversations):
+                chain = KeyChain(ns)
+                chain.extend(first_context(params, conv, generation))
+                size = len(chain.keys) * nbytes
+                if written + size > params.low_watermark_bytes:
+                    return written
+                _commit(store, f"seed-{conv}-{generation}", chain.keys, nbytes)
+                written += size
+    return written
+
+
+def _commit(store: PageStore, name: str, keys: list[str], nbytes: int) -> None:
+    """One root of ``keys``, its pages derived from them (``soak.pages``)."""
+    root_id = hashlib.blake2b(name.encode(), digest_size=16).hexdigest()
+    store.commit(Root(root_id, [PageData(k, page_content(k, nbytes)) for k in keys]))

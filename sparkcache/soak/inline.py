@@ -97,15 +97,11 @@ class InlineStore:
         for conv in conversations:
             for key in conv.keys:
                 data = page_content(key, nbytes)
-                fd = os.open(self._path(key), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                try:
-                    os.writev(fd, [_HEADER.pack(_MAGIC, data.size, zlib.crc32(data)), data])
-                finally:
-                    os.close(fd)
+                _write_unsynced(self._path(key),
+                                [_HEADER.pack(_MAGIC, data.size, zlib.crc32(data)), data])
             for turn, end in enumerate(conv.turn_ends):
-                path = self.roots / f"aged{conv.index}t{turn}.json"
-                path.write_text(json.dumps(conv.keys[:end]))
-                path.chmod(0o600)
+                _write_unsynced(str(self.roots / f"aged{conv.index}t{turn}.json"),
+                                [json.dumps(conv.keys[:end]).encode()])
             written += len(conv.keys) * nbytes
         return written
 
@@ -287,3 +283,11 @@ class InlineStore:
                 self.views.scatter(block, data)
                 done += 1
             self._loaded.append((req_id, done))
+
+
+def _write_unsynced(path: str, pieces: list) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.writev(fd, pieces)
+    finally:
+        os.close(fd)

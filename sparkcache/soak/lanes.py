@@ -5,7 +5,6 @@ and the figures gathered."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import shutil
@@ -18,21 +17,17 @@ from pathlib import Path
 import numpy as np
 
 from shm.segment import instance_entries
-from sparkcache.identity import KeyChain, Namespace
 from sparkcache.soak import engine as engine_mod
-from sparkcache.soak.aging import age_store, aged_conversations
+from sparkcache.soak.aging import age_store, aged_conversations, seed_store
 from sparkcache.soak.backend import NullBackend, ServiceBackend
 from sparkcache.soak.control import ControlEngine
 from sparkcache.soak.engine import SoakEngine, StepRecord
 from sparkcache.soak.inline import InlineStore
 from sparkcache.soak.model import ToyModel
-from sparkcache.soak.pages import page_content
 from sparkcache.soak.params import LANES, Lane, SoakParams
 from sparkcache.soak.service import Service, StatsSample, settings
 from sparkcache.soak.stats import bucket_quantile, percentile
-from sparkcache.soak.workload import ProbeResult, first_context, run_conversations, run_probe
-from sparkcache.store import PageStore
-from sparkcache.store.records import PageData, Root
+from sparkcache.soak.workload import ProbeResult, run_conversations, run_probe
 
 log = logging.getLogger(__name__)
 
@@ -71,28 +66,6 @@ def slot_bytes(params: SoakParams) -> int:
     page = params.page_tokens
     return (-(-(params.context_max + params.turn_decode_tokens) // page) + 1) * \
         engine_mod.page_bytes(page)
-
-
-def seed_store(store_dir: Path, params: SoakParams, ns: Namespace) -> int:
-    """Fill a restore-only lane's store (up to its low watermark) with the opening
-    prompts its conversations will send, as an earlier read-write run would have left
-    it; the bytes written."""
-    nbytes = engine_mod.page_bytes(params.page_tokens)
-    written = 0
-    with PageStore(store_dir, 0) as store:
-        for generation in range(64):
-            for conv in range(params.conversations):
-                chain = KeyChain(ns)
-                chain.extend(first_context(params, conv, generation))
-                size = len(chain.keys) * nbytes
-                if written + size > params.low_watermark_bytes:
-                    return written
-                root_id = hashlib.blake2b(f"seed-{conv}-{generation}".encode(),
-                                          digest_size=16).hexdigest()
-                store.commit(Root(root_id,
-                                  [PageData(k, page_content(k, nbytes)) for k in chain.keys]))
-                written += size
-    return written
 
 
 class _Timeline:
