@@ -41,3 +41,34 @@ def test_no_supervisor_is_a_miss_and_a_restarted_one_is_found(tmp_path: Path,
             stop_supervisor(sup)
     finally:
         lookup.close()
+
+
+def test_with_passes_maintenance_is_checked_once_a_pass(tmp_path: Path, instance: str,
+                                                        monkeypatch) -> None:
+    store = tmp_path / "store"
+    keys = list(sequence_keys(NS, list(range(16 * 8))).pages)
+    lookup = PrefixLookup(make_cfg(store, instance), 1, passes=True)
+    checks: list[bool] = []
+    real = PrefixLookup._maintenance_alive
+
+    def counted(self: PrefixLookup, rank: int) -> bool:
+        checks.append(real(self, rank))
+        return checks[-1]
+
+    monkeypatch.setattr(PrefixLookup, "_maintenance_alive", counted)
+    sup = start_supervisor(store, instance)
+    try:
+        with PageStore(store, 0) as st:
+            st.commit(make_root("ab" * 16, keys[:5], 64))
+        assert lookup.lookup(keys) == 5 and lookup.lookup(keys) == 5
+        assert checks == [True]  # two lookups, one pass
+        lookup.end_pass()
+        assert lookup.lookup(keys) == 5 and checks == [True, True]
+    finally:
+        stop_supervisor(sup)
+    lookup.end_pass()
+    try:
+        assert lookup.lookup(keys) == 0  # the next pass sees maintenance gone
+        assert checks[-1] is False and lookup.misses["unavailable"] == 1
+    finally:
+        lookup.close()

@@ -100,15 +100,19 @@ def chained_prefix(conn: sqlite3.Connection, keys: Sequence[str], beyond: int = 
         if beyond and not referenced(beyond):
             return 0  # nor any key after it: each would imply this one
         lo, hi = beyond, len(keys)  # keys[:lo] referenced; keys[hi:] not
-        probes = [p for p in (hint, hint - 1) if lo < p < hi]
-        while lo < hi:
-            mid = probes.pop() if probes else (lo + hi) // 2
-            if not lo <= mid < hi:
-                continue  # a hint the first probe already settled
+
+        def narrow(mid: int) -> None:
+            nonlocal lo, hi
             if referenced(mid):
                 lo = mid + 1
             else:
                 hi = mid
+
+        for mid in (hint - 1, hint):  # the expected end: its last page, then the next
+            if lo <= mid < hi:
+                narrow(mid)
+        while lo < hi:
+            narrow((lo + hi) // 2)
         quarantined = {key for (key,) in conn.execute(
             "SELECT key FROM objects WHERE state = 'quarantined'")}
     if quarantined:
