@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from sparkcache.soak.engine import SoakEngine, StepRecord
 from sparkcache.soak.inline import InlineStore
 from sparkcache.soak.model import ToyModel
 from sparkcache.soak.params import LANES, Lane, SoakParams
+from sparkcache.soak.remover import StoreRemover
 from sparkcache.soak.service import Service, StatsSample, settings
 from sparkcache.soak.stats import bucket_quantile, percentile
 from sparkcache.soak.workload import ProbeResult, run_conversations, run_probe
@@ -114,8 +114,10 @@ class _Timeline:
 
 
 def run_lane(name: str, params: SoakParams, model: ToyModel, workdir: Path,
-             all_cores: list[int], progress: Progress,
+             all_cores: list[int], progress: Progress, remover: StoreRemover,
              control: ControlEngine | None = None) -> LaneResult:
+    """Run lane ``name``; its store is handed to ``remover`` at the end, and the removal
+    of the lane before it ends before anything of this one is measured."""
     lane = LANES[name]
     store_dir = workdir / name
     store_dir.mkdir(mode=0o700, parents=True)
@@ -163,6 +165,7 @@ def run_lane(name: str, params: SoakParams, model: ToyModel, workdir: Path,
                 out.append(probe)
             return out
 
+        remover.wait()
         # One probe not counted: the first requests of a process pay for its warm-up.
         run_probe(engine, params, engine.namespace, "warmup", 0, control=control)
         before = probes("before")
@@ -203,7 +206,7 @@ def run_lane(name: str, params: SoakParams, model: ToyModel, workdir: Path,
         left = instance_entries(instance)
         if left:
             log.warning("lane %s left shared memory: %s", name, left)
-        shutil.rmtree(store_dir, ignore_errors=True)
+        remover.remove(store_dir)
 
 
 def _host_took_core(lane: Lane, probe: ProbeResult) -> bool:

@@ -16,6 +16,7 @@ from sparkcache.soak.control import ControlEngine
 from sparkcache.soak.lanes import LaneResult, run_lane
 from sparkcache.soak.model import ToyModel
 from sparkcache.soak.params import SoakParams
+from sparkcache.soak.remover import StoreRemover
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ def run(params: SoakParams, progress: Progress, work_dir: Path | None = None
     results: dict[str, LaneResult] = {}
     finished = False
     control: ControlEngine | None = None
+    remover = StoreRemover()
     try:
         model = ToyModel()
         control = ControlEngine(params, root / "control.log")
@@ -43,10 +45,11 @@ def run(params: SoakParams, progress: Progress, work_dir: Path | None = None
             log.info("soak: lane %s", name)
             results[name] = run_lane(name, params, model, root, all_cores,
                                      lambda what, share, n=name: progress(n, what, share),
-                                     control)
+                                     remover, control)
             progress(name, "done", 1.0)
         finished = True
     finally:
+        remover.wait()
         if control is not None:
             control.close()
         os.sched_setaffinity(0, all_cores)
