@@ -10,12 +10,15 @@ scenarios, each on a fresh store:
   to evict (``commit_p50_empty_s``, ``commit_p99_empty_s``);
 * full: the store filled to ``max_bytes`` before the writer starts, so it stays at its cap
   for the whole run, the real maintenance worker process evicting and collecting in
-  budgeted, paced slices (``commit_p99_full_s``, ``full_vs_empty_p99``, target <= 1.5);
+  budgeted, paced slices, its collected files pooled for the writer's commits to
+  overwrite (``commit_p99_full_s``, ``full_vs_empty_p99``, target <= 1.5;
+  ``recycled_share_full``: the share of the writer's page files written over a pooled
+  one);
 * baseline: the same, with the predecessor's maintenance instead, in its own process:
   every pass scans and sorts the whole inventory, removes roots down to the low
-  watermark in one transaction, then collects every unreferenced object, and passes run
-  back to back while used bytes are above ``max_bytes``: no budget, no pause
-  (``commit_p99_baseline_s``, ``baseline_vs_empty_p99``).
+  watermark in one transaction, then collects every unreferenced object, unlinking its
+  file, and passes run back to back while used bytes are above ``max_bytes``: no
+  budget, no pause (``commit_p99_baseline_s``, ``baseline_vs_empty_p99``).
 
 The scenarios run in alternating rounds (``--rounds``), so drift in a shared disk's speed
 falls on each alike. Both kinds of maintenance run as the supervisor starts maintenance
@@ -152,6 +155,9 @@ class Run:
     collected: int = 0
     refused_s: float = 0.0
     evicted: int = 0
+    # Page files the writer wrote, and how many of them over a pooled file (store/pool.py).
+    files: int = 0
+    recycled: int = 0
 
     def __add__(self, other: Run) -> Run:
         """Two rounds of one scenario as one."""
@@ -159,13 +165,15 @@ class Run:
                    self.published + other.published, self.seconds + other.seconds,
                    self.cpu_s + other.cpu_s, max(self.slice_max_s, other.slice_max_s),
                    self.collected + other.collected, self.refused_s + other.refused_s,
-                   self.evicted + other.evicted)
+                   self.evicted + other.evicted, self.files + other.files,
+                   self.recycled + other.recycled)
 
 
 def write(store: PageStore, convs: Conversations, page: bytes, rate: float,
           seconds: float) -> Run:
     """Commit a turn every 1/rate s (never catching up in bursts) for ``seconds``."""
-    period, commits, waits, published = 1.0 / rate, [], [], 0
+    period, commits, waits, published, files = 1.0 / rate, [], [], 0, 0
+    taken = store.pool.taken_files if store.pool else 0
     start = time.monotonic()
     due = start
     while (now := time.monotonic()) < start + seconds:
@@ -178,8 +186,11 @@ def write(store: PageStore, convs: Conversations, page: bytes, rate: float,
         commits.append(time.perf_counter() - t0)
         waits.append(store.counters.lock_wait_s - waited)
         published += result.bytes_written
+        files += result.pages_written
         due = max(due + period, time.monotonic())
-    return Run(commits, waits, published, time.monotonic() - start)
+    recycled = (store.pool.taken_files if store.pool else 0) - taken
+    return Run(commits, waits, published, time.monotonic() - start, files=files,
+               recycled=recycled)
 
 
 def fill(store: PageStore, convs: Conversations, page: bytes, upto: int) -> None:
@@ -360,6 +371,8 @@ def main() -> int:
         "publish_bytes_per_s": full.published / full.seconds,
         "refused_s_full": full.refused_s,
         "evicted_roots_full": full.evicted,
+        "recycled_share_full": full.recycled / max(1, full.files),
+        "recycled_share_baseline": base.recycled / max(1, base.files),
         "page_bytes": len(page),
         **units,
     }

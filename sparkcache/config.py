@@ -153,6 +153,14 @@ class Config:
             "reclaiming can never outpace it."
         ),
     )
+    maintenance_pool_bytes: int = field(
+        default=256 * MiB,
+        metadata=_help(
+            "Bytes of collected files kept per rank for the next commits to overwrite "
+            "instead of creating files (e.g. 256MiB), at most the gap between the "
+            "watermarks; 0: collected files are unlinked at once."
+        ),
+    )
     metrics_host: str = field(
         default="127.0.0.1",
         metadata=_help(
@@ -164,6 +172,12 @@ class Config:
         default=9464,
         metadata=_help("Port of the supervisor's /metrics and /healthz endpoint; 0: none."),
     )
+
+    @property
+    def pool_cap_bytes(self) -> int:
+        """What the pool of collected files may hold (store/pool.py): the setting, within
+        the gap an episode frees, so pooled bytes never take more room than eviction made."""
+        return min(self.maintenance_pool_bytes, self.max_bytes - self.low_watermark_bytes)
 
     @property
     def hard_cap_bytes(self) -> int:
@@ -246,7 +260,8 @@ def parse_cpus(text: str) -> tuple[int, ...]:
 def _parse_field(name: str, text: str) -> Any:
     """Convert one raw string to the type of field ``name``; ValueError names what is allowed."""
     if name in ("max_bytes", "low_watermark_bytes", "capture_slot_bytes",
-                "maintenance_slice_bytes", "maintenance_io_bytes_per_s"):
+                "maintenance_slice_bytes", "maintenance_io_bytes_per_s",
+                "maintenance_pool_bytes"):
         return parse_size(text)
     if name in ("ranks", "capture_slots", "page_tokens", "metrics_port",
                 "maintenance_slice_roots"):
@@ -382,6 +397,8 @@ def _validate_maintenance(cfg: Config, bad: Callable[[str, str], None]) -> None:
     for name in ("maintenance_slice_bytes", "maintenance_io_bytes_per_s"):
         if getattr(cfg, name) <= 0:
             bad(name, "a positive size")
+    if cfg.maintenance_pool_bytes < 0:
+        bad("maintenance_pool_bytes", "a size, 0 or more")
     duty = cfg.maintenance_duty
     if not 0 < duty <= 1:  # also refuses NaN
         bad("maintenance_duty", "a share of a second above 0 and at most 1, such as 0.2")

@@ -281,6 +281,7 @@ def fsck_command(
         verdict = "ok" if report.ok else f"{len(report.problems)} problems"
         print(
             f"sparkcache fsck: {verdict} roots={report.roots} objects={report.objects} "
-            f"quarantined={report.quarantined}"
+            f"quarantined={report.quarantined} pooled={report.pooled_files} "
+            f"({report.pooled_bytes / 2**20:.1f} MiB)"
         )
     return 0 if report.ok else 1

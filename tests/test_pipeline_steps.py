@@ -30,6 +30,7 @@ restarted commit must not redo the old turn over the acknowledged new one.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -47,6 +48,8 @@ from shm import FREE, StatsBlock
 from sparkcache import segments
 from sparkcache.store import PageStore
 from sparkcache.store.fileops import COMMIT_STEPS, EVICTION_STEPS
+from sparkcache.store.objects import HEADER_SIZE
+from sparkcache.store.pool import free_name
 from workers.lifecycle import KILL_AT_ENV, KILL_FILE_ENV, Role, State
 
 pytestmark = pytest.mark.slow
@@ -113,6 +116,17 @@ def _restarted(store: Path, stats: StatsBlock, role: str) -> dict:
     return {}
 
 
+def _seed_pool(store: Path) -> None:
+    """Pooled files for the first publication's pages to be written over (store/pool.py),
+    holding bytes that are no page's."""
+    PageStore(store, 0).close()
+    free = store / "rank-0" / "free"
+    for _ in range(FIRST * 4):
+        path = free / free_name(16 * 1024 + HEADER_SIZE)
+        path.write_bytes(os.urandom(16 * 1024 + HEADER_SIZE))
+        path.chmod(0o600)
+
+
 def _stored_exact(engine: SyntheticEngine, seqs: dict[str, list[int]]) -> None:
     """Restore what the store holds of each sequence: every restored page byte-exact."""
     for sid, tokens in seqs.items():
@@ -129,6 +143,8 @@ def test_worker_killed_at_step(tmp_path: Path, instance: str, step: str) -> None
     kill = tmp_path / "kill"
     kill.touch()
     env = {KILL_AT_ENV: step, KILL_FILE_ENV: str(kill)}
+    if step == "commit.recycled":
+        _seed_pool(store)
     with pipeline(store, instance, settings, env) as engine:
         cfg = engine.client.cfg
         seqs = sequences(FIRST + SECOND, seed=3)

@@ -46,7 +46,21 @@ def random_root(rng: random.Random) -> tuple[str, list[str]]:
 
 
 # Steps reached once per page written; the others once per commit.
-PER_PAGE_STEPS = {"commit.temp_write", "commit.written", "commit.rename"}
+PER_PAGE_STEPS = {"commit.recycled", "commit.temp_write", "commit.written", "commit.rename"}
+# Files in the pool before each commit child, more than its commits take, so that every
+# page it writes overwrites a pooled file holding another page's bytes (store/pool.py).
+POOLED = 24
+
+
+def seed_pool(store_dir: Path, files: int) -> None:
+    """Commit ``files`` one-page roots, remove them and collect their files into the pool."""
+    with PageStore(store_dir, 0, lease_seconds=0, pool_bytes=1 << 30) as store:
+        ids = []
+        for _ in range(files):
+            ids.append(secrets.token_hex(16))
+            store.commit(make_root(ids[-1], [secrets.token_hex(16)], SIZE))
+        store.remove_roots(ids)
+        store.collect(files)
 
 
 def commit_child(store_dir: Path, step: str, nth: int, seed: int, conn: Connection) -> None:
@@ -56,8 +70,10 @@ def commit_child(store_dir: Path, step: str, nth: int, seed: int, conn: Connecti
     conversation, under a new id), which supersedes it; the fatal one always does, so every
     step is a step of a commit that drops a root in its transaction. The fatal commit
     writes three fresh pages, and per-page steps die at its first, second or third page
-    depending on ``nth``, so kills land at different points of a commit.
+    depending on ``nth``, so kills land at different points of a commit. Every page is
+    written over a pooled file.
     """
+    seed_pool(store_dir, POOLED)
     occurrence = 1 + nth % 3 if step in PER_PAGE_STEPS else 1
     hook = KillAt(step, occurrence, armed=False)
     store = PageStore(store_dir, 0, hook=hook)
@@ -83,8 +99,10 @@ def commit_child(store_dir: Path, step: str, nth: int, seed: int, conn: Connecti
 def eviction_child(store_dir: Path, step: str, nth: int, seed: int, conn: Connection) -> None:
     """Acknowledge six roots, then evict and collect everything in slices as maintenance
     does, each allowed two roots and two pages' bytes: roots are cut short across slices
-    (``evict.truncated``), and the kill lands inside one of them."""
-    store = PageStore(store_dir, 0, lease_seconds=0, hook=KillAt(step, nth))
+    (``evict.truncated``), and the kill lands inside one of them. The pool takes four
+    files, and later ones are unlinked: collection's two ways out are both crossed."""
+    store = PageStore(store_dir, 0, lease_seconds=0, hook=KillAt(step, nth),
+                      pool_bytes=4 * (SIZE + 64))
     rng = random.Random(seed)
     ids = []
     for _ in range(6):
@@ -111,6 +129,7 @@ def run_child(target, *args) -> list[tuple]:
 
 # What the kill must leave behind for reconcile() to clean up (proves the kill landed).
 LEFTOVERS = {
+    "commit.recycled": "temp_files_removed",
     "commit.temp_write": "temp_files_removed",
     "commit.written": "temp_files_removed",
     "commit.rename": "orphan_files_removed",

@@ -80,7 +80,7 @@ class Maintenance:
                          for ring in ("request", "lease")]
         self.store = PageStore(
             cfg.store_dir, life.spec.rank, lease_seconds=cfg.lease_seconds,
-            hook=lifecycle.checkpoint,
+            hook=lifecycle.checkpoint, pool_bytes=cfg.pool_cap_bytes,
         )
         self.clock = clock
         self.limits = Limits.from_config(cfg)

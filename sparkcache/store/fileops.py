@@ -17,6 +17,7 @@ StepHook = Callable[[str], None]
 
 # The named steps, in protocol order; crash tests iterate over these.
 COMMIT_STEPS = (
+    "commit.recycled",  # a pooled file renamed onto a temp name, its old bytes unwritten
     "commit.temp_write",  # a temp file is partly written (torn)
     "commit.written",  # a temp file is fully written and its writeback started, not durable
     "commit.rename",  # a temp file was renamed to its final name, nothing durable yet
@@ -29,7 +30,8 @@ EVICTION_STEPS = (
     "evict.truncated",  # a step committed that left a root cut short (store/eviction.py)
     "collect.select",  # inside the collection transaction, rows chosen, before DELETE
     "collect.delete",  # rows deleted, before COMMIT
-    "collect.unlink",  # rows gone durably, before unlinking one file
+    "collect.unlink",  # rows gone durably, before unlinking (or pooling) one file
+    "collect.pooled",  # a collected file moved into the pool (store/pool.py)
 )
 
 

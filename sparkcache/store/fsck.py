@@ -4,8 +4,10 @@ Checks per rank: ``PRAGMA integrity_check``; every referenced object has a row; 
 object's file exists, is a regular file (never a followed symlink) and verifies (length,
 key, generation, checksum); refcounts equal references; no dangling page rows; root page
 counts and the running totals match the rows; no temporary or orphan file, nor anything the
-store did not create, under ``objects/`` older than the grace period. Quarantined objects
-are known-bad and already misses, so they are counted, not reported as problems.
+store did not create, under ``objects/`` older than the grace period; nothing but pooled
+files (plain files named as ``store/pool.py`` names them) under ``free/``. Quarantined
+objects are known-bad and already misses, and pooled files are free space: both are
+counted, not reported as problems.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from sparkcache.store.layout import (
     parse_object_name,
 )
 from sparkcache.store.objects import ObjectCorrupt, verify_file
+from sparkcache.store.pool import parse_free_name
 from sparkcache.store.records import StoreError
 from sparkcache.store.store import PageStore
 
@@ -40,6 +43,8 @@ class FsckReport:
     roots: int = 0
     objects: int = 0
     quarantined: int = 0
+    pooled_files: int = 0
+    pooled_bytes: int = 0
     problems: list[str] = field(default_factory=list)
 
     def add(self, problem: str) -> None:
@@ -52,6 +57,8 @@ class FsckReport:
             "roots": self.roots,
             "objects": self.objects,
             "quarantined": self.quarantined,
+            "pooled_files": self.pooled_files,
+            "pooled_bytes": self.pooled_bytes,
             "problems": self.problems,
         }
 
@@ -143,6 +150,7 @@ def _check_rank(layout: RankLayout, grace_seconds: float, report: FsckReport) ->
     finally:
         conn.close()
     _check_files(layout, rows, grace_seconds, where, report)
+    _check_pool(layout, where, report)
 
 
 def _check_index(conn: sqlite3.Connection, where: str, report: FsckReport) -> None:
@@ -212,3 +220,15 @@ def _check_files(
             if now - st.st_mtime >= grace_seconds:
                 kind = "temporary file" if is_temp else "orphan file"
                 report.add(f"{where}: {kind} {rel}")
+
+
+def _check_pool(layout: RankLayout, where: str, report: FsckReport) -> None:
+    if not os.path.lexists(layout.free_dir):
+        return  # a store made before the pool
+    for item in os.scandir(layout.free_dir):
+        st = item.stat(follow_symlinks=False)
+        if parse_free_name(item.name) is None or not stat.S_ISREG(st.st_mode):
+            report.add(f"{where}: unexpected entry free/{item.name}")
+            continue
+        report.pooled_files += 1
+        report.pooled_bytes += st.st_size

@@ -3,7 +3,8 @@
 ``<store>/rank-<r>/index.sqlite`` (+ SQLite's own ``-wal``/``-shm``),
 ``<store>/rank-<r>/objects/<ab>/<key>.<generation>`` (``<ab>`` = first two hex digits of the
 key), temporary files ``<key>.<generation>.tmp`` beside them, and
-``<store>/rank-<r>/quarantine/`` for objects that failed verification.
+``<store>/rank-<r>/quarantine/`` for objects that failed verification, and
+``<store>/rank-<r>/free/`` for collected files kept for reuse (``store/pool.py``).
 
 Names are built only from validated hex digests. Directories below the rank directory are
 opened with ``O_NOFOLLOW | O_DIRECTORY`` and files relative to those descriptors with
@@ -206,17 +207,25 @@ class RankLayout:
         return self.rank_dir / "quarantine"
 
     @property
+    def free_dir(self) -> Path:
+        return self.rank_dir / "free"
+
+    @property
     def index_path(self) -> Path:
         return self.rank_dir / INDEX_NAME
 
     def prepare(self, create: bool) -> None:
-        """Create (if asked) and check the store, rank, objects and quarantine directories.
+        """Create (if asked) and check the store, rank, objects, quarantine and free
+        directories; a store made before the free directory existed may lack it unless
+        created (``os.path.lexists``: a link in its place is refused, not skipped).
 
         Creating also makes all 256 fan-out directories up front, so commits do not pay a
         mkdir and a parent fsync the first time they touch one.
         """
         for path in (self.store_dir, self.rank_dir, self.objects_dir, self.quarantine_dir):
             ensure_dir(path, create)
+        if create or os.path.lexists(self.free_dir):
+            ensure_dir(self.free_dir, create)
         if create:
             fd = os.open(self.objects_dir, DIR_FLAGS)
             try:

@@ -104,22 +104,29 @@ def _write_all(ops: FileOps, fd: int, pieces: list[memoryview]) -> None:
 
 def write_temp(
     ops: FileOps, dir_fd: int, key: str, generation: str, header: bytes,
-    payload: list[memoryview], hook: StepHook,
+    payload: list[memoryview], hook: StepHook, recycled_fd: int | None = None,
 ) -> int:
     """Write ``<key>.<generation>.tmp`` (``header``, from ``build_header``, then
     ``payload``) under ``dir_fd`` and return its open descriptor.
 
-    The file is not yet durable: the caller starts its writeback and closes it, and makes
-    all of a commit's files durable together once every one is written (``writer``). On
-    failure the descriptor is closed and the file removed.
+    ``recycled_fd``: the temp is a pooled file already renamed to that name
+    (``FilePool.take``), overwritten in place from its start, then cut to its size if it
+    was longer or extended if shorter. The file is not yet durable: the caller starts its
+    writeback and closes it, and makes all of a commit's files durable together once every
+    one is written (``writer``). On failure the descriptor is closed and the file removed.
     """
     name = temp_name(key, generation)
-    fd = ops.open(name, _WRITE_FLAGS, FILE_MODE, dir_fd)
+    fd = ops.open(name, _WRITE_FLAGS, FILE_MODE, dir_fd) if recycled_fd is None else recycled_fd
     try:
-        first, rest = split_pieces(payload, sum(p.nbytes for p in payload) // 2)
+        if recycled_fd is not None:
+            hook("commit.recycled")
+        size = sum(p.nbytes for p in payload)
+        first, rest = split_pieces(payload, size // 2)
         _write_all(ops, fd, [memoryview(header), *first])
         hook("commit.temp_write")
         _write_all(ops, fd, rest)
+        if recycled_fd is not None and os.fstat(fd).st_size != HEADER_SIZE + size:
+            os.ftruncate(fd, HEADER_SIZE + size)
     except BaseException:
         ops.close(fd)
         try:

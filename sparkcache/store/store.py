@@ -51,7 +51,8 @@ from sparkcache.store.layout import (
     object_name,
     open_subdir,
 )
-from sparkcache.store.objects import ObjectCorrupt, verify_file
+from sparkcache.store.objects import HEADER_SIZE, ObjectCorrupt, verify_file
+from sparkcache.store.pool import FilePool
 from sparkcache.store.reader import StoreReader, stored_prefix
 from sparkcache.store.records import (
     ROOT_ID_HEX_LEN,
@@ -123,6 +124,7 @@ class PageStore:
         touch_interval_s: float = 1.0,
         max_retries: int = 8,
         durable: bool = True,
+        pool_bytes: int = 0,
     ) -> None:
         if rank < 0:
             raise ValueError(f"rank {rank!r} must be >= 0")
@@ -143,7 +145,15 @@ class PageStore:
         self._unlinking: deque[tuple[str, str, int]] = deque()
         self._objects_fd = os.open(self.layout.objects_dir, DIR_FLAGS)
         self._quarantine_fd = os.open(self.layout.quarantine_dir, DIR_FLAGS)
-        self._writer = ObjectWriter(self._ops, hook, self._objects_fd)
+        # Collection pools up to pool_bytes of its files; commits take pooled files
+        # whatever this process's cap (store/pool.py). An older store opened without
+        # create has no free directory, and then no pool.
+        self._free_fd = -1
+        self._pool: FilePool | None = None
+        if os.path.lexists(self.layout.free_dir):
+            self._free_fd = os.open(self.layout.free_dir, DIR_FLAGS)
+            self._pool = FilePool(self._ops, self._free_fd, pool_bytes)
+        self._writer = ObjectWriter(self._ops, hook, self._objects_fd, self._pool)
         try:
             # Created by any writer, so an older store gains it on its next open.
             self.gate = LookupGate(self.layout.rank_dir, create=True)
@@ -153,8 +163,7 @@ class PageStore:
                 self.gate.close()
                 raise
         except BaseException:
-            os.close(self._objects_fd)
-            os.close(self._quarantine_fd)
+            self._close_dirs()
             raise
         try:
             # Lookups and restores read here, on their own WAL snapshot.
@@ -162,8 +171,7 @@ class PageStore:
         except BaseException:
             self.gate.close()
             self._wconn.close()
-            os.close(self._objects_fd)
-            os.close(self._quarantine_fd)
+            self._close_dirs()
             raise
         self._rconn = self._reader.conn
 
@@ -175,14 +183,24 @@ class PageStore:
         try:
             self.flush_touches()
             while self._unlinking:
-                self._unlink(*self._unlinking.popleft()[:2])
+                self._unlink(*self._unlinking.popleft())
         finally:
             self._writer.close()
             self._wconn.close()
             self._reader.close()
             self.gate.close()
-            os.close(self._objects_fd)
-            os.close(self._quarantine_fd)
+            self._close_dirs()
+
+    def _close_dirs(self) -> None:
+        os.close(self._objects_fd)
+        os.close(self._quarantine_fd)
+        if self._free_fd >= 0:
+            os.close(self._free_fd)
+
+    @property
+    def pool(self) -> FilePool | None:
+        """The pool of collected files (``store/pool.py``), if the store has ``free/``."""
+        return self._pool
 
     def __enter__(self) -> PageStore:
         return self
@@ -677,8 +695,8 @@ class PageStore:
         and a crash leaves them as orphans that ``reconcile`` removes."""
         if budget is None:
             rows = self._delete_garbage(n)
-            for key, generation, _ in rows:
-                self._unlink(key, generation)
+            for key, generation, size in rows:
+                self._unlink(key, generation, size)
             return CollectResult(objects=len(rows), bytes=sum(r[2] for r in rows))
         done = self._unlink_waiting(budget)
         if self._unlinking:
@@ -718,16 +736,38 @@ class PageStore:
         while self._unlinking and (budget.fresh or budget.affordable(UNLINK, 1)):
             key, generation, size = self._unlinking[0]
             start = budget.now()
-            self._unlink(key, generation)
+            self._unlink(key, generation, size)
             self._unlinking.popleft()
             budget.spend(UNLINK, 1, size, budget.now() - start)
             objects += 1
             nbytes += size
         return CollectResult(objects, nbytes)
 
-    def _unlink(self, key: str, generation: str) -> None:
+    def _unlink(self, key: str, generation: str, size: int) -> None:
+        """Remove a collected object's file: into the pool while it has room, else
+        unlinked."""
         self._hook("collect.unlink")
+        if self._pool is not None and self._pool.cap_bytes > 0 and self._pool_file(
+                key, generation, size):
+            self._hook("collect.pooled")
+            return
         self._writer.discard([WrittenFile(key, generation, renamed=True)])
+
+    def _pool_file(self, key: str, generation: str, size: int) -> bool:
+        assert self._pool is not None
+        try:
+            fd = open_subdir(fanout(key), self._objects_fd, create=False)
+        except FileNotFoundError:
+            return True  # nothing left to remove
+        try:
+            return self._pool.put(object_name(key, generation), fd, HEADER_SIZE + size)
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            log.warning("could not pool %s.%s, unlinking it: %s", key, generation, exc)
+            return False
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------------ recovery
 

@@ -16,6 +16,10 @@ Renaming before the sync is safe because no row names a file until the index tra
 which comes after it: a crash (or power loss) before then leaves at most torn files under
 temp names or under generations no row names, which ``reconcile`` removes.
 
+A temp may be a pooled file (``store/pool.py``) renamed onto its name and overwritten
+in place rather than a new one: the protocol is the same from there, and what a crash
+leaves is the same too, a temp or an unnamed generation holding old bytes and new.
+
 Where ``syncfs`` does not report writeback errors (Linux before 5.8) each file and then
 each fan-out directory touched is fsynced instead, after all are written
 (``FileOps.syncfs_reports_errors``).
@@ -33,7 +37,8 @@ from dataclasses import dataclass
 
 from sparkcache.store.fileops import FileOps, StepHook
 from sparkcache.store.layout import fanout, new_generation, object_name, open_subdir, temp_name
-from sparkcache.store.objects import build_header, write_temp
+from sparkcache.store.objects import HEADER_SIZE, build_header, write_temp
+from sparkcache.store.pool import FilePool
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +57,11 @@ class WrittenFile:
 class ObjectWriter:
     """Writes and removes the object files of one rank's ``objects/`` directory."""
 
-    def __init__(self, ops: FileOps, hook: StepHook, objects_fd: int) -> None:
+    def __init__(self, ops: FileOps, hook: StepHook, objects_fd: int,
+                 pool: FilePool | None = None) -> None:
         self._ops = ops
         self._hook = hook
+        self._free = pool  # pooled files to overwrite instead of creating temps
         # syncfs reports a writeback error once per open file description: this one is
         # the store's own, so no other caller can consume an error meant for a commit.
         self._objects_fd = objects_fd
@@ -91,12 +98,18 @@ class ObjectWriter:
         try:
             for fan in by_dir:
                 dir_fds[fan] = open_subdir(fan, self._objects_fd, create=True)
+            if self._free is not None:
+                self._free.refill()
             for w, header in zip(fresh, headers, strict=True):
                 written[w.key] = w
                 dir_fd = dir_fds[fanout(w.key)]
+                recycled = None
+                if self._free is not None:
+                    size = HEADER_SIZE + sum(p.nbytes for p in data[w.key])
+                    recycled = self._free.take(size, temp_name(w.key, w.generation), dir_fd)
                 fd = write_temp(
                     self._ops, dir_fd, w.key, w.generation, header.result(), data[w.key],
-                    self._hook,
+                    self._hook, recycled,
                 )
                 try:
                     self._ops.start_writeback(fd)

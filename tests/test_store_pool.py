@@ -1,0 +1,168 @@
+"""Recycled object files (store/pool.py): collection pools files up to its cap, commits
+overwrite them in place, and every page restores exactly whatever file it was written
+over."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from sparkcache.store import PageStore
+from sparkcache.store.fileops import FileOps
+from sparkcache.store.fsck import fsck
+from sparkcache.store.objects import HEADER_SIZE
+from sparkcache.store.pool import REFRESH_S, FilePool, free_name, parse_free_name
+from sparkcache.store.testing import make_root, page_bytes
+
+SIZE = 8192
+FILE = HEADER_SIZE + SIZE
+
+
+def rid() -> str:
+    return secrets.token_hex(16)
+
+
+def pooled(store_dir: Path) -> list[str]:
+    return sorted(os.listdir(store_dir / "rank-0" / "free"))
+
+
+def commit_and_collect(store: PageStore, pages: int, size: int = SIZE) -> list[str]:
+    """Commit ``pages`` one-page roots, remove and collect them; their keys."""
+    ids, keys = [], []
+    for _ in range(pages):
+        ids.append(rid())
+        keys.append(secrets.token_hex(16))
+        store.commit(make_root(ids[-1], [keys[-1]], size))
+    store.remove_roots(ids)
+    store.collect(pages)
+    return keys
+
+
+def restored(store: PageStore, keys: list[str], size: int = SIZE) -> list[bytes]:
+    bufs = [bytearray(size) for _ in keys]
+    n = store.restore(keys, bufs)
+    return [bytes(b) for b in bufs[:n]]
+
+
+def test_collection_pools_up_to_its_cap_then_unlinks(tmp_path: Path) -> None:
+    store_dir = tmp_path / "s"
+    with PageStore(store_dir, 0, lease_seconds=0, pool_bytes=3 * FILE) as store:
+        commit_and_collect(store, 5)
+        names = pooled(store_dir)
+        assert len(names) == 3  # the other two were unlinked
+        assert all(parse_free_name(n) == FILE for n in names)
+        assert store.pool.pooled_bytes() == 3 * FILE
+        objects = [p for p in (store_dir / "rank-0" / "objects").rglob("*") if p.is_file()]
+        assert objects == []  # nothing collected stays under objects/
+    free = store_dir / "rank-0" / "free"
+    assert stat.S_IMODE(free.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE((free / n).stat().st_mode) == 0o600 for n in names)
+    report = fsck(store_dir)
+    assert report.ok, report.problems
+    assert (report.pooled_files, report.pooled_bytes) == (3, 3 * FILE)
+
+
+def test_no_pool_cap_unlinks_everything(tmp_path: Path) -> None:
+    with PageStore(tmp_path / "s", 0, lease_seconds=0) as store:  # pool_bytes=0
+        commit_and_collect(store, 4)
+    assert pooled(tmp_path / "s") == []
+
+
+def test_commits_overwrite_pooled_files_and_restore_exactly(tmp_path: Path) -> None:
+    store_dir = tmp_path / "s"
+    with PageStore(store_dir, 0, lease_seconds=0, pool_bytes=1 << 20) as store:
+        commit_and_collect(store, 6)
+        before = {(store_dir / "rank-0" / "free" / n).stat().st_ino for n in pooled(store_dir)}
+        keys = [secrets.token_hex(16) for _ in range(4)]
+        store.commit(make_root(rid(), keys, SIZE))
+        assert len(pooled(store_dir)) == 2  # four of the six taken
+        assert (store.pool.pooled_files, store.pool.taken_files) == (6, 4)
+        assert restored(store, keys) == [page_bytes(k, SIZE) for k in keys]
+        files = [p for p in (store_dir / "rank-0" / "objects").rglob("*") if p.is_file()]
+        assert {p.stat().st_ino for p in files} <= before  # the same inodes, overwritten
+        assert all(p.stat().st_size == FILE for p in files)
+    assert fsck(store_dir).ok
+
+
+@pytest.mark.parametrize("old_size", [SIZE // 2, SIZE * 3])
+def test_a_pooled_file_of_another_size_is_cut_or_extended(tmp_path: Path, old_size: int) -> None:
+    store_dir = tmp_path / "s"
+    with PageStore(store_dir, 0, lease_seconds=0, pool_bytes=1 << 20) as store:
+        commit_and_collect(store, 1, size=old_size)
+        [name] = pooled(store_dir)
+        assert parse_free_name(name) == HEADER_SIZE + old_size
+        key = secrets.token_hex(16)
+        store.commit(make_root(rid(), [key], SIZE))
+        assert pooled(store_dir) == []
+        assert restored(store, [key]) == [page_bytes(key, SIZE)]
+        [path] = [p for p in (store_dir / "rank-0" / "objects").rglob("*") if p.is_file()]
+        assert path.stat().st_size == FILE
+    assert fsck(store_dir).ok
+
+
+def test_foreign_entries_in_the_pool_are_never_taken(tmp_path: Path) -> None:
+    store_dir = tmp_path / "s"
+    with PageStore(store_dir, 0, lease_seconds=0) as store:
+        pass
+    free = store_dir / "rank-0" / "free"
+    target = tmp_path / "precious"
+    target.write_bytes(b"x" * FILE)
+    (free / free_name(FILE)).symlink_to(target)  # a link named like a pooled file
+    (free / "notes.txt").write_bytes(b"y" * FILE)
+    os.mkfifo(free / free_name(FILE))  # opening it for writing must not block
+    with PageStore(store_dir, 0, lease_seconds=0) as store:
+        key = secrets.token_hex(16)
+        store.commit(make_root(rid(), [key], SIZE))
+        assert restored(store, [key]) == [page_bytes(key, SIZE)]
+    assert target.read_bytes() == b"x" * FILE
+    assert len(os.listdir(free)) == 3  # all three left where they were
+    report = fsck(store_dir)
+    assert sum("unexpected entry free/" in p for p in report.problems) == 3, report.problems
+
+
+def test_a_store_without_a_free_directory_opens_and_works_without_a_pool(
+        tmp_path: Path) -> None:
+    store_dir = tmp_path / "s"
+    with PageStore(store_dir, 0, lease_seconds=0):
+        pass
+    shutil.rmtree(store_dir / "rank-0" / "free")  # as a store made before the pool
+    with PageStore(store_dir, 0, lease_seconds=0, create=False, pool_bytes=1 << 20) as store:
+        assert store.pool is None
+        keys = commit_and_collect(store, 2)
+        assert restored(store, keys) == []
+    assert not (store_dir / "rank-0" / "free").exists()
+    with PageStore(store_dir, 0, lease_seconds=0, pool_bytes=1 << 20) as store:
+        commit_and_collect(store, 2)  # a writer that may create makes it
+    assert len(pooled(store_dir)) == 2
+
+
+def test_put_reads_the_pool_again_at_most_once_a_refresh(tmp_path: Path) -> None:
+    """Only maintenance adds to the pool, so between listings its figure can only err high
+    (commits took files): it pools less, never more than the cap."""
+    objects, free = tmp_path / "objects", tmp_path / "free"
+    objects.mkdir()
+    free.mkdir()
+    for i in range(4):
+        (objects / f"f{i}").write_bytes(b"p" * FILE)
+    now = [0.0]
+    objects_fd, free_fd = os.open(objects, os.O_RDONLY), os.open(free, os.O_RDONLY)
+    try:
+        pool = FilePool(FileOps(), free_fd, 2 * FILE, clock=lambda: now[0])
+        assert pool.put("f0", objects_fd, FILE) and pool.put("f1", objects_fd, FILE)
+        assert not pool.put("f2", objects_fd, FILE)  # at its cap
+        os.unlink(free / os.listdir(free)[0])  # a commit took one
+        now[0] += REFRESH_S / 2
+        assert not pool.put("f2", objects_fd, FILE)  # not listed again yet
+        now[0] += REFRESH_S
+        assert pool.put("f2", objects_fd, FILE)
+        assert not pool.put("f3", objects_fd, FILE)
+    finally:
+        os.close(objects_fd)
+        os.close(free_fd)
+    assert sorted(os.listdir(objects)) == ["f3"]
+    assert len(os.listdir(free)) == 2
