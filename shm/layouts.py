@@ -152,8 +152,9 @@ OUTCOMES = 8
 # One slot per worker of a rank (see workers.lifecycle.Role), written by that worker.
 WORKER_STATS = RecordLayout(
     "worker_stats",
-    6,  # 5 had no entries, outcomes or durations; 4 no lock wait and no maintenance
-    # backlog; 3 no roots_superseded; 2 no pid_start and no drop_stale
+    # 6 had no pooled_bytes; 5 no entries, outcomes or durations; 4 no lock wait and no
+    # maintenance backlog; 3 no roots_superseded; 2 no pid_start and no drop_stale
+    7,
     np.dtype(
         [
             ("pid", "<u4"),
@@ -205,6 +206,9 @@ WORKER_STATS = RecordLayout(
             ("dur_count", "<u8"),  # item durations counted, in all (the +Inf bucket)
             ("dur_sum_s", "<f8"),  # and their sum
             *[(f"dur_le_{i}", "<u8") for i in range(len(DURATION_BUCKETS_S))],
+            # maintenance: bytes of collected files kept for commits to overwrite
+            # (sparkcache/store/pool.py), on disk but not in used_bytes; read once a second
+            ("pooled_bytes", "<u8"),
         ]
     ),
 )

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 # Rows one collection reads at most; its bytes and time budget usually stop it first.
 COLLECT_ROWS = 1024
 IDLE_S = 0.2
+# How often the report lists the pool of collected files for its size (store/pool.py).
+POOL_READ_S = 1.0
 # A request's page position is below the most pages one publication can carry.
 _MAX_POS = segments.RINGS["publish"][1]
 # Clocks of two processes: an access stamped this far in the future is still believed.
@@ -83,6 +85,8 @@ class Maintenance:
             hook=lifecycle.checkpoint, pool_bytes=cfg.pool_cap_bytes,
         )
         self.clock = clock
+        self.pooled_bytes = 0
+        self._pool_read_at = float("-inf")
         self.limits = Limits.from_config(cfg)
         self.costs = CostModel()
         self.pressure = Pressure(cfg.max_bytes, cfg.low_watermark_bytes)
@@ -187,9 +191,17 @@ class Maintenance:
             duty=self.pacing.duty.used(now),
             refusing_since=self._wall(self.hard_cap.since, now),
             refused_s=self.hard_cap.total_s, entries=usage.entries,
-            **self.totals,
+            pooled_bytes=self._pooled(now), **self.totals,
         )
         self.life.beat()
+
+    def _pooled(self, now: float) -> int:
+        """The pool's bytes, listed at most once a second: a report follows every slice."""
+        pool = self.store.pool
+        if pool is not None and now - self._pool_read_at >= POOL_READ_S:
+            self.pooled_bytes = pool.pooled_bytes()
+            self._pool_read_at = now
+        return self.pooled_bytes
 
     def _watch(self, used: int, now: float) -> None:
         """The watermarks seen at ``now``; a new episode considers every root again."""

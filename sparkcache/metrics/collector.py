@@ -59,6 +59,9 @@ MAINTENANCE_GAUGES = (
     ("gc_backlog_bytes", "Bytes of the objects awaiting collection.", "collectable_bytes"),
     ("maintenance_duty_ratio", "Share of the last 10 s maintenance spent in slices (its "
      "cap: SPARKCACHE_MAINTENANCE_DUTY).", "duty"),
+    ("store_pooled_bytes", "Bytes of collected files kept for commits to overwrite: on "
+     "disk, not in store_used_bytes (cap: SPARKCACHE_MAINTENANCE_POOL_BYTES).",
+     "pooled_bytes"),
 )
 # Counters of maintenance's record (name without _total, help, field).
 MAINTENANCE_COUNTERS = (
