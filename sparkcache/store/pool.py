@@ -21,7 +21,6 @@ never touched.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import secrets
@@ -30,8 +29,6 @@ import time
 from collections.abc import Callable
 
 from sparkcache.store.fileops import FileOps
-
-log = logging.getLogger(__name__)
 
 _FREE_RE = re.compile(r"(?P<size>[0-9a-f]{16})\.[0-9a-f]{16}")
 # Only maintenance adds files, so between listings its figure of the pool can only be too

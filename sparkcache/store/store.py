@@ -21,7 +21,8 @@ slice's budget, least recently used first, in one transaction that re-checks lea
 (``store/eviction.py``; unsynced: a power cut may undo it whole, never part of it;
 ``select_victims`` and ``remove_roots`` are the unbounded primitives); ``collect`` deletes
 unreferenced object rows in one durable transaction (which makes every earlier one durable
-too) and only then unlinks exactly those ``<key>.<generation>`` files.
+too) and only then removes exactly those ``<key>.<generation>`` files: into the pool of
+files commits overwrite (``store/pool.py``) while it has room, else unlinked.
 
 A store instance belongs to one process: open a new one after fork.
 """
