@@ -25,6 +25,7 @@ from sparkcache.store import PageStore
 from sparkcache.store.eviction import EvictionPlan
 from sparkcache.store.fileops import COMMIT_STEPS, EVICTION_STEPS
 from sparkcache.store.fsck import fsck
+from sparkcache.store.objects import HEADER_SIZE
 from sparkcache.store.testing import KillAt, make_root, page_bytes
 from tests.conftest import run_children
 
@@ -102,7 +103,7 @@ def eviction_child(store_dir: Path, step: str, nth: int, seed: int, conn: Connec
     (``evict.truncated``), and the kill lands inside one of them. The pool takes four
     files, and later ones are unlinked: collection's two ways out are both crossed."""
     store = PageStore(store_dir, 0, lease_seconds=0, hook=KillAt(step, nth),
-                      pool_bytes=4 * (SIZE + 64))
+                      pool_bytes=4 * (SIZE + HEADER_SIZE))
     rng = random.Random(seed)
     ids = []
     for _ in range(6):

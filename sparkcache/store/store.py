@@ -750,18 +750,21 @@ class PageStore:
         self._hook("collect.unlink")
         if self._pool is not None and self._pool.cap_bytes > 0 and self._pool_file(
                 key, generation, size):
-            self._hook("collect.pooled")
             return
         self._writer.discard([WrittenFile(key, generation, renamed=True)])
 
     def _pool_file(self, key: str, generation: str, size: int) -> bool:
+        """Move a collected object's file into the pool; False if it is to be unlinked
+        instead (the pool is full, or the rename failed). A file already gone needs
+        neither."""
         assert self._pool is not None
         try:
             fd = open_subdir(fanout(key), self._objects_fd, create=False)
         except FileNotFoundError:
-            return True  # nothing left to remove
+            return True
         try:
-            return self._pool.put(object_name(key, generation), fd, HEADER_SIZE + size)
+            if not self._pool.put(object_name(key, generation), fd, HEADER_SIZE + size):
+                return False
         except FileNotFoundError:
             return True
         except OSError as exc:
@@ -769,6 +772,8 @@ class PageStore:
             return False
         finally:
             os.close(fd)
+        self._hook("collect.pooled")
+        return True
 
     # ------------------------------------------------------------------ recovery
 
