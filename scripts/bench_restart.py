@@ -1,5 +1,5 @@
 """The restore worker's loads after the store's processes and the engine restart, against
-the same loads warm, measured in one run, the page cache warm throughout.
+the same loads warm, measured in one run.
 
 ``scripts/bench_vs_lmcache.py`` finds turn 2 of a 16k conversation slower after vLLM and
 the supervisor restart than the same turn warm. This takes vLLM out: a store is filled
@@ -8,12 +8,19 @@ supervisor and an engine whose KV tensors are in shared memory start, and each p
 loaded twice (``warm``: the second time). Then the engine (its KV segment and client) and
 the supervisor stop, both start again on the same directory, and each prefix is loaded
 twice again (``restart``: the first time). Each load runs from the ``load`` call until
-``poll_loads`` reports it.
+``poll_loads`` reports it; ``*_read_mib`` is what the restore worker read from the disk
+(not the page cache) during those loads.
 
 ``restart_vs_warm`` is the median restart load over the median warm one: above 1, the
 store's side pays for the restart.
 
-Usage: ``python scripts/bench_restart.py [--json] [--mib 256] [--prefixes 3]``
+``--idle S`` separates a restart from the time it takes: the prefixes then sit unread for
+S seconds before the restart, and as many other prefixes, read with them, are loaded
+after the same S seconds without a restart (``idle``). A host that reclaims page cache
+no one has read for a while (this VM's DAMON pageout: file pages idle a minute) makes
+both read from the disk; ``restart_vs_idle`` is then what the restart itself costs.
+
+Usage: ``python scripts/bench_restart.py [--json] [--mib 256] [--prefixes 3] [--idle 0]``
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
+import psutil
 import torch
 from bench_restore import (
     HEAD_DIM,
@@ -69,14 +77,21 @@ class Rig:
             self.close()
             raise RuntimeError("registration refused")
 
-    def load(self, tag: str, tokens: list[int], blocks: list[int]) -> float:
+    def load(self, tag: str, tokens: list[int], blocks: list[int]) -> tuple[float, int]:
+        """Seconds of one load, and the bytes the restore worker read from the disk."""
+        conn = self.client._connection()
+        worker = conn.restore_worker() if conn is not None else None
+        if worker is None:
+            raise RuntimeError("no restore worker running")
+        io = psutil.Process(worker[0])
+        read0 = io.io_counters().read_bytes
         t0 = time.perf_counter()
         if not self.client.load(tag, tokens, blocks):
             raise RuntimeError(f"load refused: {self.client.counters}")
         result = wait_reported(self.client, tag)
         if (result.status, result.tokens) != ("ok", len(tokens)):
             raise RuntimeError(f"load {tag}: {result}")
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, io.io_counters().read_bytes - read0
 
     def close(self) -> None:
         self.client.close()
@@ -91,41 +106,56 @@ class Rig:
             self.sup = None
 
 
-def bench(work: Path, mib: int, prefixes: int) -> dict[str, object]:
+def bench(work: Path, mib: int, prefixes: int, idle: float) -> dict[str, object]:
     store = work / "store"
     instance = "r" + uuid.uuid4().hex[:10]
     page = LAYERS * 2 * PAGE_TOKENS * HEADS * HEAD_DIM * 2
     npages = mib * (1 << 20) // page
     shapes = [(2, npages + 8, PAGE_TOKENS, HEADS, HEAD_DIM)] * LAYERS
     blocks = list(range(npages))
-    tokens = [(np.arange(npages * PAGE_TOKENS) + 10_000_000 * i).tolist()
-              for i in range(prefixes)]
-    out: dict[str, list[float]] = {}
+    def prefix_tokens(i: int) -> list[int]:
+        return (np.arange(npages * PAGE_TOKENS) + 10_000_000 * i).tolist()
 
-    def both_passes(rig: Rig, phase: str) -> None:
-        time.sleep(SETTLE_S)
-        for n, name in enumerate((f"{phase}_first", f"{phase}_again")):
-            out[name] = [round(rig.load(f"{phase}{n}-{i}", t, blocks), 4)
-                         for i, t in enumerate(tokens)]
+    tokens = [prefix_tokens(i) for i in range(prefixes)]
+    # Loaded after --idle seconds without a restart: the restart's control.
+    others = [prefix_tokens(prefixes + i) for i in range(prefixes)] if idle else []
+    out: dict[str, object] = {}
+
+    def loads(rig: Rig, name: str, group: list[list[int]]) -> None:
+        done = [rig.load(f"{name}-{i}", t, blocks) for i, t in enumerate(group)]
+        out[name] = [round(s, 4) for s, _ in done]
+        out[f"{name}_read_mib"] = round(sum(b for _, b in done) / (1 << 20), 1)
 
     rig = Rig(store, instance, shapes)
     try:
         ns = rig.client._reg.namespace
-        for t in tokens:
+        for t in tokens + others:
             fill_store(store, list(sequence_keys(ns, t).all()), page)
-        both_passes(rig, "before")
+        time.sleep(SETTLE_S)
+        loads(rig, "before_first", tokens)
+        loads(rig, "before_again", tokens)
+        if idle:
+            loads(rig, "idle_read", others)  # read when the restart's prefixes last were
+            time.sleep(idle)
+            loads(rig, "idle_first", others)
     finally:
         rig.close()
     rig = Rig(store, instance, shapes)
     try:
-        both_passes(rig, "restart")
+        time.sleep(SETTLE_S)
+        loads(rig, "restart_first", tokens)
+        loads(rig, "restart_again", tokens)
     finally:
         rig.close()
-    warm = statistics.median(out["before_again"])
-    return {"pages": npages, "prefixes": prefixes, **out,
-            "warm_s": round(warm, 4),
-            "restart_s": round(statistics.median(out["restart_first"]), 4),
-            "restart_vs_warm": round(statistics.median(out["restart_first"]) / warm, 3)}
+    med = {k: statistics.median(v) for k, v in out.items() if isinstance(v, list)}
+    result = {"pages": npages, "prefixes": prefixes, "idle_s": idle, **out,
+              "warm_s": round(med["before_again"], 4),
+              "restart_s": round(med["restart_first"], 4),
+              "restart_vs_warm": round(med["restart_first"] / med["before_again"], 3)}
+    if idle:
+        result.update(idle_vs_warm=round(med["idle_first"] / med["before_again"], 3),
+                      restart_vs_idle=round(med["restart_first"] / med["idle_first"], 3))
+    return result
 
 
 def main() -> int:
@@ -134,17 +164,20 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, help="directory on the disk to measure")
     parser.add_argument("--mib", type=int, default=256, help="MiB of each prefix")
     parser.add_argument("--prefixes", type=int, default=3, help="prefixes loaded")
+    parser.add_argument("--idle", type=float, default=0.0,
+                        help="seconds the prefixes sit unread before the restart, with "
+                             "a control loaded after as long without one (0: none)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sparkcache-bench-", dir=args.dir))
     try:
-        result = bench(work, args.mib, args.prefixes)
+        result = bench(work, args.mib, args.prefixes, args.idle)
     finally:
         shutil.rmtree(work)
     if args.json:
         print(json.dumps(result))
     else:
         for key, value in result.items():
-            print(f"{key:>16}: {value}")
+            print(f"{key:>22}: {value}")
     return 0
 
 

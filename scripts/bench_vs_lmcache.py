@@ -39,7 +39,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -436,6 +436,8 @@ def _summary(engine: str, lane: dict, off: dict | None, stored: int) -> dict:
         s["load_s"] = {k: _stats(v) for k, v in main["load2"].items()}
         s["load_after_restart_s"] = _stats(restart["load_after_restart"])
         s["load_after_restart_again_s"] = _stats(restart["load_again"])
+        for key in ("disk_read_mib_after_restart", "disk_read_mib_again"):
+            s[key] = restart.get(key)
     s["hit_tokens_after_restart"] = min(restart["hit_after_restart"])
     s["decode_before_soak_tok_s"] = _stats(restart["decode_before_soak"], 1)
     s["decode_after_soak_tok_s"] = _stats(restart["decode_after_soak"], 1)
@@ -811,12 +813,15 @@ def _child(spec: dict) -> None:
     else:
         res.update(ttft2_after_restart=[], hit_after_restart=[], load_after_restart=[],
                    ttft2_again=[], load_again=[])
+        disk_read = _restore_disk_read(spec) if engine == "sparkcache" else None
+        read0 = disk_read() if disk_read else 0
         for run in range(runs):
             n = len(loads)
             g = generate([*prefix_of(run, sizes[-1]), *TAIL2])
             res["load_after_restart"].append(sum(loads[n:]))
             res["ttft2_after_restart"].append(g["ttft"])
             res["hit_after_restart"].append(g["hit"])
+        read1 = disk_read() if disk_read else 0
         # The same turns once more in the same processes: what the restarted ones do
         # warm, minutes after the main phase's warm figure, for the host's drift.
         for run in range(runs):
@@ -824,6 +829,9 @@ def _child(spec: dict) -> None:
             g = generate([*prefix_of(run, sizes[-1]), *TAIL2])
             res["load_again"].append(sum(loads[n:]))
             res["ttft2_again"].append(g["ttft"])
+        if disk_read:
+            res["disk_read_mib_after_restart"] = round((read1 - read0) / MiB, 1)
+            res["disk_read_mib_again"] = round((disk_read() - read1) / MiB, 1)
         res["decode_before_soak"] = probes("before")
         res["soak"] = _soak(generate, settle, spec)
         res["decode_after_soak"] = probes("after")
@@ -874,6 +882,40 @@ def _timed_connector(engine: str) -> tuple[list[float], dict[str, float]]:
         if hasattr(cls, name):
             setattr(cls, name, timed(getattr(cls, name), name))
     return total, by_call
+
+
+def _restore_disk_read(spec: dict) -> Callable[[], int] | None:
+    """The restore worker's bytes read from the disk (not the page cache) so far, as a
+    function; None if it cannot be found. A turn restored from files the host has paged
+    out since they were written reads them back here (docs/benchmarks.md, "Restart")."""
+    import psutil
+
+    from sparkcache import config, segments
+    from workers.lifecycle import Role
+
+    extra = spec["connector"]["kv_connector_extra_config"]
+    cfg = config.load(env={}, overrides={"store_dir": extra["store_dir"],
+                                         "instance": extra["instance"]})
+    stats = segments.attach_stats(cfg, 0)
+    try:
+        report = stats.read(int(Role.RESTORE))
+    finally:
+        stats.close()
+    if report is None:
+        return None
+    try:
+        worker = psutil.Process(int(report.pid))
+        worker.io_counters()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+    last = [0]
+
+    def read() -> int:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            last[0] = worker.io_counters().read_bytes
+        return last[0]
+    return read
 
 
 def _timed_loads() -> list[float]:
