@@ -21,7 +21,11 @@
   ``worker_step_copy_us_p99``: the CPU backend's own copies between its private KV and
   the staging segment (the one copy per page no other process can make);
   ``worker_step_beside_copies_us_p99``: the rest. ``*_slowest_steps_us``: where the
-  slowest 1 % of steps spent their time, per call.
+  slowest 1 % of steps spent their time, per call. ``reference_us_p50`` / ``_p99``: a
+  fixed piece of Python and numpy work (``reference_work``: a 64-record structured
+  array filled, a loop over a dict), timed each step right after the stand-in forward
+  as the connector's first call is: how far this host alone spreads a step's p99 from
+  its p50 (``reference_p99_over_p50``).
 * ``restore_vs_sequential``: from ``scripts/bench_restore.py`` when it is there.
 
 Needs the scheduler environment: ``.vllm/sched/bin/python scripts/bench_connector.py
@@ -43,6 +47,8 @@ import time
 import uuid
 from collections import defaultdict
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -145,6 +151,18 @@ def _slowest_calls(steps: list[dict[str, float]]) -> dict[str, float]:
 
 
 WARMUP_STEPS = 50
+_REFERENCE_DTYPE = np.dtype([("key", "<u8", 2), ("block", "<i8"), ("index", "<u4"),
+                             ("deadline", "<f8")])
+
+
+def reference_work() -> int:
+    """The same small work every step (about 0.1 ms here): the host's own spread."""
+    recs = np.zeros(64, _REFERENCE_DTYPE)
+    recs["block"] = np.arange(64)
+    recs["index"] = np.arange(64, dtype=np.uint32)
+    recs["deadline"] = time.monotonic()
+    seen = {f"r{i}": i for i in range(64)}
+    return sum(v for k, v in seen.items() if k.endswith("1")) + int(recs["block"].sum())
 
 
 def step_times(tmp: Path, steps: int, forward_size: int) -> dict:
@@ -194,6 +212,9 @@ def step_times(tmp: Path, steps: int, forward_size: int) -> dict:
                 before = set(r.sched.requests)
                 if forward_size:
                     weights @ weights
+                t0 = time.perf_counter()
+                reference_work()
+                per_step["reference"].append(time.perf_counter() - t0)
                 so = r.step()
                 meta = so.kv_connector_metadata
                 loads += len(meta.loads)
@@ -226,6 +247,10 @@ def step_times(tmp: Path, steps: int, forward_size: int) -> dict:
             "worker_step_cpu_us_p99": p99(per_step["worker_cpu"]),
             "scheduler_step_us_p50": round(statistics.median(sched) * 1e6, 1),
             "worker_step_us_p50": round(statistics.median(worker) * 1e6, 1),
+            "reference_us_p50": round(statistics.median(per_step["reference"]) * 1e6, 1),
+            "reference_us_p99": p99(per_step["reference"]),
+            "reference_p99_over_p50": round(p99(per_step["reference"])
+                                            / statistics.median(per_step["reference"]) / 1e6, 2),
             "scheduler_slowest_steps_us": _slowest_calls(per_step["sched"]),
             "worker_slowest_steps_us": _slowest_calls(per_step["worker"]),
             "steps": steps - WARMUP_STEPS, "forward_size": forward_size,
