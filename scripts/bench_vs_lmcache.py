@@ -59,6 +59,9 @@ LOGPROB_TOLERANCE = 1e-3
 # longer than the soak would protect every root and the store would refuse saves at its
 # hard cap instead of evicting.
 LEASE_SECONDS = 15
+# Probes run after each phase's compared ones with the connector's calls timed, for where
+# the cost of being on goes (the timing's own wrappers would slow the compared probes).
+SHARE_PROBES = 3
 MiB = 1 << 20
 
 
@@ -731,7 +734,7 @@ def _child(spec: dict) -> None:
     if engine == "lmcache":
         _llvmlite_without_dunders()
     loads = _timed_loads() if engine == "sparkcache" else []
-    connector_s, connector_by_call = _timed_connector(engine)
+    timer = _connector_timer(engine)
     llm, generate = _engine(spec, spec.get("connector"))
     control = socket.socket(socket.AF_UNIX)
     control.connect(spec["control"])
@@ -757,25 +760,37 @@ def _child(spec: dict) -> None:
             time.sleep(0.05)
         return True
 
+    def paired_probe(tag: str, i: int) -> tuple[dict, dict]:
+        """Probe ``i`` of ``tag`` here and on the control engine at the same time, the two
+        sharing the engine's core: both meet the same host, second by second."""
+        control_f.write(json.dumps({"tag": tag, "i": i}) + "\n")
+        control_f.flush()
+        mine = _probe(generate, spec, tag, i)
+        return mine, json.loads(control_f.readline())
+
     def probes(tag: str) -> list[float]:
-        """Each probe runs at the same time as the same probe on the control engine, the
-        two sharing the engine's core: both meet the same host, second by second. Their
-        CPU seconds go to ``probe_cpu_s`` and ``control_cpu_s`` (the figures compare
-        those); the wall-clock tok/s, at about half speed while sharing, is returned."""
+        """``probe_runs`` paired probes: their CPU seconds go to ``probe_cpu_s`` and
+        ``control_cpu_s`` (the figures compare those); the wall-clock tok/s, at about half
+        speed while sharing, is returned. Then, for a store, ``SHARE_PROBES`` more with
+        the connector's calls timed (``connector_share``, ``connector_by_call``)."""
         out = []
         for i in range(spec["probe_runs"]):
-            control_f.write(json.dumps({"tag": tag, "i": i}) + "\n")
-            control_f.flush()
-            c0 = connector_s[0]
-            mine = _probe(generate, spec, tag, i)
-            connector_share.setdefault(tag, []).append(
-                (connector_s[0] - c0) / mine["cpu_s"])
-            theirs = json.loads(control_f.readline())
+            mine, theirs = paired_probe(tag, i)
             out.append(mine["tok_s"])
             for key, value in (("probe_cpu_s", mine["cpu_s"]), ("cpu_share", mine["share"]),
                                ("control_cpu_s", theirs["cpu_s"]),
                                ("control_cpu_share", theirs["share"])):
                 res[key].setdefault(tag, []).append(value)
+        if timer.cls is None:
+            return out
+        timer.timing(True)
+        try:
+            for i in range(SHARE_PROBES):
+                c0 = timer.total
+                mine, _ = paired_probe(f"{tag}-timed", i)
+                connector_share.setdefault(tag, []).append((timer.total - c0) / mine["cpu_s"])
+        finally:
+            timer.timing(False)
         return out
 
     connector_share: dict[str, list[float]] = {}
@@ -804,11 +819,11 @@ def _child(spec: dict) -> None:
             res["negative_control"] = {f"0-{_size_key(sizes[0])}": (g["tokens"],
                                                                     g["logprobs"])}
             res["negative_control_hit"] = g["hit"]
-        by_call0 = dict(connector_by_call)
+        by_call0 = dict(timer.by_call)
         res["decode"] = probes("on")
-        # Where the connector's time during the "on" probes went, ms by call.
+        # Where the connector's time during the timed "on" probes went, ms by call.
         res["connector_ms_by_call"] = {
-            k: round((v - by_call0[k]) * 1e3, 2) for k, v in connector_by_call.items()
+            k: round((v - by_call0[k]) * 1e3, 2) for k, v in timer.by_call.items()
             if v > by_call0[k]}
     else:
         res.update(ttft2_after_restart=[], hit_after_restart=[], load_after_restart=[],
@@ -850,10 +865,45 @@ CONNECTOR_CALLS = (
     "get_block_ids_with_load_errors")
 
 
-def _timed_connector(engine: str) -> tuple[list[float], dict[str, float]]:
+@dataclass
+class ConnectorTimer:
     """Seconds the engine spends inside its connector's calls (both sides run on the
-    engine's thread here): the total, accumulated in the one-element list returned, and
-    by call, to say where the cost of being on goes. Nested calls count once."""
+    engine's thread here), in total and by call, while ``timing(True)`` has wrapped the
+    connector class's methods. The wrappers cost the engine time of their own (about 20
+    calls a decode step), so the probes whose speed is compared run unwrapped and others
+    are timed. Nested calls count once."""
+
+    cls: type | None
+    total: float = 0.0
+    by_call: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CONNECTOR_CALLS, 0.0))
+    _real: dict[str, Callable] = field(default_factory=dict)
+    _depth: int = 0
+
+    def __post_init__(self) -> None:
+        if self.cls is not None:
+            self._real = {name: getattr(self.cls, name) for name in CONNECTOR_CALLS
+                          if hasattr(self.cls, name)}
+
+    def _wrapped(self, real: Callable, name: str) -> Callable:
+        def call(*a, **k):
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                self._depth -= 1
+                if not self._depth:
+                    took = time.perf_counter() - t0
+                    self.total += took
+                    self.by_call[name] += took
+        return call
+
+    def timing(self, on: bool) -> None:
+        for name, real in self._real.items():
+            setattr(self.cls, name, self._wrapped(real, name) if on else real)
+
+
+def _connector_timer(engine: str) -> ConnectorTimer:
     if engine == "sparkcache":
         from sparkcache.vllm.connector import SparkCacheConnector as cls
     elif engine == "lmcache":
@@ -861,27 +911,8 @@ def _timed_connector(engine: str) -> tuple[list[float], dict[str, float]]:
             LMCacheMPConnector as cls,
         )
     else:
-        return [0.0], {}
-    total, by_call, depth = [0.0], dict.fromkeys(CONNECTOR_CALLS, 0.0), [0]
-
-    def timed(real, name: str):
-        def call(*a, **k):
-            depth[0] += 1
-            t0 = time.perf_counter()
-            try:
-                return real(*a, **k)
-            finally:
-                depth[0] -= 1
-                if not depth[0]:
-                    took = time.perf_counter() - t0
-                    total[0] += took
-                    by_call[name] += took
-        return call
-
-    for name in CONNECTOR_CALLS:
-        if hasattr(cls, name):
-            setattr(cls, name, timed(getattr(cls, name), name))
-    return total, by_call
+        cls = None
+    return ConnectorTimer(cls)
 
 
 def _restore_disk_read(spec: dict) -> Callable[[], int] | None:
