@@ -113,6 +113,7 @@ def bench(work: Path, mib: int, prefixes: int, idle: float) -> dict[str, object]
     npages = mib * (1 << 20) // page
     shapes = [(2, npages + 8, PAGE_TOKENS, HEADS, HEAD_DIM)] * LAYERS
     blocks = list(range(npages))
+
     def prefix_tokens(i: int) -> list[int]:
         return (np.arange(npages * PAGE_TOKENS) + 10_000_000 * i).tolist()
 
