@@ -59,8 +59,8 @@ LOGPROB_TOLERANCE = 1e-3
 # longer than the soak would protect every root and the store would refuse saves at its
 # hard cap instead of evicting.
 LEASE_SECONDS = 15
-# Probes run after each phase's compared ones with the connector's calls timed, for where
-# the cost of being on goes (the timing's own wrappers would slow the compared probes).
+# Probes run alone after each phase's compared ones with the connector's calls timed, for
+# where the cost of being on goes (the timing's own wrappers would slow the compared ones).
 SHARE_PROBES = 3
 MiB = 1 << 20
 
@@ -760,22 +760,19 @@ def _child(spec: dict) -> None:
             time.sleep(0.05)
         return True
 
-    def paired_probe(tag: str, i: int) -> tuple[dict, dict]:
-        """Probe ``i`` of ``tag`` here and on the control engine at the same time, the two
-        sharing the engine's core: both meet the same host, second by second."""
-        control_f.write(json.dumps({"tag": tag, "i": i}) + "\n")
-        control_f.flush()
-        mine = _probe(generate, spec, tag, i)
-        return mine, json.loads(control_f.readline())
-
     def probes(tag: str) -> list[float]:
-        """``probe_runs`` paired probes: their CPU seconds go to ``probe_cpu_s`` and
-        ``control_cpu_s`` (the figures compare those); the wall-clock tok/s, at about half
-        speed while sharing, is returned. Then, for a store, ``SHARE_PROBES`` more with
-        the connector's calls timed (``connector_share``, ``connector_by_call``)."""
+        """``probe_runs`` probes, each at the same time as the same probe on the control
+        engine, the two sharing the engine's core: both meet the same host, second by
+        second. Their CPU seconds go to ``probe_cpu_s`` and ``control_cpu_s`` (the figures
+        compare those); the wall-clock tok/s, at about half speed while sharing, is
+        returned. Then, for a store, ``SHARE_PROBES`` more, alone, with the connector's
+        calls timed (``connector_share``, ``connector_by_call``)."""
         out = []
         for i in range(spec["probe_runs"]):
-            mine, theirs = paired_probe(tag, i)
+            control_f.write(json.dumps({"tag": tag, "i": i}) + "\n")
+            control_f.flush()
+            mine = _probe(generate, spec, tag, i)
+            theirs = json.loads(control_f.readline())
             out.append(mine["tok_s"])
             for key, value in (("probe_cpu_s", mine["cpu_s"]), ("cpu_share", mine["share"]),
                                ("control_cpu_s", theirs["cpu_s"]),
@@ -787,7 +784,7 @@ def _child(spec: dict) -> None:
         try:
             for i in range(SHARE_PROBES):
                 c0 = timer.total
-                mine, _ = paired_probe(f"{tag}-timed", i)
+                mine = _probe(generate, spec, f"{tag}-timed", i)
                 connector_share.setdefault(tag, []).append((timer.total - c0) / mine["cpu_s"])
         finally:
             timer.timing(False)
@@ -871,7 +868,10 @@ class ConnectorTimer:
     engine's thread here), in total and by call, while ``timing(True)`` has wrapped the
     connector class's methods. The wrappers cost the engine time of their own (about 20
     calls a decode step), so the probes whose speed is compared run unwrapped and others
-    are timed. Nested calls count once."""
+    are timed, alone on the core: beside the control, a call the scheduler interrupts
+    would count the control's time slice too (wall time then reads about twice the CPU
+    time), and the thread's CPU clock costs a system call, as much as a call it would
+    time. Nested calls count once."""
 
     cls: type | None
     total: float = 0.0
