@@ -169,6 +169,18 @@ class SparkCacheConnector(KVConnectorBase_V1):
             self._worker.close()
             self._worker = None
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind a step's metadata only if it has loads or saves. Most steps have neither
+        (decode), and with nothing bound vLLM skips its per-layer hooks (resolving the
+        layer's attention context, ``wait_for_layer_load``, ``save_kv_layer``: work twice
+        per attention layer per step, for calls that do nothing here), and
+        ``start_load_kv`` returns at once."""
+        if isinstance(connector_metadata, SparkCacheMetadata) and not (
+                connector_metadata.loads or connector_metadata.saves):
+            self._connector_metadata = None
+            return
+        super().bind_connector_metadata(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._worker is None or not self.has_connector_metadata():
             return

@@ -125,6 +125,33 @@ def test_first_turn_saved_second_loaded_async_byte_exact(
         r.run_until_idle()
 
 
+def test_metadata_is_bound_only_for_steps_with_loads_or_saves(
+        supervisor: Path, instance: str) -> None:
+    """vLLM runs its per-layer hooks (the layer's attention context, wait_for_layer_load,
+    save_kv_layer) only while a connector has metadata bound: decode steps, which neither
+    load nor save, bind none, and the saves and loads of the others still happen."""
+    prefix = list(range(20, 20 + 4 * BLOCK))
+    with rig(supervisor, instance) as r:
+        worker = r.workers[0]
+        steps: list[tuple[bool, bool]] = []  # (the step's metadata had work, it was bound)
+        real_bind = worker.bind_connector_metadata
+
+        def bind(meta) -> None:
+            real_bind(meta)
+            steps.append((bool(meta.loads or meta.saves), worker.has_connector_metadata()))
+
+        worker.bind_connector_metadata = bind
+        run_turn(r, "A", [*prefix, 7], max_tokens=6)
+        assert "A" in r.finished_sending
+        wait_stored(r, 4)
+        assert load_turn(r, "B", [*prefix, 8, 9]) and not r.load_errors
+        r.run_until_idle()
+        assert all(work == bound for work, bound in steps), steps
+        assert sum(work for work, _ in steps) == 3  # A's save, B's load, B's save
+        assert sum(not work for work, _ in steps) >= 5  # A's decode steps among them
+        worker.start_load_kv(None)  # nothing bound now: returns at once
+
+
 def test_tp2_loads_the_shortest_prefix_across_ranks(tmp_path: Path, instance: str) -> None:
     prefix = list(range(40, 40 + 5 * BLOCK))
     with running_supervisor(tmp_path / "store", instance, "--ranks", "2") as store, \
