@@ -866,7 +866,7 @@ CONNECTOR_CALLS = (
 class ConnectorTimer:
     """Seconds the engine spends inside its connector's calls (both sides run on the
     engine's thread here), in total and by call, while ``timing(True)`` has wrapped the
-    connector class's methods. The wrappers cost the engine time of their own (about 20
+    connector class's methods. The wrappers cost the engine time of their own (a dozen or more
     calls a decode step), so the probes whose speed is compared run unwrapped and others
     are timed, alone on the core: beside the control, a call the scheduler interrupts
     would count the control's time slice too (wall time then reads about twice the CPU
