@@ -136,7 +136,7 @@ def bench(work: Path, mib: int, prefixes: int, idle: float) -> dict[str, object]
         loads(rig, "before_first", tokens)
         loads(rig, "before_again", tokens)
         if idle:
-            loads(rig, "idle_read", others)  # read when the restart's prefixes last were
+            loads(rig, "idle_warm", others)  # read when the restart's prefixes last were
             time.sleep(idle)
             loads(rig, "idle_first", others)
     finally:

@@ -3,10 +3,10 @@
 At a store's cap every commit creates files while maintenance frees as many of the same
 size, and on ext4 that pairing, not the inventory or maintenance's CPU, is what made
 commits at the cap 2-3x slower than into an empty store (docs/maintenance.md, "Recycled
-files: what slowed a commit at the cap"). So collection renames a collected object's file into this
-directory instead of unlinking it, while the pool holds less than its cap, and a commit
-renames a pooled file onto its temp name and overwrites it in place: no inode or extent
-is allocated or freed, and the blocks are already there.
+files: what slowed a commit at the cap"). So collection renames a collected object's file
+into this directory instead of unlinking it, while the pool holds less than its cap, and
+a commit renames a pooled file onto its temp name and overwrites it in place: no inode or
+extent is allocated or freed, and the blocks are already there.
 
 A pooled file is named ``<size>.<random>`` (16 hex digits each): its size, so that the
 pool's bytes are known from a listing, and a name that never parses as an object's, so no

@@ -149,7 +149,6 @@ def test_metadata_is_bound_only_for_steps_with_loads_or_saves(
         assert all(work == bound for work, bound in steps), steps
         assert sum(work for work, _ in steps) == 3  # A's save, B's load, B's save
         assert sum(not work for work, _ in steps) >= 5  # A's decode steps among them
-        worker.start_load_kv(None)  # nothing bound now: returns at once
 
 
 def test_tp2_loads_the_shortest_prefix_across_ranks(tmp_path: Path, instance: str) -> None:
