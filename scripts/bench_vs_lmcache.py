@@ -10,7 +10,8 @@ model is a random-initialised Llama (engine_util.BENCH_LLAMA: 4 layers, hidden 5
 heads of 64), float32, block size 32: random weights, not vLLM's dummy ones, so that
 restored KV that is wrong shows in the logprobs. A fourth engine without a connector,
 the control, runs every probe at the same time as the lane's engine on the same core; a
-probe's speed is the control's CPU seconds over the engine's (docs/benchmarks.md). The
+probe's speed is the control's CPU seconds over the engine's, and each lane's decode
+figure the median over --decode-instances fresh engine processes (docs/benchmarks.md). The
 ratios per store, under "ratios": ttft2_vs_recompute_8k and ttft2_vs_recompute_16k (one
 per --sizes entry), decode_on_vs_off, connector_share_of_probe,
 decode_after_soak_vs_before, ttft2_after_restart_vs_recompute.
@@ -48,7 +49,13 @@ sys.path.insert(0, str(REPO))
 
 from tests.with_vllm.engine_util import BENCH_LLAMA, BLOCK  # noqa: E402
 
-ENGINES = ("off", "sparkcache", "lmcache")
+ENGINES = ("off", "null", "sparkcache", "lmcache")
+STORES = ("sparkcache", "lmcache")
+# ``null``: vLLM with a connector that does nothing (tests/with_vllm/null_connector.py),
+# a diagnostic lane: what vLLM spends on having a connector at all.
+NULL_CONNECTOR = {"kv_connector": "NullConnector",
+                  "kv_connector_module_path": "tests.with_vllm.null_connector",
+                  "kv_role": "kv_both"}
 TOKEN_BYTES = (BENCH_LLAMA["num_hidden_layers"] * 2 * BENCH_LLAMA["num_key_value_heads"]
                * BENCH_LLAMA["head_dim"] * 4)  # float32 K and V of one token, all layers
 TAIL1 = [7, 8, 9, 10, 11]
@@ -68,13 +75,20 @@ MiB = 1 << 20
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--engines", default=",".join(ENGINES),
-                        help="comma-separated subset of off,sparkcache,lmcache")
+    parser.add_argument("--engines", default=",".join(e for e in ENGINES if e != "null"),
+                        help="comma-separated subset of off,sparkcache,lmcache and null "
+                        "(a diagnostic: vLLM with a connector that does nothing); the "
+                        "default runs the three compared")
     parser.add_argument("--sizes", default="8192,16384", help="prefix tokens, comma-separated")
     parser.add_argument("--runs", type=int, default=3, help="runs per figure (median)")
     parser.add_argument("--probe-prompt", type=int, default=1024)
     parser.add_argument("--probe-tokens", type=int, default=200)
-    parser.add_argument("--probe-runs", type=int, default=7, help="probes per figure")
+    parser.add_argument("--probe-runs", type=int, default=5,
+                        help="probes per figure (per engine instance)")
+    parser.add_argument("--decode-instances", type=int, default=5,
+                        help="fresh engine processes per lane for the decode probes: one "
+                        "process runs 1-3 %% faster or slower than another for its "
+                        "whole life, whatever its connector")
     parser.add_argument("--soak-seconds", type=float, default=90)
     parser.add_argument("--soak-tokens", type=int, default=2048, help="prompt of a soak turn")
     parser.add_argument("--engine-cpus", default="0")
@@ -126,7 +140,7 @@ def run(engines: list[str], sizes: list[int], args: argparse.Namespace) -> dict:
         cap = stored + 384 * MiB
         base = {"model": str(model), "sizes": sizes, "runs": args.runs,
                 "probe_prompt": args.probe_prompt, "probe_tokens": args.probe_tokens,
-                "probe_runs": args.probe_runs,
+                "probe_runs": args.probe_runs, "decode_instances": args.decode_instances,
                 "soak_seconds": args.soak_seconds, "soak_tokens": args.soak_tokens,
                 "engine_cpus": args.engine_cpus, "tmp": str(tmp)}
         out, errors = {}, {}
@@ -149,12 +163,15 @@ def run(engines: list[str], sizes: list[int], args: argparse.Namespace) -> dict:
 
 
 def _lane(engine: str, base: dict, cap: int, store_cpus: str, work: Path) -> dict:
-    """One engine: the timed turns and probes; for a store, then a restart of the engine
-    and of the store's processes, turn 2 again, probes, a soak, probes."""
+    """One engine: the timed turns; for a store, then a restart of the engine and of the
+    store's processes, turn 2 again, probes, a soak, probes; last, the decode probes in
+    fresh engines (``_decode_runs``)."""
     work.mkdir()
     spec = {**base, "engine": engine, "work": str(work)}
-    if engine == "off":
-        return {"main": _child_run(spec, "main")}
+    if engine not in STORES:
+        if engine == "null":
+            spec["connector"] = NULL_CONNECTOR
+        return {"main": _child_run(spec, "main"), "decode": _decode_runs(spec)}
     store = Store.make(engine, work, cap, store_cpus)
     try:
         store.start()
@@ -166,10 +183,22 @@ def _lane(engine: str, base: dict, cap: int, store_cpus: str, work: Path) -> dic
         restart = _child_run(spec, "restart")
         restart["store_status"] = store.status()
         restart_usage = store.usage()
+        # Last, so that the restart's turns come as soon after their first turns as
+        # before: the store is at its cap now, evicting as the probes' turns are saved.
+        decode = _decode_runs(spec)
     finally:
         store.stop()
-    return {"main": main, "restart": restart,
+    return {"main": main, "restart": restart, "decode": decode,
             "store_processes": {"main": main_usage, "restart": restart_usage}}
+
+
+def _decode_runs(spec: dict) -> list[dict]:
+    """The decode probes, ``decode_instances`` times, each in a fresh engine process:
+    an engine process keeps its speed against the control for its whole life, 1-3 %
+    above or below another's of the same code (docs/benchmarks.md), so one process per
+    lane would compare processes more than connectors."""
+    return [_child_run({**spec, "instance": k}, f"decode{k}")
+            for k in range(spec["decode_instances"])]
 
 
 def _child_run(spec: dict, phase: str) -> dict:
@@ -414,18 +443,25 @@ def _med(d: dict | None) -> float | None:
 
 
 def _summary(engine: str, lane: dict, off: dict | None, stored: int) -> dict:
-    main, restart = lane["main"], lane.get("restart")
+    main, restart, decode = lane["main"], lane.get("restart"), lane["decode"]
+    phases = [main, *decode, *([restart] if restart else [])]
+    by_call: dict[str, float] = {}
+    for d in decode:
+        for k, v in (d.get("connector_ms_by_call") or {}).items():
+            by_call[k] = round(by_call.get(k, 0) + v, 2)
     s = {"ttft2_s": {k: _stats(v) for k, v in main["ttft2"].items()},
-         "decode_tok_s": _stats(main["decode"], 1),
-         "decode_vs_control": _stats(_paired(main, "on")),
-         "connector_share_of_probe": {k: _stats(v, 4) for ph in (main, restart or {})
-                                      for k, v in ph.get("connector_share", {}).items()},
-         "connector_ms_by_call_on": main.get("connector_ms_by_call"),
-         "probe_cpu_share": {k: _stats(v, 2) for ph in (main, restart or {})
-                             for k, v in ph.get("cpu_share", {}).items()},
-         "control_cpu_share": {k: _stats(v, 2) for ph in (main, restart or {})
-                               for k, v in ph.get("control_cpu_share", {}).items()}}
-    if engine == "off":
+         "decode_tok_s": _stats([x for d in decode for x in d["decode"]], 1),
+         # Each instance's median, then theirs: probes within one engine process agree
+         # far better than two processes do (see _decode_runs).
+         "decode_vs_control": _stats([statistics.median(_paired(d, "on")) for d in decode]),
+         "decode_vs_control_by_instance": [_stats(_paired(d, "on")) for d in decode],
+         "connector_share_of_probe": {k: _stats(v, 4) for k, v in
+                                      _merged(phases, "connector_share").items()},
+         "connector_ms_by_call_on": by_call or None,
+         "probe_cpu_share": {k: _stats(v, 2) for k, v in _merged(phases, "cpu_share").items()},
+         "control_cpu_share": {k: _stats(v, 2) for k, v in
+                               _merged(phases, "control_cpu_share").items()}}
+    if engine not in STORES:
         return s
     s["ttft1_s"] = {k: _stats(v) for k, v in main["ttft1"].items()}
     s["hit_tokens"] = {k: min(v) for k, v in main["hit2"].items()}
@@ -453,6 +489,15 @@ def _summary(engine: str, lane: dict, off: dict | None, stored: int) -> dict:
         "restored": round(sum(sum(v) for v in main["hit2"].values()) * TOKEN_BYTES / MiB, 1),
         "stored_turn1": round(stored / MiB, 1)}
     return s
+
+
+def _merged(phases: list[dict], key: str) -> dict[str, list[float]]:
+    """``key``'s lists by probe tag, joined across phases."""
+    out: dict[str, list[float]] = {}
+    for ph in phases:
+        for tag, values in ph.get(key, {}).items():
+            out.setdefault(tag, []).extend(values)
+    return out
 
 
 def _paired(phase: dict, tag: str) -> list[float]:
@@ -504,10 +549,10 @@ def _ratios(ran: dict, engines: dict, sizes: list[int]) -> dict:
             recompute = _med(off["ttft2_s"][k]) if off else _med(e["ttft1_s"][k])
             r[f"ttft2_vs_recompute_{k}"] = _ratio(_med(e["ttft2_s"][k]), recompute)
         # Speed against the control engine, probe by probe over the same seconds, over
-        # the off lane's against the same control: two engines without a connector
-        # differ by 1-2 % in that comparison (the off lane's runs 1.008-1.027 times the
-        # control's), which dividing by it removes. After the soak against before, each
-        # over its control, so that the host's drift between them cancels.
+        # the off lane's against the same control, each the median of its engine
+        # instances' medians (an engine process runs 1-3 % apart from another of the same
+        # code: _decode_runs). After the soak against before, in one process, each over
+        # its control, so that the host's drift between them cancels.
         r["decode_on_vs_off"] = _ratio(_med(e["decode_vs_control"]),
                                        _med(off["decode_vs_control"]) if off else 1.0)
         r["connector_share_of_probe"] = _med(e["connector_share_of_probe"].get("on"))
@@ -521,6 +566,10 @@ def _ratios(ran: dict, engines: dict, sizes: list[int]) -> dict:
     if off:
         # Two engines without a connector: how far apart the method puts equals.
         out["off"] = {"decode_off_vs_control": _med(off["decode_vs_control"])}
+    if "null" in ran:
+        out["null"] = {"decode_null_vs_off": _ratio(
+            _med(engines["null"]["decode_vs_control"]),
+            _med(off["decode_vs_control"]) if off else 1.0)}
     return out
 
 
@@ -593,7 +642,8 @@ def plot(result: dict, path: Path) -> None:
 
     engines, ratios = result["engines"], result["ratios"]
     stores = [n for n in ("sparkcache", "lmcache") if n in ratios]
-    colors = {"sparkcache": "tab:blue", "lmcache": "tab:orange", "off": "tab:gray"}
+    colors = {"sparkcache": "tab:blue", "lmcache": "tab:orange", "off": "tab:gray",
+              "null": "tab:green"}
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     sizes = [_size_key(s) for s in result["settings"]["sizes"]]
     width = 0.8 / max(1, len(stores))
@@ -610,7 +660,7 @@ def plot(result: dict, path: Path) -> None:
     # engines without a connector): on against off, as decode_on_vs_off.
     off_ref = (engines.get("off", {}).get("decode_vs_control") or {}).get("median") or 1.0
     labels, meds, lo, hi, cols = [], [], [], [], []
-    for name in [*stores, "off"]:
+    for name in [*stores, "null", "off"]:
         e = engines.get(name, {})
         for key, what in (("decode_vs_control", "on"),
                           ("decode_before_soak_vs_control", "before\nsoak"),
@@ -768,10 +818,12 @@ def _child(spec: dict) -> None:
         returned. Then, for a store, ``SHARE_PROBES`` more, alone, with the connector's
         calls timed (``connector_share``, ``connector_by_call``)."""
         out = []
+        # Each instance its own prompts: a store would hold another instance's.
+        seed = f"{tag}{spec['instance']}" if "instance" in spec else tag
         for i in range(spec["probe_runs"]):
-            control_f.write(json.dumps({"tag": tag, "i": i}) + "\n")
+            control_f.write(json.dumps({"tag": seed, "i": i}) + "\n")
             control_f.flush()
-            mine = _probe(generate, spec, tag, i)
+            mine = _probe(generate, spec, seed, i)
             theirs = json.loads(control_f.readline())
             out.append(mine["tok_s"])
             for key, value in (("probe_cpu_s", mine["cpu_s"]), ("cpu_share", mine["share"]),
@@ -784,7 +836,7 @@ def _child(spec: dict) -> None:
         try:
             for i in range(SHARE_PROBES):
                 c0 = timer.total
-                mine = _probe(generate, spec, f"{tag}-timed", i)
+                mine = _probe(generate, spec, f"{seed}-timed", i)
                 connector_share.setdefault(tag, []).append((timer.total - c0) / mine["cpu_s"])
         finally:
             timer.timing(False)
@@ -798,7 +850,7 @@ def _child(spec: dict) -> None:
         for run in range(runs):
             for size in sizes:
                 k, prefix = _size_key(size), prefix_of(run, size)
-                if engine != "off":
+                if engine in STORES:
                     res["ttft1"].setdefault(k, []).append(generate([*prefix, *TAIL1])["ttft"])
                     if not settle(prefix):
                         raise SystemExit(f"run {run}: the {k} prefix was not stored")
@@ -816,6 +868,7 @@ def _child(spec: dict) -> None:
             res["negative_control"] = {f"0-{_size_key(sizes[0])}": (g["tokens"],
                                                                     g["logprobs"])}
             res["negative_control_hit"] = g["hit"]
+    elif spec["phase"].startswith("decode"):
         by_call0 = dict(timer.by_call)
         res["decode"] = probes("on")
         # Where the connector's time during the timed "on" probes went, ms by call.
