@@ -113,6 +113,8 @@ def main() -> None:
     engines = [e for e in args.engines.split(",") if e]
     if unknown := set(engines) - set(ENGINES):
         parser.error(f"unknown engines {sorted(unknown)}; allowed: {', '.join(ENGINES)}")
+    if args.decode_instances < 1 or args.probe_runs < 1:
+        parser.error("--decode-instances and --probe-runs must be at least 1")
     sizes = sorted(int(s) for s in args.sizes.split(","))
     if any(s % BLOCK for s in sizes):
         parser.error(f"sizes must be multiples of the block size {BLOCK}")
