@@ -446,11 +446,11 @@ def _med(d: dict | None) -> float | None:
 
 def _summary(engine: str, lane: dict, off: dict | None, stored: int) -> dict:
     main, restart, decode = lane["main"], lane.get("restart"), lane["decode"]
-    phases = [main, *decode, *([restart] if restart else [])]
+    phases = [*decode, *([restart] if restart else [])]  # the phases with probes
     by_call: dict[str, float] = {}
     for d in decode:
         for k, v in (d.get("connector_ms_by_call") or {}).items():
-            by_call[k] = round(by_call.get(k, 0) + v, 2)
+            by_call[k] = by_call.get(k, 0) + v
     s = {"ttft2_s": {k: _stats(v) for k, v in main["ttft2"].items()},
          "decode_tok_s": _stats([x for d in decode for x in d["decode"]], 1),
          # Each instance's median, then theirs: probes within one engine process agree
@@ -459,7 +459,7 @@ def _summary(engine: str, lane: dict, off: dict | None, stored: int) -> dict:
          "decode_vs_control_by_instance": [_stats(_paired(d, "on")) for d in decode],
          "connector_share_of_probe": {k: _stats(v, 4) for k, v in
                                       _merged(phases, "connector_share").items()},
-         "connector_ms_by_call_on": by_call or None,
+         "connector_ms_by_call_on": {k: round(v, 2) for k, v in by_call.items()} or None,
          "probe_cpu_share": {k: _stats(v, 2) for k, v in _merged(phases, "cpu_share").items()},
          "control_cpu_share": {k: _stats(v, 2) for k, v in
                                _merged(phases, "control_cpu_share").items()}}
@@ -539,6 +539,7 @@ def _compare(got: dict, want: dict | None) -> dict | None:
 
 def _ratios(ran: dict, engines: dict, sizes: list[int]) -> dict:
     off = engines.get("off") if "off" in ran else None
+    off_speed = _med(off["decode_vs_control"]) if off else 1.0
     out = {}
     for name in ("sparkcache", "lmcache"):
         e = engines.get(name)
@@ -555,8 +556,7 @@ def _ratios(ran: dict, engines: dict, sizes: list[int]) -> dict:
         # instances' medians (an engine process runs 1-3 % apart from another of the same
         # code: _decode_runs). After the soak against before, in one process, each over
         # its control, so that the host's drift between them cancels.
-        r["decode_on_vs_off"] = _ratio(_med(e["decode_vs_control"]),
-                                       _med(off["decode_vs_control"]) if off else 1.0)
+        r["decode_on_vs_off"] = _ratio(_med(e["decode_vs_control"]), off_speed)
         r["connector_share_of_probe"] = _med(e["connector_share_of_probe"].get("on"))
         r["decode_after_soak_vs_before"] = _ratio(_med(e["decode_after_soak_vs_control"]),
                                                   _med(e["decode_before_soak_vs_control"]))
@@ -567,11 +567,10 @@ def _ratios(ran: dict, engines: dict, sizes: list[int]) -> dict:
         out[name] = r
     if off:
         # Two engines without a connector: how far apart the method puts equals.
-        out["off"] = {"decode_off_vs_control": _med(off["decode_vs_control"])}
+        out["off"] = {"decode_off_vs_control": off_speed}
     if "null" in ran:
         out["null"] = {"decode_null_vs_off": _ratio(
-            _med(engines["null"]["decode_vs_control"]),
-            _med(off["decode_vs_control"]) if off else 1.0)}
+            _med(engines["null"]["decode_vs_control"]), off_speed)}
     return out
 
 

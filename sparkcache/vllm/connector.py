@@ -177,7 +177,7 @@ class SparkCacheConnector(KVConnectorBase_V1):
         ``start_load_kv`` returns at once."""
         if isinstance(connector_metadata, SparkCacheMetadata) and not (
                 connector_metadata.loads or connector_metadata.saves):
-            self._connector_metadata = None
+            self.clear_connector_metadata()
             return
         super().bind_connector_metadata(connector_metadata)
 
