@@ -379,6 +379,18 @@ class BlockViews:
         if cuda:  # the host rows may be reused, and the caller reports the blocks written
             stream.synchronize()
 
+    @property
+    def host_runs(self) -> bool:
+        """Whether every tensor is contiguous host memory: then ``page_runs`` can hand a
+        block's runs to a file read, which lands the page in place."""
+        return all(h is not None for h in self._host)
+
+    def page_runs(self, block: int) -> list[memoryview]:
+        """Block ``block``'s runs, in page order, as writable byte views of the tensors
+        themselves (``host_runs`` only): reading a page into them is its scatter."""
+        return [memoryview(host[o, block]) for host in self._host  # type: ignore[index]
+                for o in range(host.shape[0])]  # type: ignore[union-attr]
+
     def scatter(self, block: int, data: np.ndarray) -> None:
         """The inverse of ``gather``: write the page ``data`` into block ``block``."""
         self._check(data, self.page_bytes)

@@ -281,6 +281,34 @@ def test_corrupt_object_is_quarantined_then_rewritten(store: PageStore) -> None:
     assert restored(store, keys) == [page_bytes(keys[0], SIZE)]
 
 
+def test_pages_read_in_pieces_land_in_place_and_a_bad_one_is_zeroed(store: PageStore) -> None:
+    """The restore worker's read into a block's runs: each page's bytes land across its
+    pieces in order; a page that fails verification leaves zeros in its pieces, the
+    pages after it are not read, and pieces that cannot hold the page are refused."""
+    keys = keys_for(list(range(24)))
+    store.commit(make_root(rid(), keys, SIZE))
+    reader = store._reader
+    plan = reader.plan(keys)
+    runs = np.full((3, 4, SIZE // 4), 0xAA, np.uint8)  # 3 pages, each in 4 runs
+    pieces = [[memoryview(runs[p, r]) for r in range(4)] for p in range(3)]
+    assert reader.read_planned(plan, pieces).pages == 3
+    for p in range(3):
+        assert runs[p].tobytes() == page_bytes(keys[p], SIZE)
+    gen = dict(store._rconn.execute("SELECT key, generation FROM objects"))
+    path = store.layout.objects_dir / fanout(keys[1]) / object_name(keys[1], gen[keys[1]])
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(data)
+    runs[:] = 0xAA
+    result = reader.read_planned(plan, pieces)
+    assert (result.pages, [b.key for b in result.bad]) == (1, [keys[1]])
+    assert runs[0].tobytes() == page_bytes(keys[0], SIZE)
+    assert not runs[1].any()  # no unverified byte left behind
+    assert (runs[2] == 0xAA).all()  # never read
+    with pytest.raises(ValueError, match="hold 4096 bytes, hold 3072"):
+        reader.read_planned(plan[:1], [pieces[0][:3]])
+
+
 def test_readers_do_not_block_the_writer(store: PageStore, tmp_path: Path) -> None:
     keys = keys_for(list(range(8)))
     store.commit(make_root(rid(), keys, SIZE))

@@ -7,10 +7,15 @@ predecessor, is dropped and answered ``stale``, because the client may already h
 reported it failed and the engine reused its blocks; open the registration (again when
 ``reg_gen`` changes) and bounds-check every block id; plan the stored prefix in the
 index (read-only: this worker never writes the index); then read and verify the pages in
-chunks on a small pool of reader threads, each with its own ``StoreReader``, and write
-each chunk's verified prefix into its blocks, in order, stopping at the first page that is
-missing or fails verification. A page is written only after its checksum passed. On a
-CUDA device the pages cross on this worker's own stream, synchronised before the report.
+chunks on a small pool of reader threads, each with its own ``StoreReader``, stopping at
+the first page that is missing or fails verification. Where the engine's KV is host
+memory (vLLM's CPU backend, its KV moved into shared memory) each page is read straight
+into its block's runs and verified there: one copy, from the page cache, where staging
+took two. A page that fails is zeroed before the load is answered, so no block holds an
+unverified byte, and the report counts only the verified prefix (vLLM recomputes every
+block past it, whatever it holds). On a CUDA device each chunk is read into page-locked
+staging, verified, and its verified prefix crosses on this worker's own stream,
+synchronised before the report.
 
 The report on ``loaded`` says how many leading pages were written, the status
 (``protocol.LoadStatus``) and, for a verification failure, the index and object of the
@@ -85,7 +90,9 @@ class _Registered:
     reg_gen: int
     opened: kvmem.OpenedTensors
     views: kvmem.BlockViews
-    staging: list[np.ndarray]  # STAGED_CHUNKS buffers of chunk_pages x page_bytes
+    # STAGED_CHUNKS buffers of chunk_pages x page_bytes; none where the pages are read
+    # straight into the blocks (``BlockViews.host_runs``)
+    staging: list[np.ndarray]
     chunk_pages: int
     stream: torch.cuda.Stream | None  # this worker's own, on a CUDA device
 
@@ -106,7 +113,7 @@ class _Outcome:
 
 
 class _ReaderPool:
-    """Threads that read and verify planned pages into staging buffers, each through its
+    """Threads that read and verify planned pages into staging or blocks, each through its
     own ``StoreReader`` (an index connection belongs to the thread that opened it; it is
     used only to look up a file found missing)."""
 
@@ -392,13 +399,15 @@ class Restore:
         assert self._pool is not None
         size = reg.chunk_pages
         starts = iter(range(0, len(plan), size))
-        free = list(range(len(reg.staging)))
+        free = list(range(STAGED_CHUNKS))
         inflight: deque[tuple[int, int, Future]] = deque()
 
         def submit(start: int) -> None:
             buf = free.pop()
             pages = plan[start : start + size]
-            inflight.append((start, buf, self._pool.submit(pages, reg.staging[buf])))
+            into = reg.staging[buf] if reg.staging else [
+                reg.views.page_runs(b) for b in blocks[start : start + len(pages)]]
+            inflight.append((start, buf, self._pool.submit(pages, into)))
 
         for start in itertools.islice(starts, len(free)):
             submit(start)
@@ -408,8 +417,9 @@ class Restore:
                 start, buf, fut = inflight.popleft()
                 result: ReadResult = self._wait(fut)
                 if result.pages:
-                    reg.views.scatter_pages(blocks[start : start + result.pages],
-                                            reg.staging[buf][: result.pages], reg.stream)
+                    if reg.staging:
+                        reg.views.scatter_pages(blocks[start : start + result.pages],
+                                                reg.staging[buf][: result.pages], reg.stream)
                     written += result.pages
                     self.life.copy_bytes += result.pages * reg.views.page_bytes
                     lifecycle.checkpoint("restore.written")
@@ -424,7 +434,8 @@ class Restore:
                     submit(nxt)
             return _Outcome(LoadStatus.PARTIAL, written)
         finally:
-            # Nothing may still read into the staging when the next load takes it.
+            # Nothing may still read into the staging when the next load takes it, nor
+            # into this load's blocks once it is answered.
             for _, _, fut in inflight:
                 if not fut.cancel():
                     self._wait(fut, quiet=True)
@@ -451,7 +462,9 @@ def _open_registration(desc: dict, reg_gen: int) -> _Registered:
         views = kvmem.BlockViews(opened.tensors, int(desc["block_dim"]))
         chunk = max(1, CHUNK_BYTES // views.page_bytes)
         cuda = views.tensors[0].is_cuda
-        staging = [_staging(chunk, views.page_bytes, pinned=cuda) for _ in range(STAGED_CHUNKS)]
+        # Host tensors (the CPU backend's KV, in shared memory) are read into in place.
+        staging = [] if views.host_runs else [
+            _staging(chunk, views.page_bytes, pinned=cuda) for _ in range(STAGED_CHUNKS)]
         stream = torch.cuda.Stream(device=views.tensors[0].device) if cuda else None
     except BaseException:
         opened.close()

@@ -66,8 +66,9 @@ class FileOps:
         5.8 on); where it does not, a commit fsyncs each file instead."""
         return durability.SYNCFS_REPORTS_ERRORS
 
-    def readinto(self, fd: int, buf: memoryview, offset: int) -> int:
-        return os.preadv(fd, [buf], offset)
+    def readinto(self, fd: int, bufs: list[memoryview], offset: int) -> int:
+        """Read into ``bufs`` in turn from ``offset`` (one ``preadv``); bytes read."""
+        return os.preadv(fd, bufs, offset)
 
     def rename(self, src: str, dst: str, src_dir_fd: int, dst_dir_fd: int) -> None:
         os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)

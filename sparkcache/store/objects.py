@@ -152,33 +152,44 @@ def open_object(ops: FileOps, dir_fd: int, key: str, generation: str) -> int:
 
 
 def read_verified(
-    ops: FileOps, fd: int, key: str, generation: str, length: int, out: memoryview
+    ops: FileOps, fd: int, key: str, generation: str, length: int,
+    out: memoryview | list[memoryview],
 ) -> None:
     """Read the open object ``fd`` into ``out[:length]`` and verify it completely.
 
-    Raises ObjectCorrupt if any check fails; then ``out[:length]`` is zeroed so no
-    unverified byte is left in the caller's buffer.
+    ``out`` may instead be the pieces the payload is scattered into, in order, exactly
+    ``length`` bytes together (a page straight into the KV blocks' runs:
+    ``kvmem.BlockViews.page_runs``); header and payload come in one ``preadv`` either way.
+    Raises ObjectCorrupt if any check fails; then the payload's bytes in ``out`` are
+    zeroed so no unverified byte is left in the caller's buffers.
     """
+    if isinstance(out, list):
+        body = out
+        if sum(p.nbytes for p in body) != length:
+            raise ValueError(f"page pieces hold {sum(p.nbytes for p in body)} bytes, "
+                             f"the object {length}")
+    else:
+        body = [out[:length]]
+    if len(body) >= _IOV_MAX:
+        raise ValueError(f"a page in {len(body)} pieces: at most {_IOV_MAX - 1}")
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise ObjectCorrupt("not a regular file")
     if st.st_size != HEADER_SIZE + length:
         raise ObjectCorrupt(f"size {st.st_size} != {HEADER_SIZE + length}")
     header = bytearray(HEADER_SIZE)
-    if ops.readinto(fd, memoryview(header), 0) != HEADER_SIZE:
-        raise ObjectCorrupt("short header")
-    body = out[:length]
     try:
-        if ops.readinto(fd, body, HEADER_SIZE) != length:
-            raise ObjectCorrupt("short payload")
+        if ops.readinto(fd, [memoryview(header), *body], 0) != HEADER_SIZE + length:
+            raise ObjectCorrupt("short read")
         check_header(header, key, generation, length, body)
     except BaseException:
-        body[:] = bytes(length)
+        for piece in body:
+            piece[:] = bytes(piece.nbytes)
         raise
 
 
 def check_header(
-    header: bytearray, key: str, generation: str, length: int, payload: memoryview
+    header: bytearray, key: str, generation: str, length: int, payload: list[memoryview]
 ) -> None:
     magic, version, hlen, flags, hkey, hgen, hlength, reserved, crc = _HEADER.unpack(header)
     if magic != MAGIC:
@@ -194,7 +205,10 @@ def check_header(
         raise ObjectCorrupt(f"length {hlength} != {length}")
     if reserved != _RESERVED:
         raise ObjectCorrupt("reserved bytes not zero")
-    if checksum(payload, checksum(memoryview(header)[:_CHECKED])) != crc:
+    value = checksum(memoryview(header)[:_CHECKED])
+    for piece in payload:
+        value = checksum(piece, value)
+    if value != crc:
         raise ObjectCorrupt("checksum mismatch")
 
 

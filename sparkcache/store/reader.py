@@ -183,14 +183,24 @@ class StoreReader:
     def read_planned(self, pages: Sequence[PlannedPage], into: Sequence[object]) -> ReadResult:
         """Read and verify the objects ``pages`` (from ``plan``, maybe a slice of it) into
         ``into`` in order, up to the first that cannot be read or fails verification (in
-        ``bad``). A buffer of a page that failed holds no byte of it. Only the file reads
-        of ``pages`` touch this reader's index connection (a file found missing is looked
-        up), so each thread reading in parallel needs its own ``StoreReader``."""
+        ``bad``). An entry of ``into`` is one writable buffer, or a list of byte
+        memoryviews holding exactly the page in pieces (its KV blocks' runs). A buffer of a
+        page that failed holds no byte of it. Only the file reads of ``pages`` touch this
+        reader's index connection (a file found missing is looked up), so each thread
+        reading in parallel needs its own ``StoreReader``."""
         if len(into) < len(pages):
             raise ValueError(f"restore: {len(pages)} keys but only {len(into)} buffers")
-        plan: list[tuple[str, str, int, memoryview]] = []
+        plan: list[tuple[str, str, int, memoryview | list[memoryview]]] = []
         for i, page in enumerate(pages):
-            buf = memoryview(into[i]).cast("B")  # type: ignore[arg-type]
+            target = into[i]
+            if isinstance(target, list):
+                held = sum(p.nbytes for p in target)
+                if held != page.size or any(p.readonly for p in target):
+                    raise ValueError(f"restore: the pieces of page {i} must be writable and "
+                                     f"hold {page.size} bytes, hold {held}")
+                plan.append((page.key, page.generation, page.size, target))
+                continue
+            buf = memoryview(target).cast("B")  # type: ignore[arg-type]
             if buf.readonly or buf.nbytes < page.size:
                 raise ValueError(
                     f"restore: buffer {i} must be writable and hold {page.size} bytes, "
@@ -200,7 +210,7 @@ class StoreReader:
         bad: list[BadObject] = []
         return ReadResult(self._read_plan(plan, bad), tuple(bad))
 
-    def _read_plan(self, plan: list[tuple[str, str, int, memoryview]],
+    def _read_plan(self, plan: list[tuple[str, str, int, memoryview | list[memoryview]]],
                    bad: list[BadObject]) -> int:
         """Open ahead, read and verify ``plan`` in order; the number of pages restored."""
         ahead: deque[int] = deque()  # open descriptors of plan[n : opened]
