@@ -161,6 +161,14 @@ class Config:
             "watermarks; 0: collected files are unlinked at once."
         ),
     )
+    read_ahead_bytes: int = field(
+        default=2 * GiB,
+        metadata=_help(
+            "Bytes per rank of the most recently used roots the restore worker reads into "
+            "the page cache after it starts, while idle, so the first turns after a "
+            "restart or a reboot find them in memory (e.g. 2GiB); 0: none."
+        ),
+    )
     metrics_host: str = field(
         default="127.0.0.1",
         metadata=_help(
@@ -261,7 +269,7 @@ def _parse_field(name: str, text: str) -> Any:
     """Convert one raw string to the type of field ``name``; ValueError names what is allowed."""
     if name in ("max_bytes", "low_watermark_bytes", "capture_slot_bytes",
                 "maintenance_slice_bytes", "maintenance_io_bytes_per_s",
-                "maintenance_pool_bytes"):
+                "maintenance_pool_bytes", "read_ahead_bytes"):
         return parse_size(text)
     if name in ("ranks", "capture_slots", "page_tokens", "metrics_port",
                 "maintenance_slice_roots"):
@@ -397,8 +405,9 @@ def _validate_maintenance(cfg: Config, bad: Callable[[str, str], None]) -> None:
     for name in ("maintenance_slice_bytes", "maintenance_io_bytes_per_s"):
         if getattr(cfg, name) <= 0:
             bad(name, "a positive size")
-    if cfg.maintenance_pool_bytes < 0:
-        bad("maintenance_pool_bytes", "a size, 0 or more")
+    for name in ("maintenance_pool_bytes", "read_ahead_bytes"):
+        if getattr(cfg, name) < 0:
+            bad(name, "a size, 0 or more")
     duty = cfg.maintenance_duty
     if not 0 < duty <= 1:  # also refuses NaN
         bad("maintenance_duty", "a share of a second above 0 and at most 1, such as 0.2")

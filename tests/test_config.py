@@ -71,6 +71,9 @@ def test_every_field_has_help_env_and_flag():
         ({"SPARKCACHE_MAX_BYTES": "40GB"},
          "SPARKCACHE_MAX_BYTES (--max-bytes)='40GB' is invalid: expected a size: plain bytes "
          "or a number with KiB, MiB, GiB or TiB"),
+        ({"SPARKCACHE_READ_AHEAD_BYTES": "-1"},
+         "SPARKCACHE_READ_AHEAD_BYTES (--read-ahead-bytes)='-1' is invalid: expected a size: "
+         "plain bytes or a number with KiB, MiB, GiB or TiB"),
         ({"SPARKCACHE_CAPTURE_SLOT_BYTES": "8"},
          "SPARKCACHE_CAPTURE_SLOT_BYTES (--capture-slot-bytes)='8' is invalid: expected at "
          "least one page (>= 16 bytes)"),

@@ -26,6 +26,7 @@ from pipeline_util import (
 
 from sparkcache import segments
 from sparkcache.store import PageStore
+from sparkcache.store.testing import make_root
 from workers.lifecycle import KILL_AT_ENV, KILL_FILE_ENV, Role
 
 pytestmark = pytest.mark.slow
@@ -122,6 +123,26 @@ def _object_file(store: Path, key: str) -> Path:
     files = list((store / "rank-0" / "objects" / key[:2]).glob(key + ".*"))
     assert len(files) == 1, files
     return files[0]
+
+
+def test_a_started_worker_reads_the_newest_roots_ahead(tmp_path: Path, instance: str) -> None:
+    """Before any load, the restore worker asks the kernel to read the most recently used
+    roots' pages into the page cache, newest first, up to ``read_ahead_bytes``, and
+    reports the bytes asked for as ``prefaulted_bytes``."""
+    store, page = tmp_path / "store", 64 << 10
+    with PageStore(store, 0) as ps:
+        for _ in range(3):  # committed one after another: the last is the newest
+            ps.commit(make_root(os.urandom(16).hex(),
+                                [os.urandom(16).hex() for _ in range(8)], page))
+    budget = 2 * 8 * page + page // 2  # the two newest roots, not a page of the third
+    with pipeline(store, instance, {"read_ahead_bytes": str(budget)}) as engine:
+        deadline = time.monotonic() + 30
+        while (_restore_stats(engine).prefaulted_bytes != 16 * page
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        assert _restore_stats(engine).prefaulted_bytes == 16 * page
+        time.sleep(0.5)  # nothing more is read ahead
+        assert _restore_stats(engine).prefaulted_bytes == 16 * page
 
 
 def test_a_corrupt_page_is_reported_zeroed_and_quarantined(

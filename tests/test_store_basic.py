@@ -309,6 +309,28 @@ def test_pages_read_in_pieces_land_in_place_and_a_bad_one_is_zeroed(store: PageS
         reader.read_planned(plan[:1], [pieces[0][:3]])
 
 
+def test_recent_pages_newest_root_first_each_object_once(store: PageStore, clock: Clock) -> None:
+    """What a restore worker reads ahead after a start: the most recently used roots'
+    live objects, newest root first, each root's pages in order, an object shared by two
+    roots once, up to the budget."""
+    shared = keys_for(list(range(16)))  # a system prompt: two pages both roots hold
+    old = shared + keys_for(list(range(100, 116)))
+    new = shared + keys_for(list(range(200, 224)))
+    store.commit(make_root(rid(), old, SIZE))
+    clock.now += 1
+    store.commit(make_root(rid(), new, SIZE))
+    reader = store._reader
+    assert [p.key for p in reader.recent_pages(10 * SIZE)] == new + old[2:]
+    assert all(p.size == SIZE for p in reader.recent_pages(10 * SIZE))
+    assert [p.key for p in reader.recent_pages(4 * SIZE + SIZE // 2)] == new[:4]
+    assert reader.recent_pages(0) == []
+    clock.now += 1
+    store.record_access(old[-1], len(old) - 1, clock.now)  # a restore's touch
+    store.flush_touches()
+    assert [p.key for p in reader.recent_pages(4 * SIZE)] == old
+    assert reader.read_ahead(reader.recent_pages(4 * SIZE)) == 4 * SIZE
+
+
 def test_readers_do_not_block_the_writer(store: PageStore, tmp_path: Path) -> None:
     keys = keys_for(list(range(8)))
     store.commit(make_root(rid(), keys, SIZE))

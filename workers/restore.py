@@ -74,6 +74,10 @@ STAGED_CHUNKS = 2 * READERS
 READER_BUSY_MS = 1000
 # How often an idle worker looks for a registration to open ahead of its first load.
 WARM_CHECK_S = 1.0
+# Read-ahead after a start (``read_ahead_bytes``): bytes asked of the kernel per idle step.
+# A load that arrives then finds at most this much queued ahead of its own reads on the
+# disk; with idle steps POLL_S apart it reads ahead at up to ~160 MiB/s.
+READ_AHEAD_SLICE_BYTES = 32 << 20
 # Opening a registration (a CUDA context) beats for at most this long.
 SLOW_OPEN_S = 60.0
 _UNIFORM = ("load_id", "reg_gen", "npages", "worker_pid", "worker_start")
@@ -181,6 +185,9 @@ class Restore:
         self._rare = RateLimitedLog(log)
         self._warm_at = 0.0
         self._warmed: int | None = None  # the registration the last warm-up opened
+        # Pages still to read ahead (``_read_ahead``); None until planned.
+        self._ahead: deque[PlannedPage] | None = None
+        self._ahead_started = 0.0
         # torch before READY, as capture does, where the start-up limit (60 s) covers it:
         # imported by a first load, it held the GIL (and so the heartbeat) for over 10 s
         # on a cold page cache beside a vLLM server, and the supervisor killed the worker.
@@ -215,6 +222,7 @@ class Restore:
             return
         if not self._take(timeout):
             self._warm()
+            self._read_ahead()
 
     def _warm(self) -> None:
         """Idle: open the engine's registration, and the index readers, before the first
@@ -241,6 +249,35 @@ class Restore:
             return
         if self._registration(reg_gen) is not None:
             self._store()
+
+    def _read_ahead(self) -> None:
+        """Idle: ask the kernel to read the most recently used roots' pages into the page
+        cache (``read_ahead_bytes`` of them, newest root first), a slice per idle step, so
+        the first turns after a restart or a reboot do not wait for the disk. Measured
+        beside vLLM: a restarted engine's first turn at 16k loaded in 0.149 s, the same
+        turn again 0.067 s, the difference 9 MiB per turn read from the disk, evicted from
+        the page cache in the minutes between (docs/benchmarks.md). Only hints: nothing
+        is copied here, and a load waits behind at most one slice of reads."""
+        if self._ahead is None:
+            reader = self._store()
+            if reader is None or not self.cfg.read_ahead_bytes:
+                return
+            self._ahead = deque(reader.recent_pages(self.cfg.read_ahead_bytes))
+            self._ahead_started = time.monotonic()
+        if not self._ahead:
+            return
+        slice_: list[PlannedPage] = []
+        size = 0
+        while self._ahead and size < READ_AHEAD_SLICE_BYTES:
+            page = self._ahead.popleft()
+            slice_.append(page)
+            size += page.size
+        assert self._reader is not None
+        self.life.prefaulted_bytes += self._reader.read_ahead(slice_)
+        if not self._ahead:
+            log.info("read ahead %.1f MiB of the most recently used roots in %.1f s",
+                     self.life.prefaulted_bytes / 2**20,
+                     time.monotonic() - self._ahead_started)
 
     def _flush(self) -> bool:
         """Push the reports the ring refused before, in order; True once none waits."""

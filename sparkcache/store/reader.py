@@ -180,6 +180,44 @@ class StoreReader:
             plan.append(PlannedPage(key, row[0], row[1]))
         return plan
 
+    def recent_pages(self, budget: int) -> list[PlannedPage]:
+        """The live objects of the most recently used roots, newest root first and each
+        root's pages in order, each object once, until they reach ``budget`` bytes: what
+        the first turns after a restart are likeliest to load (one read transaction;
+        the roots are walked down the LRU index, so a large store costs no more)."""
+        pages: list[PlannedPage] = []
+        seen: set[str] = set()
+        total = 0
+        with index.read_txn(self.conn) as conn:
+            roots = conn.execute(
+                "SELECT id FROM roots ORDER BY lease_until DESC, last_access DESC")
+            for (root_id,) in roots:
+                rows = conn.execute(
+                    "SELECT o.key, o.generation, o.bytes FROM root_pages r"
+                    " JOIN objects o ON o.key = r.key"
+                    " WHERE r.root_id = ? AND o.state = 'live' ORDER BY r.pos", (root_id,))
+                for key, generation, size in rows:
+                    if key in seen:
+                        continue
+                    if total + size > budget:
+                        return pages
+                    seen.add(key)
+                    pages.append(PlannedPage(key, generation, size))
+                    total += size
+        return pages
+
+    def read_ahead(self, pages: Sequence[PlannedPage]) -> int:
+        """Ask the kernel to read the objects of ``pages`` into the page cache, without
+        waiting for it; the bytes asked for (objects gone since they were planned are
+        passed over)."""
+        asked = 0
+        for page in pages:
+            fd = self._open_page(page.key, page.generation, [])
+            if fd is not None:
+                self._ops.close(fd)
+                asked += page.size
+        return asked
+
     def read_planned(self, pages: Sequence[PlannedPage], into: Sequence[object]) -> ReadResult:
         """Read and verify the objects ``pages`` (from ``plan``, maybe a slice of it) into
         ``into`` in order, up to the first that cannot be read or fails verification (in
