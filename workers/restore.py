@@ -95,10 +95,15 @@ class _Registered:
     opened: kvmem.OpenedTensors
     views: kvmem.BlockViews
     # STAGED_CHUNKS buffers of chunk_pages x page_bytes; none where the pages are read
-    # straight into the blocks (``BlockViews.host_runs``)
+    # straight into the blocks (``in_place``)
     staging: list[np.ndarray]
     chunk_pages: int
     stream: torch.cuda.Stream | None  # this worker's own, on a CUDA device
+
+    @property
+    def in_place(self) -> bool:
+        """Pages are read into the blocks themselves (host tensors: ``host_runs``)."""
+        return self.views.host_runs
 
 
 @dataclass
@@ -259,9 +264,12 @@ class Restore:
         the page cache in the minutes between (docs/benchmarks.md). Only hints: nothing
         is copied here, and a load waits behind at most one slice of reads."""
         if self._ahead is None:
-            reader = self._store()
-            if reader is None or not self.cfg.read_ahead_bytes:
+            if not self.cfg.read_ahead_bytes:
+                self._ahead = deque()
                 return
+            reader = self._store()
+            if reader is None:
+                return  # no store yet: planned at a later idle step
             self._ahead = deque(reader.recent_pages(self.cfg.read_ahead_bytes))
             self._ahead_started = time.monotonic()
         if not self._ahead:
@@ -436,13 +444,14 @@ class Restore:
         assert self._pool is not None
         size = reg.chunk_pages
         starts = iter(range(0, len(plan), size))
+        # Tokens for the chunks in flight: staging buffers, or (in place) only the bound.
         free = list(range(STAGED_CHUNKS))
         inflight: deque[tuple[int, int, Future]] = deque()
 
         def submit(start: int) -> None:
             buf = free.pop()
             pages = plan[start : start + size]
-            into = reg.staging[buf] if reg.staging else [
+            into = reg.staging[buf] if not reg.in_place else [
                 reg.views.page_runs(b) for b in blocks[start : start + len(pages)]]
             inflight.append((start, buf, self._pool.submit(pages, into)))
 
@@ -454,7 +463,7 @@ class Restore:
                 start, buf, fut = inflight.popleft()
                 result: ReadResult = self._wait(fut)
                 if result.pages:
-                    if reg.staging:
+                    if not reg.in_place:
                         reg.views.scatter_pages(blocks[start : start + result.pages],
                                                 reg.staging[buf][: result.pages], reg.stream)
                     written += result.pages

@@ -44,7 +44,7 @@ _HEADER = struct.Struct("<8sHHI16s8sQ12sI")
 HEADER_SIZE = _HEADER.size
 _CHECKED = HEADER_SIZE - 4
 _RESERVED = bytes(12)
-_IOV_MAX = os.sysconf("SC_IOV_MAX")
+IOV_MAX = os.sysconf("SC_IOV_MAX")
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -96,7 +96,7 @@ def build_header(key: str, generation: str, payload: list[memoryview]) -> bytes:
 def _write_all(ops: FileOps, fd: int, pieces: list[memoryview]) -> None:
     # writev takes at most IOV_MAX pieces and may write fewer bytes than asked.
     while pieces:
-        n = ops.write(fd, pieces[:_IOV_MAX])
+        n = ops.write(fd, pieces[:IOV_MAX])
         if n <= 0:  # a regular file that accepts nothing is full; never spin
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         pieces = split_pieces(pieces, n)[1]
@@ -157,21 +157,14 @@ def read_verified(
 ) -> None:
     """Read the open object ``fd`` into ``out[:length]`` and verify it completely.
 
-    ``out`` may instead be the pieces the payload is scattered into, in order, exactly
-    ``length`` bytes together (a page straight into the KV blocks' runs:
-    ``kvmem.BlockViews.page_runs``); header and payload come in one ``preadv`` either way.
+    ``out`` may instead be the pieces the payload is scattered into, in order: writable
+    byte views, exactly ``length`` bytes together and fewer than ``IOV_MAX`` (a page
+    straight into the KV blocks' runs, ``kvmem.BlockViews.page_runs``; the caller checks,
+    ``StoreReader.read_planned``). Header and payload come in one ``preadv`` either way.
     Raises ObjectCorrupt if any check fails; then the payload's bytes in ``out`` are
     zeroed so no unverified byte is left in the caller's buffers.
     """
-    if isinstance(out, list):
-        body = out
-        if sum(p.nbytes for p in body) != length:
-            raise ValueError(f"page pieces hold {sum(p.nbytes for p in body)} bytes, "
-                             f"the object {length}")
-    else:
-        body = [out[:length]]
-    if len(body) >= _IOV_MAX:
-        raise ValueError(f"a page in {len(body)} pieces: at most {_IOV_MAX - 1}")
+    body = out if isinstance(out, list) else [out[:length]]
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise ObjectCorrupt("not a regular file")

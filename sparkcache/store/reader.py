@@ -24,7 +24,7 @@ from sparkcache.store import index
 from sparkcache.store.fileops import FileOps
 from sparkcache.store.gate import LookupGate
 from sparkcache.store.layout import DIR_FLAGS, RankLayout, fanout, open_subdir
-from sparkcache.store.objects import ObjectCorrupt, open_object, read_verified
+from sparkcache.store.objects import IOV_MAX, ObjectCorrupt, open_object, read_verified
 from sparkcache.store.records import StoreError
 
 log = logging.getLogger(__name__)
@@ -233,9 +233,11 @@ class StoreReader:
             target = into[i]
             if isinstance(target, list):
                 held = sum(p.nbytes for p in target)
-                if held != page.size or any(p.readonly for p in target):
-                    raise ValueError(f"restore: the pieces of page {i} must be writable and "
-                                     f"hold {page.size} bytes, hold {held}")
+                if (held != page.size or any(p.readonly for p in target)
+                        or len(target) >= IOV_MAX):
+                    raise ValueError(f"restore: the pieces of page {i} must be writable, "
+                                     f"fewer than {IOV_MAX} and hold {page.size} bytes, "
+                                     f"hold {held} in {len(target)}")
                 plan.append((page.key, page.generation, page.size, target))
                 continue
             buf = memoryview(target).cast("B")  # type: ignore[arg-type]
