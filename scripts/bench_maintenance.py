@@ -12,8 +12,8 @@ scenarios, each on a fresh store:
   for the whole run, the real maintenance worker process evicting and collecting in
   budgeted, paced slices, its collected files pooled for the writer's commits to
   overwrite (``commit_p99_full_s``, ``full_vs_empty_p99``, target <= 1.5;
-  ``recycled_share_full``: the share of the writer's page files written over a pooled
-  one);
+  ``recycled_share_full``: the share of the writer's files, a pack per turn, written
+  over a pooled one);
 * baseline: the same, with the predecessor's maintenance instead, in its own process:
   every pass scans and sorts the whole inventory, removes roots down to the low
   watermark in one transaction, then collects every unreferenced object, unlinking its
@@ -186,7 +186,7 @@ def write(store: PageStore, convs: Conversations, page: bytes, rate: float,
         commits.append(time.perf_counter() - t0)
         waits.append(store.counters.lock_wait_s - waited)
         published += result.bytes_written
-        files += result.pages_written
+        files += result.pages_written > 0  # a turn's new pages are one file, its pack
         due = max(due + period, time.monotonic())
     recycled = (store.pool.taken_files if store.pool else 0) - taken
     return Run(commits, waits, published, time.monotonic() - start, files=files,

@@ -6,9 +6,10 @@ fp16, 16-token pages: 512 KiB a page), committed straight through ``PageStore``.
 supervisor then runs its workers beside an engine whose KV tensors are in shared memory.
 Each round:
 
-* sequential: every object file of the prefix, in page order, evicted from the page cache
-  (``posix_fadvise(DONTNEED)``), then opened and read whole into one reused buffer: the
-  disk's and the kernel's share of a restore, with no checksum and no copy into blocks;
+* sequential: every file of the prefix (a pack per 64 pages), in page order, evicted from
+  the page cache (``posix_fadvise(DONTNEED)``), then opened and read whole into one
+  reused buffer: the disk's and the kernel's share of a restore, with no checksum and no
+  copy into blocks;
 * restore worker: the same files evicted again, then one ``load`` of the whole prefix
   into fresh blocks, timed from the call until ``poll_loads`` reports it (the engine
   thread spends only the ``load`` call on it: ``load_call_ms``); afterwards every block
@@ -48,8 +49,7 @@ from sparkcache.identity import sequence_keys
 from sparkcache.kvmem import SharedKVCaches
 from sparkcache.runtime import RUNTIME_FILE
 from sparkcache.store import PageData, PageStore, Root
-from sparkcache.store.layout import fanout, object_name
-from sparkcache.store.testing import page_bytes
+from sparkcache.store.testing import object_file, page_bytes
 from workers.lifecycle import Role, State
 
 GIB = 1 << 30
@@ -69,27 +69,28 @@ def drop_cache(paths: list[Path]) -> None:
 
 
 def sequential_read(paths: list[Path], buf: bytearray) -> float:
+    """Read every file whole, in order, ``buf`` at a time."""
     view = memoryview(buf)
     start = time.perf_counter()
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
-            os.readv(fd, [view])
+            while os.readv(fd, [view]):
+                pass
         finally:
             os.close(fd)
     return time.perf_counter() - start
 
 
 def fill_store(store_dir: Path, keys: list[str], page: int) -> list[Path]:
-    """Commit ``keys`` as roots of 64 pages; the object files in page order."""
+    """Commit ``keys`` as roots of 64 pages (a pack each); the files in page order."""
     with PageStore(store_dir, 0) as store:
         for i in range(0, len(keys), 64):
             part = keys[i : i + 64]
             root = os.urandom(16).hex()
             store.commit(Root(root, [PageData(k, page_bytes(k, page)) for k in part]))
-        rows = dict(store._rconn.execute("SELECT key, generation FROM objects").fetchall())
-        objects = store.layout.objects_dir
-    return [objects / fanout(k) / object_name(k, rows[k]) for k in keys]
+        files = [object_file(store.layout.objects_dir, store._rconn, k)[0] for k in keys]
+    return list(dict.fromkeys(files))
 
 
 def start_supervisor(store: Path, instance: str) -> subprocess.Popen:

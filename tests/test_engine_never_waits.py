@@ -17,6 +17,7 @@ import pytest
 from pipeline_util import pipeline, sequences
 
 from sparkcache.store import PageStore
+from sparkcache.store.objects import HEADER_SIZE
 from tests.conftest import join_or_kill
 
 pytestmark = pytest.mark.slow
@@ -37,7 +38,9 @@ def _corrupt_first_page(store: Path, key: str) -> None:
     files = list((store / "rank-0" / "objects" / key[:2]).glob(key + ".*"))
     assert len(files) == 1, files
     raw = bytearray(files[0].read_bytes())
-    raw[-1] ^= 0xFF  # a payload byte: the header still parses, the checksum fails
+    # A byte of its page (the first record, if the file is a pack named after it): the
+    # header still parses, the checksum fails.
+    raw[HEADER_SIZE + 1] ^= 0xFF
     files[0].write_bytes(bytes(raw))
 
 

@@ -16,7 +16,7 @@ from worker_rig import Rig, rig
 from sparkcache import segments
 from sparkcache.config import KiB
 from sparkcache.store.fsck import fsck
-from sparkcache.store.objects import HEADER_SIZE
+from sparkcache.store.objects import record_span
 from sparkcache.store.testing import make_root
 from workers.lifecycle import Role
 
@@ -68,10 +68,10 @@ def test_an_episode_evicts_down_to_the_low_watermark_and_stops_there(
         assert rec.collectable_objects == 0 and rec.selected_bytes < 64 * KiB
         assert rec.evicted_roots >= 3 and rec.collected_objects * PAGE == rec.collected_bytes
         assert 0 < rec.slice_last_s <= rec.slice_max_s <= 0.02
-        # Collected files pooled up to the watermarks' gap (160 KiB: nine files of a
-        # page and its header), the rest unlinked.
-        pooled = PAGE + HEADER_SIZE
-        assert rec.pooled_bytes == 9 * pooled
+        # Collected files pooled up to the watermarks' gap (160 KiB: two of the packs of
+        # four block-aligned records that each put wrote), the rest unlinked.
+        pooled = 4 * record_span(PAGE)
+        assert rec.pooled_bytes == 160 * KiB // pooled * pooled == 2 * pooled
         evicted = rec.evicted_roots
         put(r, 4)
         put(r, 4)  # between the watermarks again: no new episode
@@ -79,7 +79,7 @@ def test_an_episode_evicts_down_to_the_low_watermark_and_stops_there(
         rec = maintenance_record(r)
         assert rec.evicted_roots == evicted and rec.used_bytes > 160 * KiB
         assert rec.episode_since == 0
-        assert rec.pooled_bytes == 1 * pooled  # the commits overwrote eight
+        assert rec.pooled_bytes == 0  # the two commits overwrote them
     assert fsck(tmp_path / "store", grace_seconds=0).ok
 
 

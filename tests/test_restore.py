@@ -26,7 +26,9 @@ from pipeline_util import (
 
 from sparkcache import segments
 from sparkcache.store import PageStore
-from sparkcache.store.testing import make_root
+from sparkcache.store.objects import HEADER_SIZE
+from sparkcache.store.reader import StoreReader
+from sparkcache.store.testing import make_root, object_file
 from workers.lifecycle import KILL_AT_ENV, KILL_FILE_ENV, Role
 
 pytestmark = pytest.mark.slow
@@ -119,10 +121,14 @@ def test_loads_restore_byte_exact_into_fresh_blocks(tmp_path: Path, instance: st
         assert engine.max_call_s < 0.25, engine.max_call_s
 
 
-def _object_file(store: Path, key: str) -> Path:
-    files = list((store / "rank-0" / "objects" / key[:2]).glob(key + ".*"))
-    assert len(files) == 1, files
-    return files[0]
+def _object_file(store: Path, key: str) -> tuple[Path, int]:
+    """The file holding ``key``'s page (its own, or its publication's pack) and the
+    offset of its record there."""
+    reader = StoreReader(store, 0)
+    try:
+        return object_file(reader.layout.objects_dir, reader.conn, key)
+    finally:
+        reader.close()
 
 
 def test_a_started_worker_reads_the_newest_roots_ahead(tmp_path: Path, instance: str) -> None:
@@ -156,9 +162,9 @@ def test_a_corrupt_page_is_reported_zeroed_and_quarantined(
         assert "victim" in engine.acknowledged
         assert wait_committed(engine, seqs={"victim": tokens}) == {}
         keys = engine.keys(tokens)
-        path = _object_file(store, keys[2])
+        path, offset = _object_file(store, keys[2])
         raw = bytearray(path.read_bytes())
-        raw[-1] ^= 0xFF  # a payload byte: the header parses, the checksum fails
+        raw[offset + HEADER_SIZE + 9] ^= 0xFF  # a page byte: the header parses, the checksum fails
         path.write_bytes(bytes(raw))
         blocks = engine.free[: len(keys)]
         _fill(engine, blocks)
@@ -179,7 +185,9 @@ def test_a_corrupt_page_is_reported_zeroed_and_quarantined(
             while ps.usage().by_state["quarantined"][0] == 0:
                 assert time.monotonic() < deadline, "the corrupt object was never quarantined"
                 time.sleep(0.1)
-        assert any(p.name == path.name for p in (store / "rank-0" / "quarantine").iterdir())
+        # The damaged record kept under its own key and its pack's generation.
+        kept = f"{keys[2]}.{path.name.split('.')[1]}"
+        assert any(p.name == kept for p in (store / "rank-0" / "quarantine").iterdir())
 
 
 def test_restore_worker_killed_with_loads_in_flight(tmp_path: Path, instance: str) -> None:

@@ -17,7 +17,8 @@ from sparkcache.identity import Namespace, sequence_keys
 from sparkcache.store import PageData, PageStore, Root, StoreError, UnsafeStoreDir, index
 from sparkcache.store.fsck import fsck
 from sparkcache.store.layout import fanout, object_name
-from sparkcache.store.testing import make_root, page_bytes
+from sparkcache.store.objects import HEADER_SIZE
+from sparkcache.store.testing import make_root, object_file, page_bytes
 
 SIZE = 4096
 NS = Namespace("model-a", "bfloat16", "nhd", tp_size=2, rank=0, page_tokens=8)
@@ -245,6 +246,7 @@ def test_unsafe_store_dirs_are_refused(tmp_path: Path) -> None:
 
 def test_planted_symlinks_are_never_followed(store: PageStore, tmp_path: Path) -> None:
     keys = keys_for(list(range(16)))
+    store.commit(make_root(rid(), keys[:1], SIZE))  # two turns: an object file each
     store.commit(make_root(rid(), keys, SIZE))
     secret = tmp_path / "secret"
     secret.write_bytes(b"s" * 100)
@@ -294,10 +296,9 @@ def test_pages_read_in_pieces_land_in_place_and_a_bad_one_is_zeroed(store: PageS
     assert reader.read_planned(plan, pieces).pages == 3
     for p in range(3):
         assert runs[p].tobytes() == page_bytes(keys[p], SIZE)
-    gen = dict(store._rconn.execute("SELECT key, generation FROM objects"))
-    path = store.layout.objects_dir / fanout(keys[1]) / object_name(keys[1], gen[keys[1]])
+    path, offset = object_file(store.layout.objects_dir, store._rconn, keys[1])
     data = bytearray(path.read_bytes())
-    data[-1] ^= 0x01
+    data[offset + HEADER_SIZE + SIZE - 1] ^= 0x01  # the page's last byte, in a pack
     path.write_bytes(data)
     runs[:] = 0xAA
     result = reader.read_planned(plan, pieces)
@@ -359,6 +360,7 @@ def test_collected_page_mid_prefix_is_a_plain_miss(store: PageStore, clock: Cloc
 
 def test_a_vanished_file_is_quarantined_and_reported_by_reconcile(store: PageStore) -> None:
     keys = keys_for(list(range(16)))
+    store.commit(make_root(rid(), keys[:1], SIZE))  # two turns: an object file each
     store.commit(make_root(rid(), keys, SIZE))
     gen = dict(store._rconn.execute("SELECT key, generation FROM objects"))
     (store.layout.objects_dir / fanout(keys[1]) / object_name(keys[1], gen[keys[1]])).unlink()

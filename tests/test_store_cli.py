@@ -24,6 +24,7 @@ from sparkcache.cli import app
 from sparkcache.config import GiB
 from sparkcache.segments import RankSegments
 from sparkcache.store import PageStore
+from sparkcache.store.objects import HEADER_SIZE
 from sparkcache.store.testing import make_root
 from sparkcache.store_cli import RankStatus, _rank_status, fsck_command, status
 from sparkcache.synthetic import sequences
@@ -136,7 +137,8 @@ def test_fsck_clean_then_finds_and_repairs_damage(
     }
     victim = sorted((store_dir / "rank-1" / "objects").rglob("*.*"))[0]
     data = bytearray(victim.read_bytes())
-    data[-1] ^= 0x80
+    data[HEADER_SIZE + 10] ^= 0x80  # in its first record's page (a pack's padding is no
+    # page's: no checksum covers it, nor needs to)
     victim.write_bytes(data)
     orphan = victim.with_name(victim.parent.name + "0" * 30 + "." + "0" * 16)
     orphan.write_bytes(b"old")

@@ -13,7 +13,7 @@ import pytest
 
 from sparkcache.store import CommitFailed, PageData, PageStore, Root, objects
 from sparkcache.store.objects import HEADER_SIZE, split_pieces
-from sparkcache.store.testing import FaultyFileOps, make_root, page_bytes
+from sparkcache.store.testing import FaultyFileOps, make_root, object_file, page_bytes
 
 SIZE = 8192
 
@@ -106,26 +106,30 @@ def test_a_thousand_bit_flips_are_all_detected(tmp_path: Path, monkeypatch, flag
     store = PageStore(tmp_path / "s", 0)
     page_keys = keys(20)
     store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
-    paths = {p.name.split(".")[0]: p for p in files(store)}
-    originals = {k: paths[k].read_bytes() for k in page_keys}
-    assert {int.from_bytes(o[12:16], "little") for o in originals.values()} == {flags}
+    rows = {k: store._rconn.execute("SELECT file_key, file_offset FROM objects WHERE key = ?",
+                                    (k,)).fetchone() for k in page_keys}
+    (path,) = {object_file(store.layout.objects_dir, store._rconn, k)[0] for k in page_keys}
+    original = path.read_bytes()  # one pack of 20 records
+    assert {int.from_bytes(original[o + 12:o + 16], "little")
+            for _, o in rows.values()} == {flags}
     assert restores(store, page_keys)
     misses = 0
     for _ in range(1000):
         key = rng.choice(page_keys)
-        path = paths[key]
-        data = bytearray(originals[key])
-        bit = rng.randrange(len(data) * 8)
+        data = bytearray(original)
+        bit = rows[key][1] * 8 + rng.randrange((HEADER_SIZE + SIZE) * 8)  # in its record
         data[bit // 8] ^= 1 << (bit % 8)
         path.write_bytes(data)
         buf = bytearray(SIZE)
         if store.restore([key], [buf]) == 0:
             misses += 1
             assert buf == bytes(SIZE)
-        # Put the good copy back under the same name and un-quarantine it for the next round.
-        path.write_bytes(originals[key])
+        # Put the good pack back (quarantine punched the record out of it) and the row as
+        # it was for the next round.
+        path.write_bytes(original)
         with store._wconn as conn:
-            conn.execute("UPDATE objects SET state = 'live' WHERE key = ?", (key,))
+            conn.execute("UPDATE objects SET state = 'live', file_key = ?, file_offset = ? "
+                         "WHERE key = ?", (*rows[key], key))
     assert misses == 1000
     assert store.counters.quarantined == 1000
     assert restores(store, page_keys)
@@ -154,9 +158,9 @@ def test_corruption_deep_in_a_long_restore_ends_the_prefix_there(tmp_path: Path)
     store = PageStore(tmp_path / "s", 0)
     page_keys = keys(12)
     store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
-    (victim,) = [p for p in files(store) if p.name.startswith(page_keys[7])]
+    victim, offset = object_file(store.layout.objects_dir, store._rconn, page_keys[7])
     data = bytearray(victim.read_bytes())
-    data[HEADER_SIZE + 5] ^= 0x10
+    data[offset + HEADER_SIZE + 5] ^= 0x10
     victim.write_bytes(data)
     bufs = [bytearray(SIZE) for _ in page_keys]
     assert store.restore(page_keys, bufs) == 7
@@ -171,8 +175,8 @@ def test_a_truncated_object_is_never_restored(tmp_path: Path) -> None:
     store = PageStore(tmp_path / "s", 0)
     page_keys = keys(2)
     store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
-    (victim,) = [p for p in files(store) if p.name.startswith(page_keys[1])]
-    victim.write_bytes(victim.read_bytes()[: HEADER_SIZE + SIZE // 2])
+    victim, offset = object_file(store.layout.objects_dir, store._rconn, page_keys[1])
+    victim.write_bytes(victim.read_bytes()[: offset + HEADER_SIZE + SIZE // 2])
     bufs = [bytearray(SIZE), bytearray(b"\\xff" * SIZE)]
     assert store.restore(page_keys, bufs) == 1
     assert bufs[1] == bytearray(b"\\xff" * SIZE)  # rejected on size, before any read

@@ -79,7 +79,8 @@ def test_commits_overwrite_pooled_files_and_restore_exactly(tmp_path: Path) -> N
         commit_and_collect(store, 6)
         before = {(store_dir / "rank-0" / "free" / n).stat().st_ino for n in pooled(store_dir)}
         keys = [secrets.token_hex(16) for _ in range(4)]
-        store.commit(make_root(rid(), keys, SIZE))
+        for key in keys:  # a page each: four object files
+            store.commit(make_root(rid(), [key], SIZE))
         assert len(pooled(store_dir)) == 2  # four of the six taken
         assert (store.pool.pooled_files, store.pool.taken_files) == (6, 4)
         assert restored(store, keys) == [page_bytes(k, SIZE) for k in keys]

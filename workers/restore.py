@@ -64,11 +64,15 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.2
 LOAD_CAPACITY = segments.RINGS["load"][1]  # also the most pages of one load
-# Reader threads: file reads and CRC-32 release the GIL, so they run beside the writes
-# into blocks (which the main thread does, in order).
-READERS = 2
+# Reader threads: file reads and CRC-32C release the GIL, so a reader runs beside the
+# writes into blocks (which the main thread does, in order). One: a publication's pages
+# are one pack, which one reader reads front to back and the kernel reads ahead of it in
+# large requests; two readers on alternate chunks of it made two streams, and 64-page
+# restores ran at 0.37-0.62 of a sequential read where one reader ran at 0.67-0.70
+# (16 MiB chunks, scripts/bench_store.py's worker path, three runs each; docs/store.md).
+READERS = 1
 # Bytes read per task; the staging holds STAGED_CHUNKS of them (read ahead of the writes).
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 16 << 20
 STAGED_CHUNKS = 2 * READERS
 # A reader's index connection may wait this long for a lock (the engine's waits 5 ms).
 READER_BUSY_MS = 1000

@@ -1,4 +1,5 @@
-"""The two Linux calls a commit makes its files durable with, which ``os`` does not offer.
+"""The Linux calls the store needs that ``os`` does not offer: two that make a commit's
+files durable, and the one that frees a collected record's blocks inside a pack.
 
 * ``start_writeback``: ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` submits a written file's
   dirty pages to the disk and returns without waiting, so the disk writes one page while
@@ -6,6 +7,9 @@
 * ``sync_filesystem``: ``syncfs(2)`` writes back every dirty page and inode of the
   filesystem, waits for all of it, commits the journal and flushes the device cache: one
   call makes every file of a commit (and the renames) durable, however many there are.
+
+* ``punch_hole``: ``fallocate(FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE)`` frees the
+  blocks of a byte range of a file, which then reads as zeros, its size unchanged.
 
 ``syncfs`` reports a writeback error (EIO, ENOSPC) to the descriptor it is called on only
 since Linux 5.8 (``SYNCFS_REPORTS_ERRORS``); before that it returned 0 even when pages
@@ -28,7 +32,12 @@ _libc.syncfs.restype = ctypes.c_int
 _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 _libc.sync_file_range.restype = ctypes.c_int
 
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_libc.fallocate.restype = ctypes.c_int
+
 _SYNC_FILE_RANGE_WRITE = 2
+_FALLOC_FL_KEEP_SIZE = 1
+_FALLOC_FL_PUNCH_HOLE = 2
 # sync_file_range is only a hint where the filesystem cannot do it: the sync still follows.
 _UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.ESPIPE, errno.EOPNOTSUPP}
 
@@ -63,3 +72,16 @@ def start_writeback(fd: int) -> None:
     failed = _libc.sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0
     if failed and ctypes.get_errno() not in _UNSUPPORTED:
         _raise_errno()
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Free the blocks of ``length`` bytes at ``offset`` of ``fd`` (whole blocks inside the
+    range; the partial ones at its ends are zeroed and kept). False where the filesystem
+    cannot (the bytes then stay allocated until the whole file is removed); an I/O error
+    is raised."""
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) == 0:
+        return True
+    if ctypes.get_errno() in _UNSUPPORTED:
+        return False
+    _raise_errno()
+    return False

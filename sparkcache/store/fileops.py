@@ -30,7 +30,8 @@ EVICTION_STEPS = (
     "evict.truncated",  # a step committed that left a root cut short (store/eviction.py)
     "collect.select",  # inside the collection transaction, rows chosen, before DELETE
     "collect.delete",  # rows deleted, before COMMIT
-    "collect.unlink",  # rows gone durably, before unlinking (or pooling) one file
+    "collect.unlink",  # rows gone durably, before unlinking (or pooling) one file, or
+    # punching one record out of a pack
     "collect.pooled",  # a collected file moved into the pool (store/pool.py)
 )
 
@@ -69,6 +70,11 @@ class FileOps:
     def readinto(self, fd: int, bufs: list[memoryview], offset: int) -> int:
         """Read into ``bufs`` in turn from ``offset`` (one ``preadv``); bytes read."""
         return os.preadv(fd, bufs, offset)
+
+    def punch_hole(self, fd: int, offset: int, length: int) -> bool:
+        """Free the blocks of a byte range (``durability.punch_hole``); False if the
+        filesystem cannot."""
+        return durability.punch_hole(fd, offset, length)
 
     def rename(self, src: str, dst: str, src_dir_fd: int, dst_dir_fd: int) -> None:
         os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)

@@ -32,6 +32,7 @@ from sparkcache.store.layout import (
 from sparkcache.store.objects import ObjectCorrupt, verify_file
 from sparkcache.store.pool import parse_free_name
 from sparkcache.store.records import StoreError
+from sparkcache.store.recovery import dead_ranges, holds_data
 from sparkcache.store.store import PageStore
 
 DEFAULT_FSCK_GRACE_SECONDS = 300.0
@@ -87,31 +88,34 @@ def _repair(layout: RankLayout, grace_seconds: float, report: FsckReport) -> Non
     try:
         with PageStore(layout.store_dir, layout.rank, create=False) as store:
             store.reconcile(grace_seconds)
-            for key, generation, size in _live_objects(layout):
-                problem = _verify(layout, key, generation, size)
+            for key, generation, size, file_key, offset in _live_objects(layout):
+                problem = _verify(layout, key, generation, size, file_key, offset)
                 if problem is not None:
                     store.quarantine(key, generation, problem)
     except (OSError, StoreError, sqlite3.Error) as exc:
         report.add(f"rank {layout.rank}: repair failed: {exc}")
 
 
-def _live_objects(layout: RankLayout) -> list[tuple[str, str, int]]:
+def _live_objects(layout: RankLayout) -> list[tuple[str, str, int, str | None, int]]:
     conn = index.connect(layout.index_path, create=False)
     try:
         return conn.execute(
-            "SELECT key, generation, bytes FROM objects WHERE state = 'live'"
+            "SELECT key, generation, bytes, file_key, file_offset FROM objects "
+            "WHERE state = 'live'"
         ).fetchall()
     finally:
         conn.close()
 
 
-def _verify(layout: RankLayout, key: str, generation: str, size: int) -> str | None:
-    """None if the object file verifies, else what is wrong with it."""
+def _verify(layout: RankLayout, key: str, generation: str, size: int,
+            file_key: str | None, offset: int) -> str | None:
+    """None if the object (its file, or its record in pack ``file_key``) verifies, else
+    what is wrong with it."""
     objects_fd = os.open(layout.objects_dir, DIR_FLAGS)
     try:
-        fd = open_subdir(fanout(key), objects_fd, create=False)
+        fd = open_subdir(fanout(file_key or key), objects_fd, create=False)
         try:
-            verify_file(FileOps(), fd, key, generation, size)
+            verify_file(FileOps(), fd, key, generation, size, file_key, offset)
         finally:
             os.close(fd)
     except FileNotFoundError:
@@ -133,15 +137,19 @@ def _check_rank(layout: RankLayout, grace_seconds: float, report: FsckReport) ->
         return
     try:
         _check_index(conn, where, report)
-        rows = {}
-        for key, generation, size, state in conn.execute(
-            "SELECT key, generation, bytes, state FROM objects"
+        rows: dict[str, str] = {}  # object files: key -> generation
+        packs: dict[tuple[str, str], list[tuple[int, int]]] = {}  # name -> its records
+        for key, generation, size, state, file_key, offset in conn.execute(
+            "SELECT key, generation, bytes, state, file_key, file_offset FROM objects"
         ):
-            rows[key] = generation
+            if file_key is None:
+                rows[key] = generation
+            else:
+                packs.setdefault((file_key, generation), []).append((offset, size))
             if state == "quarantined":
                 report.quarantined += 1
                 continue
-            problem = _verify(layout, key, generation, size)
+            problem = _verify(layout, key, generation, size, file_key, offset)
             if problem is not None:
                 report.add(f"{where}: object {key}.{generation}: {problem}")
     except sqlite3.DatabaseError as exc:
@@ -149,7 +157,7 @@ def _check_rank(layout: RankLayout, grace_seconds: float, report: FsckReport) ->
         return
     finally:
         conn.close()
-    _check_files(layout, rows, grace_seconds, where, report)
+    _check_files(layout, rows, packs, grace_seconds, where, report)
     _check_pool(layout, where, report)
 
 
@@ -198,6 +206,7 @@ def _check_index(conn: sqlite3.Connection, where: str, report: FsckReport) -> No
 def _check_files(
     layout: RankLayout,
     rows: dict[str, str],
+    packs: dict[tuple[str, str], list[tuple[int, int]]],
     grace_seconds: float,
     where: str,
     report: FsckReport,
@@ -215,11 +224,28 @@ def _check_files(
                 report.add(f"{where}: unexpected entry {rel}")
                 continue
             key, generation, is_temp = parsed
+            if not is_temp and (key, generation) in packs:
+                _check_pack(item.path, packs[key, generation], rel, where, report)
+                continue
             if not is_temp and rows.get(key) == generation:
                 continue
             if now - st.st_mtime >= grace_seconds:
                 kind = "temporary file" if is_temp else "orphan file"
                 report.add(f"{where}: {kind} {rel}")
+
+
+def _check_pack(path: str, records: list[tuple[int, int]], rel: str, where: str,
+                report: FsckReport) -> None:
+    """A pack's bytes that no row's record covers must have been freed (punched)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        held = [(offset, length) for offset, length in dead_ranges(records, os.fstat(fd).st_size)
+                if holds_data(fd, offset, length)]
+    finally:
+        os.close(fd)
+    if held:
+        report.add(f"{where}: pack {rel} holds {sum(n for _, n in held)} bytes of "
+                   f"{len(held)} records no row names")
 
 
 def _check_pool(layout: RankLayout, where: str, report: FsckReport) -> None:

@@ -20,7 +20,11 @@ from typing import TypeVar
 from sparkcache.store.layout import FILE_MODE
 from sparkcache.store.records import StoreError, UnsafeStoreDir
 
-SCHEMA_VERSION = "1"
+# 2: object rows name the file their record is in (``file_key``, ``file_offset``); a
+# publication's new pages share one file (docs/store.md, "Packs"). An index of version 1
+# is upgraded by the first writer that opens it (``_upgrade_packs``); code of version 1
+# refuses a version-2 index rather than misread its packs as missing files.
+SCHEMA_VERSION = "2"
 BUSY_TIMEOUT_MS = 30_000
 # A read-only connection is the engine's: it gives up after this rather than wait (a WAL
 # reader waits only in rare moments, such as another process recovering the WAL).
@@ -35,6 +39,13 @@ T = TypeVar("T")
 # connect(create=True) adds it to an older index too.
 _QUARANTINED_INDEX = (
     "CREATE INDEX IF NOT EXISTS objects_quarantined ON objects(key) WHERE state = 'quarantined';"
+)
+
+# The records of one pack: collection asks whether any row still names a pack before
+# unlinking it, and recovery which packs a fan-out directory's rows name.
+_PACKS_INDEX = (
+    "CREATE INDEX IF NOT EXISTS objects_file ON objects(file_key, generation) "
+    "WHERE file_key IS NOT NULL;"
 )
 
 # Objects awaiting collection (refcount 0) and a root cut short by eviction (which keeps a
@@ -79,7 +90,9 @@ CREATE TABLE IF NOT EXISTS objects(
     bytes INTEGER NOT NULL,
     refcount INTEGER NOT NULL CHECK (refcount >= 0),
     state TEXT NOT NULL CHECK (state IN ('live', 'quarantined')),
-    created REAL NOT NULL
+    created REAL NOT NULL,
+    file_key TEXT,
+    file_offset INTEGER NOT NULL DEFAULT 0
 ) WITHOUT ROWID;
 -- Collection reads only unreferenced objects; a partial index makes that O(n collected).
 CREATE INDEX IF NOT EXISTS objects_garbage ON objects(key) WHERE refcount = 0;
@@ -108,6 +121,7 @@ CREATE TABLE IF NOT EXISTS totals(
     bytes INTEGER NOT NULL
 ) WITHOUT ROWID;
 INSERT OR IGNORE INTO totals VALUES ('roots', 0, 0), ('live', 0, 0), ('quarantined', 0, 0);
+""" + _PACKS_INDEX + """
 CREATE TRIGGER IF NOT EXISTS objects_ins AFTER INSERT ON objects BEGIN
     UPDATE totals SET count = count + 1, bytes = bytes + NEW.bytes WHERE name = NEW.state;
 END;
@@ -192,10 +206,11 @@ def _schema_version(conn: sqlite3.Connection, path: Path, create: bool) -> str |
             + f"INSERT OR IGNORE INTO meta VALUES ('schema_version', '{SCHEMA_VERSION}');"
             + "COMMIT;"
         )
-    row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
     if create:
         conn.execute(_QUARANTINED_INDEX)
         _upgrade(conn)
+        _upgrade_packs(conn)
+    row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
     return None if row is None else row[0]
 
 
@@ -205,6 +220,23 @@ def _upgrade(conn: sqlite3.Connection) -> None:
         return
     # Triggers and the first count in one write transaction: no commit can slip between.
     conn.executescript("BEGIN IMMEDIATE;" + "\n".join(_GARBAGE_SCHEMA) + "COMMIT;")
+
+
+def _upgrade_packs(conn: sqlite3.Connection) -> None:
+    """Version 1 to 2: the pack columns (NULL and 0: every version-1 object is a file of
+    its own, which is what they mean) and their index, in one write transaction that
+    re-reads the version, so two writers opening an old index upgrade it once."""
+    version = "SELECT value FROM meta WHERE name = 'schema_version'"
+    if conn.execute(version).fetchone() != ("1",):
+        return
+    with write_txn(conn):
+        if conn.execute(version).fetchone() != ("1",):
+            return
+        conn.execute("ALTER TABLE objects ADD COLUMN file_key TEXT")
+        conn.execute("ALTER TABLE objects ADD COLUMN file_offset INTEGER NOT NULL DEFAULT 0")
+        conn.execute(_PACKS_INDEX)
+        conn.execute("UPDATE meta SET value = ? WHERE name = 'schema_version'",
+                     (SCHEMA_VERSION,))
 
 
 class OutcomeUnknown(StoreError):

@@ -1,6 +1,8 @@
-"""The object file format, and writing and verified reading of one object file.
+"""The object format, and writing and verified reading of object files and packs.
 
-An object file is a 64-byte header followed by the page bytes::
+An object (a record) is a 64-byte header followed by the page bytes; an object file holds
+one, a pack the new pages of one publication back to back, each a record of its own with
+the pack's generation (docs/store.md, "Packs")::
 
     offset size field
          0    8 magic b"SPKCPAGE"
@@ -31,6 +33,8 @@ import os
 import stat
 import struct
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import crc32c
 
@@ -44,11 +48,21 @@ _HEADER = struct.Struct("<8sHHI16s8sQ12sI")
 HEADER_SIZE = _HEADER.size
 _CHECKED = HEADER_SIZE - 4
 _RESERVED = bytes(12)
+_ZEROS = bytes(4096)  # padding, never more than a block
 IOV_MAX = os.sysconf("SC_IOV_MAX")
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 assert HEADER_SIZE == 64
+
+# A record of a pack starts on a block boundary and its span is padded with zeros to the
+# next one: collecting it frees (punches) whole blocks and nothing of its neighbours.
+RECORD_ALIGN = 4096
+
+
+def record_span(payload_bytes: int) -> int:
+    """Bytes a record of ``payload_bytes`` occupies in a pack, padding included."""
+    return -(-(HEADER_SIZE + payload_bytes) // RECORD_ALIGN) * RECORD_ALIGN
 
 
 class ObjectCorrupt(Exception):
@@ -102,31 +116,52 @@ def _write_all(ops: FileOps, fd: int, pieces: list[memoryview]) -> None:
         pieces = split_pieces(pieces, n)[1]
 
 
+@dataclass(frozen=True)
+class Record:
+    """One object to write into a file: its header, once ``build_header`` has it (a
+    thunk, so the writer waits for each checksum only when it reaches that record), its
+    payload in pieces, and the zeros that pad it to its span in a pack."""
+
+    header: Callable[[], bytes]
+    payload: list[memoryview]
+    padding: int = 0
+
+    @property
+    def size(self) -> int:
+        return HEADER_SIZE + sum(p.nbytes for p in self.payload) + self.padding
+
+
 def write_temp(
-    ops: FileOps, dir_fd: int, key: str, generation: str, header: bytes,
-    payload: list[memoryview], hook: StepHook, recycled_fd: int | None = None,
+    ops: FileOps, dir_fd: int, key: str, generation: str, records: list[Record],
+    hook: StepHook, recycled_fd: int | None = None,
 ) -> int:
-    """Write ``<key>.<generation>.tmp`` (``header``, from ``build_header``, then
-    ``payload``) under ``dir_fd`` and return its open descriptor.
+    """Write ``<key>.<generation>.tmp`` under ``dir_fd``: ``records`` one after another
+    (one record: an object file; more: a pack, ``key`` being its first record's), each
+    record's writeback started as soon as it is written, so the disk writes one while the
+    next is written. Returns the open descriptor.
 
     ``recycled_fd``: the temp is a pooled file already renamed to that name
     (``FilePool.take``), overwritten in place from its start, then cut to its size if it
-    was longer or extended if shorter. The file is not yet durable: the caller starts its
-    writeback and closes it, and makes all of a commit's files durable together once every
-    one is written (``writer``). On failure the descriptor is closed and the file removed.
+    was longer or extended if shorter. The file is not yet durable: the caller closes it,
+    and makes all of a commit's files durable together once every one is written
+    (``writer``). On failure the descriptor is closed and the file removed.
     """
     name = temp_name(key, generation)
     fd = ops.open(name, _WRITE_FLAGS, FILE_MODE, dir_fd) if recycled_fd is None else recycled_fd
     try:
         if recycled_fd is not None:
             hook("commit.recycled")
-        size = sum(p.nbytes for p in payload)
-        first, rest = split_pieces(payload, size // 2)
-        _write_all(ops, fd, [memoryview(header), *first])
-        hook("commit.temp_write")
-        _write_all(ops, fd, rest)
-        if recycled_fd is not None and os.fstat(fd).st_size != HEADER_SIZE + size:
-            os.ftruncate(fd, HEADER_SIZE + size)
+        for record in records:
+            size = record.size - HEADER_SIZE - record.padding
+            first, rest = split_pieces(record.payload, size // 2)
+            _write_all(ops, fd, [memoryview(record.header()), *first])
+            hook("commit.temp_write")
+            _write_all(ops, fd, [*rest, memoryview(_ZEROS)[:record.padding]])
+            ops.start_writeback(fd)
+            hook("commit.written")
+        total = sum(r.size for r in records)
+        if recycled_fd is not None and os.fstat(fd).st_size != total:
+            os.ftruncate(fd, total)
     except BaseException:
         ops.close(fd)
         try:
@@ -153,9 +188,10 @@ def open_object(ops: FileOps, dir_fd: int, key: str, generation: str) -> int:
 
 def read_verified(
     ops: FileOps, fd: int, key: str, generation: str, length: int,
-    out: memoryview | list[memoryview],
+    out: memoryview | list[memoryview], offset: int | None = None,
 ) -> None:
-    """Read the open object ``fd`` into ``out[:length]`` and verify it completely.
+    """Read the object in the open file ``fd`` into ``out[:length]`` and verify it
+    completely: the whole file (``offset`` None), or the record at ``offset`` of a pack.
 
     ``out`` may instead be the pieces the payload is scattered into, in order: writable
     byte views, exactly ``length`` bytes together and fewer than ``IOV_MAX`` (a page
@@ -168,11 +204,13 @@ def read_verified(
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise ObjectCorrupt("not a regular file")
-    if st.st_size != HEADER_SIZE + length:
+    if offset is None and st.st_size != HEADER_SIZE + length:
         raise ObjectCorrupt(f"size {st.st_size} != {HEADER_SIZE + length}")
+    if offset is not None and st.st_size < offset + HEADER_SIZE + length:
+        raise ObjectCorrupt(f"pack of {st.st_size} bytes ends inside the record at {offset}")
     header = bytearray(HEADER_SIZE)
     try:
-        if ops.readinto(fd, [memoryview(header), *body], 0) != HEADER_SIZE + length:
+        if ops.readinto(fd, [memoryview(header), *body], offset or 0) != HEADER_SIZE + length:
             raise ObjectCorrupt("short read")
         check_header(header, key, generation, length, body)
     except BaseException:
@@ -205,10 +243,13 @@ def check_header(
         raise ObjectCorrupt("checksum mismatch")
 
 
-def verify_file(ops: FileOps, dir_fd: int, key: str, generation: str, length: int) -> None:
-    """Verify an object file without a caller buffer (fsck)."""
-    fd = open_object(ops, dir_fd, key, generation)
+def verify_file(ops: FileOps, dir_fd: int, key: str, generation: str, length: int,
+                file_key: str | None = None, offset: int = 0) -> None:
+    """Verify an object without a caller buffer (fsck): its own file under ``dir_fd``, or
+    (``file_key`` given) its record at ``offset`` of that pack."""
+    fd = open_object(ops, dir_fd, file_key or key, generation)
     try:
-        read_verified(ops, fd, key, generation, length, memoryview(bytearray(length)))
+        read_verified(ops, fd, key, generation, length, memoryview(bytearray(length)),
+                      None if file_key is None else offset)
     finally:
         ops.close(fd)

@@ -11,6 +11,7 @@ the maintenance worker.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sqlite3
@@ -24,7 +25,13 @@ from sparkcache.store import index
 from sparkcache.store.fileops import FileOps
 from sparkcache.store.gate import LookupGate
 from sparkcache.store.layout import DIR_FLAGS, RankLayout, fanout, open_subdir
-from sparkcache.store.objects import IOV_MAX, ObjectCorrupt, open_object, read_verified
+from sparkcache.store.objects import (
+    HEADER_SIZE,
+    IOV_MAX,
+    ObjectCorrupt,
+    open_object,
+    read_verified,
+)
 from sparkcache.store.records import StoreError
 
 log = logging.getLogger(__name__)
@@ -49,11 +56,19 @@ class BadObject:
 
 @dataclass(frozen=True)
 class PlannedPage:
-    """A page's live object, as the index named it when planned."""
+    """A page's live object, as the index named it when planned: a file of its own, or
+    (``file_key`` set) the record at ``offset`` of that pack."""
 
     key: str
     generation: str
     size: int
+    file_key: str | None = None
+    offset: int = 0
+
+    @property
+    def file(self) -> tuple[str, str]:
+        """The name of the file holding it: ``(key, generation)``."""
+        return (self.file_key or self.key, self.generation)
 
 
 @dataclass(frozen=True)
@@ -171,13 +186,14 @@ class StoreReader:
         transaction): what ``read_planned`` reads. Nothing is read from the files yet."""
         keys = [require_hex(k, "page key") for k in keys]
         with index.read_txn(self.conn) as conn:
-            rows = index.rows_for_keys(conn, "generation, bytes, refcount, state", keys)
+            rows = index.rows_for_keys(
+                conn, "generation, bytes, refcount, state, file_key, file_offset", keys)
         plan: list[PlannedPage] = []
         for key in keys:
             row = rows.get(key)
             if row is None or row[2] == 0 or row[3] != "live":
                 break
-            plan.append(PlannedPage(key, row[0], row[1]))
+            plan.append(PlannedPage(key, row[0], row[1], row[4], row[5]))
         return plan
 
     def recent_pages(self, budget: int) -> list[PlannedPage]:
@@ -193,29 +209,43 @@ class StoreReader:
                 "SELECT id FROM roots ORDER BY lease_until DESC, last_access DESC")
             for (root_id,) in roots:
                 rows = conn.execute(
-                    "SELECT o.key, o.generation, o.bytes FROM root_pages r"
-                    " JOIN objects o ON o.key = r.key"
+                    "SELECT o.key, o.generation, o.bytes, o.file_key, o.file_offset"
+                    " FROM root_pages r JOIN objects o ON o.key = r.key"
                     " WHERE r.root_id = ? AND o.state = 'live' ORDER BY r.pos", (root_id,))
-                for key, generation, size in rows:
+                for key, generation, size, file_key, offset in rows:
                     if key in seen:
                         continue
                     if total + size > budget:
                         return pages
                     seen.add(key)
-                    pages.append(PlannedPage(key, generation, size))
+                    pages.append(PlannedPage(key, generation, size, file_key, offset))
                     total += size
         return pages
 
     def read_ahead(self, pages: Sequence[PlannedPage]) -> int:
         """Ask the kernel to read the objects of ``pages`` into the page cache, without
         waiting for it; the bytes asked for (objects gone since they were planned are
-        passed over)."""
+        passed over). Consecutive records of a pack are asked for as one range."""
         asked = 0
-        for page in pages:
-            fd = self._open_page(page.key, page.generation, [])
+        i = 0
+        while i < len(pages):
+            page = pages[i]
+            j = i + 1
+            if page.file_key is not None:
+                while (j < len(pages) and pages[j].file == page.file
+                       and pages[j].offset > pages[j - 1].offset):
+                    j += 1
+            fd = self._open_file(page, [])
             if fd is not None:
+                last = pages[j - 1]
+                # An object file whole (length 0: to its end), a pack's run of records.
+                end = last.offset + HEADER_SIZE + last.size if page.file_key else 0
+                with contextlib.suppress(OSError):  # readahead is an optimisation only
+                    os.posix_fadvise(fd, page.offset, end - page.offset if end else 0,
+                                     os.POSIX_FADV_WILLNEED)
                 self._ops.close(fd)
-                asked += page.size
+                asked += sum(p.size for p in pages[i:j])
+            i = j
         return asked
 
     def read_planned(self, pages: Sequence[PlannedPage], into: Sequence[object]) -> ReadResult:
@@ -228,7 +258,7 @@ class StoreReader:
         reading in parallel needs its own ``StoreReader``."""
         if len(into) < len(pages):
             raise ValueError(f"restore: {len(pages)} keys but only {len(into)} buffers")
-        plan: list[tuple[str, str, int, memoryview | list[memoryview]]] = []
+        plan: list[tuple[PlannedPage, memoryview | list[memoryview]]] = []
         for i, page in enumerate(pages):
             target = into[i]
             if isinstance(target, list):
@@ -238,7 +268,7 @@ class StoreReader:
                     raise ValueError(f"restore: the pieces of page {i} must be writable, "
                                      f"fewer than {IOV_MAX} and hold {page.size} bytes, "
                                      f"hold {held} in {len(target)}")
-                plan.append((page.key, page.generation, page.size, target))
+                plan.append((page, target))
                 continue
             buf = memoryview(target).cast("B")  # type: ignore[arg-type]
             if buf.readonly or buf.nbytes < page.size:
@@ -246,54 +276,99 @@ class StoreReader:
                     f"restore: buffer {i} must be writable and hold {page.size} bytes, "
                     f"has {buf.nbytes}{' (read-only)' if buf.readonly else ''}"
                 )
-            plan.append((page.key, page.generation, page.size, buf))
+            plan.append((page, buf))
         bad: list[BadObject] = []
         return ReadResult(self._read_plan(plan, bad), tuple(bad))
 
-    def _read_plan(self, plan: list[tuple[str, str, int, memoryview | list[memoryview]]],
+    def _read_plan(self, plan: list[tuple[PlannedPage, memoryview | list[memoryview]]],
                    bad: list[BadObject]) -> int:
-        """Open ahead, read and verify ``plan`` in order; the number of pages restored."""
-        ahead: deque[int] = deque()  # open descriptors of plan[n : opened]
+        """Read and verify ``plan`` in order; the number of pages restored.
+
+        An object file of its own is opened ahead, up to ``PREFETCH_BYTES`` past the
+        current page, and the kernel asked to read it while the current one is verified.
+        A pack is opened once and its records read front to back: the kernel's readahead
+        of a sequential reader then fetches it in large requests (asking it to read the
+        records ahead was slower, docs/store.md, "Packs"). A record that fails verification
+        because collection punched it since it was planned is a miss, not damage."""
+        ahead: deque[int] = deque()  # descriptors of plan[n : opened] (a pack's repeated)
+        packs: dict[tuple[str, str], int] = {}  # open packs, by file name
         ahead_bytes = 0  # their sizes, the current page's excluded
         opened = 0
         limit = len(plan)  # cut at the first page that cannot be opened
         n = 0
         try:
-            for key, generation, size, buf in plan:
+            for page, buf in plan:
                 while opened < limit and (not ahead or ahead_bytes < PREFETCH_BYTES):
-                    fd = self._open_page(*plan[opened][:2], bad)
+                    fd = self._open_planned(plan[opened][0], packs, bad)
                     if fd is None:
                         limit = opened
                         break
                     if ahead:
-                        ahead_bytes += plan[opened][2]
+                        ahead_bytes += plan[opened][0].size
                     ahead.append(fd)
                     opened += 1
                 if not ahead:
                     break
                 fd = ahead.popleft()
                 if ahead:
-                    ahead_bytes -= plan[n + 1][2]  # the next page becomes the current one
+                    ahead_bytes -= plan[n + 1][0].size  # the next page becomes the current
+                in_pack = page.file_key is not None
                 try:
-                    read_verified(self._ops, fd, key, generation, size, buf)
+                    read_verified(self._ops, fd, page.key, page.generation, page.size, buf,
+                                  page.offset if in_pack else None)
                 except ObjectCorrupt as exc:
-                    bad.append(BadObject(key, generation, str(exc)))
+                    if not in_pack or self._still_live(page):
+                        bad.append(BadObject(page.key, page.generation, str(exc)))
+                    # else collected since it was planned (its blocks punched): a miss
                     break
                 except OSError as exc:
-                    log.warning("object %s.%s unreadable: %s; a miss", key, generation, exc)
+                    log.warning("object %s.%s unreadable: %s; a miss", page.key,
+                                page.generation, exc)
                     break
                 finally:
-                    self._ops.close(fd)
+                    if not in_pack:
+                        self._ops.close(fd)
                 n += 1
         finally:
+            shared = set(packs.values())
             for fd in ahead:
+                if fd not in shared:
+                    self._ops.close(fd)
+            for fd in shared:
                 self._ops.close(fd)
         return n
 
-    def _open_page(self, key: str, generation: str, bad: list[BadObject]) -> int | None:
-        """Open a page's object and start its readahead; None (reported) if it cannot be."""
+    def _still_live(self, page: PlannedPage) -> bool:
+        """Whether ``page``'s row still names the object it was planned from."""
+        return self.conn.execute(
+            "SELECT 1 FROM objects WHERE key = ? AND generation = ? AND state = 'live'",
+            (page.key, page.generation)).fetchone() is not None
+
+    def _open_planned(self, page: PlannedPage, packs: dict[tuple[str, str], int],
+                      bad: list[BadObject]) -> int | None:
+        """The descriptor to read ``page`` from: its own file, opened and read ahead, or
+        its pack's, opened once (kept in ``packs``); None (reported) if it cannot be."""
+        if page.file_key is None:
+            fd = self._open_file(page, bad)
+            if fd is not None:
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    pass  # readahead is an optimisation only
+            return fd
+        fd = packs.get(page.file)
+        if fd is None:
+            fd = self._open_file(page, bad)
+            if fd is not None:
+                packs[page.file] = fd
+        return fd
+
+    def _open_file(self, page: PlannedPage, bad: list[BadObject]) -> int | None:
+        """Open the file holding ``page``; None (reported) if it cannot be."""
+        key, generation = page.key, page.generation
+        file_key = page.file[0]
         try:
-            dir_fd = open_subdir(fanout(key), self._objects_fd, create=False)
+            dir_fd = open_subdir(fanout(file_key), self._objects_fd, create=False)
         except FileNotFoundError:
             self._missing(key, generation, bad)
             return None
@@ -301,7 +376,7 @@ class StoreReader:
             bad.append(BadObject(key, generation, str(exc)))
             return None
         try:
-            fd = open_object(self._ops, dir_fd, key, generation)
+            return open_object(self._ops, dir_fd, file_key, generation)
         except FileNotFoundError:
             self._missing(key, generation, bad)
             return None
@@ -313,11 +388,6 @@ class StoreReader:
             return None
         finally:
             os.close(dir_fd)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass  # readahead is an optimisation only
-        return fd
 
     def _missing(self, key: str, generation: str, bad: list[BadObject]) -> None:
         """A live row without its file: a race with collection is a plain miss; else damage."""

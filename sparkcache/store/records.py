@@ -105,6 +105,7 @@ class ReconcileResult:
     dead_rows_removed: int
     refcounts_fixed: int
     objects_missing: int
+    pack_ranges_freed: int = 0  # collected records a crash left holding blocks in a pack
 
 
 @dataclass(frozen=True)

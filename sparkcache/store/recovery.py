@@ -20,16 +20,23 @@ from dataclasses import dataclass
 
 from sparkcache.store import index
 from sparkcache.store.fileops import FileOps
-from sparkcache.store.layout import is_fanout, open_subdir, parse_object_name
+from sparkcache.store.layout import is_fanout, object_name, open_subdir, parse_object_name
+from sparkcache.store.objects import record_span
 from sparkcache.store.records import StoreError
 
 log = logging.getLogger(__name__)
+
+# Punching frees whole blocks only; 4 KiB is the block of every filesystem the store runs
+# on (ext4, XFS, btrfs), and a pack's records are aligned to it (``RECORD_ALIGN``).
+BLOCK = 4096
+_PUNCH_FLAGS = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 @dataclass
 class SweepResult:
     temp_files_removed: int = 0
     orphan_files_removed: int = 0
+    pack_ranges_freed: int = 0  # dead records of live packs whose blocks were still there
     # (key, generation) of live rows whose file is gone: the caller quarantines them.
     missing: tuple[tuple[str, str], ...] = ()
 
@@ -103,12 +110,16 @@ def _sweep_dir(
     grace_seconds: float,
     result: SweepResult,
 ) -> list[tuple[str, str]]:
-    """One fan-out directory, inside the caller's write transaction."""
-    rows = dict(
-        conn.execute(
-            "SELECT key, generation FROM objects WHERE key >= ? AND key < ?", _prefix_range(fan)
-        )
-    )
+    """One fan-out directory, inside the caller's write transaction. Its files are object
+    files named by their own key's row and packs named by the rows of their records
+    (``file_key``), whatever directories those records' own keys fall in."""
+    span = _prefix_range(fan)
+    rows = dict(conn.execute(
+        "SELECT key, generation FROM objects WHERE key >= ? AND key < ? AND file_key IS NULL",
+        span))
+    packs = set(conn.execute(
+        "SELECT DISTINCT file_key, generation FROM objects WHERE file_key >= ? AND file_key < ?",
+        span))
     present = set()
     now = time.time()
     for name in os.listdir(fd):
@@ -120,8 +131,11 @@ def _sweep_dir(
         st = os.stat(name, dir_fd=fd, follow_symlinks=False)
         # A symlink is never an object's file: it is removed (unlink does not follow it)
         # and the row it posed for is reported missing.
-        if not is_temp and rows.get(key) == generation and stat.S_ISREG(st.st_mode):
-            present.add(key)
+        named = rows.get(key) == generation or (key, generation) in packs
+        if not is_temp and named and stat.S_ISREG(st.st_mode):
+            present.add((key, generation))
+            if (key, generation) in packs:
+                result.pack_ranges_freed += _free_dead_ranges(conn, ops, fd, key, generation)
             continue
         if now - st.st_mtime < grace_seconds:
             continue
@@ -130,12 +144,68 @@ def _sweep_dir(
             result.temp_files_removed += 1
         else:
             result.orphan_files_removed += 1
-    live = conn.execute(
-        "SELECT key, generation FROM objects WHERE key >= ? AND key < ? AND state = 'live'",
-        _prefix_range(fan),
-    ).fetchall()
-    gone = [(k, g) for k, g in live if k not in present]
+    gone = [(k, g) for k, g in conn.execute(
+        "SELECT key, generation FROM objects WHERE key >= ? AND key < ? AND state = 'live' "
+        "AND file_key IS NULL", span) if (k, g) not in present]
+    gone += [(k, g) for k, g, f in conn.execute(
+        "SELECT key, generation, file_key FROM objects WHERE file_key >= ? AND file_key < ? "
+        "AND state = 'live'", span) if (f, g) not in present]
     conn.executemany(
-        "UPDATE objects SET state = 'quarantined' WHERE key = ? AND generation = ?", gone
-    )
+        "UPDATE objects SET state = 'quarantined', file_key = NULL, file_offset = 0 "
+        "WHERE key = ? AND generation = ?", gone)
     return gone
+
+
+def pack_records(conn: sqlite3.Connection, file_key: str,
+                 generation: str) -> list[tuple[int, int]]:
+    """``(offset, payload bytes)`` of the records rows name in pack ``file_key.generation``."""
+    return conn.execute(
+        "SELECT file_offset, bytes FROM objects WHERE file_key = ? AND generation = ?",
+        (file_key, generation)).fetchall()
+
+
+def dead_ranges(records: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of the bytes of a pack of ``size`` bytes that none of
+    ``records`` (``pack_records``) covers: records collected, quarantined or never adopted."""
+    ranges, at = [], 0
+    for offset, nbytes in sorted(records):
+        if offset > at:
+            ranges.append((at, offset - at))
+        at = max(at, offset + record_span(nbytes))
+    if size > at:
+        ranges.append((at, size - at))
+    return ranges
+
+
+def holds_data(fd: int, offset: int, length: int) -> bool:
+    """Whether a whole block inside ``offset .. offset + length`` of ``fd`` still holds
+    data (the partial blocks at the ends of a punched range always do)."""
+    start = -(-offset // BLOCK) * BLOCK
+    end = (offset + length) // BLOCK * BLOCK
+    if start >= end:
+        return False
+    try:
+        return os.lseek(fd, start, os.SEEK_DATA) < end
+    except OSError:  # ENXIO: no data from there to the end
+        return False
+
+
+def _free_dead_ranges(conn: sqlite3.Connection, ops: FileOps, dir_fd: int, key: str,
+                      generation: str) -> int:
+    """Punch the bytes of a named pack that no row covers and that still hold data
+    (collection punches each record after deleting its row, so a crash between the two
+    leaves it); how many ranges were freed."""
+    try:
+        fd = ops.open(object_name(key, generation), _PUNCH_FLAGS, 0, dir_fd)
+    except OSError as exc:
+        log.warning("could not open pack %s.%s: %s", key, generation, exc)
+        return 0
+    freed = 0
+    try:
+        records = pack_records(conn, key, generation)
+        for offset, length in dead_ranges(records, os.fstat(fd).st_size):
+            if holds_data(fd, offset, length) and ops.punch_hole(fd, offset, length):
+                freed += 1
+    finally:
+        ops.close(fd)
+    return freed

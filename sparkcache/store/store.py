@@ -47,12 +47,19 @@ from sparkcache.store.fileops import FileOps, StepHook, no_hook
 from sparkcache.store.gate import LookupGate
 from sparkcache.store.layout import (
     DIR_FLAGS,
+    FILE_MODE,
     RankLayout,
     fanout,
     object_name,
     open_subdir,
 )
-from sparkcache.store.objects import HEADER_SIZE, ObjectCorrupt, verify_file
+from sparkcache.store.objects import (
+    HEADER_SIZE,
+    ObjectCorrupt,
+    open_object,
+    record_span,
+    verify_file,
+)
 from sparkcache.store.pool import FilePool
 from sparkcache.store.reader import StoreReader, stored_prefix
 from sparkcache.store.records import (
@@ -72,6 +79,7 @@ from sparkcache.store.writer import ObjectWriter, WrittenFile
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_SECONDS = 300.0
+_QUARANTINE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 DEFAULT_GRACE_SECONDS = 60.0
 
 
@@ -108,6 +116,12 @@ class _Conflict(Exception):
         self.keys = keys
 
 
+def _location(key: str, file: WrittenFile) -> tuple[str | None, int]:
+    """The row's ``(file_key, file_offset)`` of page ``key``'s record in ``file``: NULL and
+    0 for an object file of its own."""
+    return (file.key if file.packed else None), file.records[key][0]
+
+
 class PageStore:
     """Objects, index and protocols of ``<store_dir>/rank-<rank>``."""
 
@@ -142,8 +156,9 @@ class PageStore:
         self._touches: dict[tuple[str, int], float] = {}  # (key, pos) -> when accessed
         self._leases: dict[tuple[str, int], float] = {}  # (key, pos) -> protected until
         self._touches_since = 0.0
-        # Rows collection deleted whose files it has yet to unlink: (key, generation, bytes).
-        self._unlinking: deque[tuple[str, str, int]] = deque()
+        # Rows collection deleted whose records it has yet to remove:
+        # (key, generation, bytes, file_key, file_offset).
+        self._unlinking: deque[tuple[str, str, int, str | None, int]] = deque()
         self._objects_fd = os.open(self.layout.objects_dir, DIR_FLAGS)
         self._quarantine_fd = os.open(self.layout.quarantine_dir, DIR_FLAGS)
         # Collection pools up to pool_bytes of its files; commits take pooled files
@@ -216,9 +231,9 @@ class PageStore:
         pieces = [p.pieces() for p in root.pages]
         keys = [p.key for p in root.pages]
         data = dict(zip(keys, pieces, strict=True))
-        written: dict[str, WrittenFile] = {}
+        written: dict[str, WrittenFile] = {}  # page key -> the file holding its record
         retries = 0
-        surplus: list[WrittenFile] = []
+        surplus: list[str] = []
         try:
             while True:
                 live = self._live_keys(list(data.keys() - written.keys()))
@@ -254,13 +269,11 @@ class PageStore:
                 raise CommitFailed(f"commit {root.root_id} failed: {exc}") from exc
             raise
         # Published. Keys another committer stored first: our copies are unreferenced.
-        self._writer.discard(surplus)
-        for w in surplus:
-            del written[w.key]
+        self._writer.release(surplus, written)
         self.counters.commits += 1
         self.counters.roots_superseded += placement.superseded
         self.counters.commits_covered += placement.covered
-        pages_written = sum(1 for w in written.values() if w.key in data)
+        pages_written = len(written)
         return CommitResult(
             root_id=root.root_id,
             pages=len(keys),
@@ -282,12 +295,12 @@ class PageStore:
         keys: list[str],
         pieces: list[list[memoryview]],
         written: dict[str, WrittenFile],
-        surplus: list[WrittenFile],
+        surplus: list[str],
     ) -> _Placement:
         """Step 3: the index transaction. Raises ``_Conflict`` (rolled back) with the keys
         that vanished, to be written again.
 
-        Fills ``surplus`` with files we wrote whose key another committer stored first.
+        Fills ``surplus`` with keys we wrote that another committer stored first.
         """
         now = self._clock()
         sizes = {k: sum(p.nbytes for p in v) for k, v in zip(keys, pieces, strict=True)}
@@ -403,7 +416,7 @@ class PageStore:
         conn: sqlite3.Connection,
         sizes: dict[str, int],
         written: dict[str, WrittenFile],
-        surplus: list[WrittenFile],
+        surplus: list[str],
         now: float,
     ) -> None:
         """Inside the commit transaction: rows for the files we wrote, re-check the rest."""
@@ -420,17 +433,19 @@ class PageStore:
                 conflict.add(key)
             elif row is None:
                 conn.execute(
-                    "INSERT INTO objects VALUES (?, ?, ?, 0, 'live', ?)",
-                    (key, mine.generation, size, now),
+                    "INSERT INTO objects (key, generation, bytes, refcount, state, created, "
+                    "file_key, file_offset) VALUES (?, ?, ?, 0, 'live', ?, ?, ?)",
+                    (key, mine.generation, size, now, *_location(key, mine)),
                 )
             elif row[1] != "live":
                 # The quarantined copy was moved aside; ours replaces it.
                 conn.execute(
-                    "UPDATE objects SET generation = ?, bytes = ?, state = 'live' WHERE key = ?",
-                    (mine.generation, size, key),
+                    "UPDATE objects SET generation = ?, bytes = ?, state = 'live', "
+                    "file_key = ?, file_offset = ? WHERE key = ?",
+                    (mine.generation, size, *_location(key, mine), key),
                 )
             elif row[0] != mine.generation:
-                surplus.append(mine)
+                surplus.append(key)
         if conflict:
             raise _Conflict(conflict)
 
@@ -496,12 +511,20 @@ class PageStore:
         self.counters.quarantined += 1
         log.warning("object %s.%s failed verification (%s): quarantined", key, generation, reason)
         # Row first: from this COMMIT on no reader uses the object, and the next commit of
-        # the key writes a fresh generation.
+        # the key writes a fresh generation. A quarantined row names no pack: its record
+        # is moved aside like an object file.
         with index.write_txn(self._wconn) as conn:
+            row = conn.execute(
+                "SELECT file_key, file_offset, bytes FROM objects "
+                "WHERE key = ? AND generation = ?", (key, generation)).fetchone()
             conn.execute(
-                "UPDATE objects SET state = 'quarantined' WHERE key = ? AND generation = ?",
+                "UPDATE objects SET state = 'quarantined', file_key = NULL, file_offset = 0 "
+                "WHERE key = ? AND generation = ?",
                 (key, generation),
             )
+        if row is not None and row[0] is not None:
+            self._quarantine_record(key, generation, row[0], row[1], row[2])
+            return
         name = object_name(key, generation)
         try:
             fd = open_subdir(fanout(key), self._objects_fd, create=False)
@@ -514,6 +537,61 @@ class PageStore:
                 log.warning("could not move %s to quarantine: %s", name, exc)
         finally:
             os.close(fd)
+
+    def _quarantine_record(self, key: str, generation: str, file_key: str, offset: int,
+                           size: int) -> None:
+        """Copy a pack's damaged record to ``quarantine/<key>.<generation>`` for
+        forensics, then free it in the pack as collection would."""
+        name = object_name(key, generation)
+        try:
+            dir_fd = open_subdir(fanout(file_key), self._objects_fd, create=False)
+        except (FileNotFoundError, StoreError):
+            return
+        try:
+            src = open_object(self._ops, dir_fd, file_key, generation)
+        except (OSError, ObjectCorrupt):
+            return  # the pack is gone or not a file: nothing to keep
+        finally:
+            os.close(dir_fd)
+        try:
+            self._copy_to_quarantine(src, name, offset, HEADER_SIZE + size)
+        finally:
+            self._ops.close(src)
+        self._release_record(file_key, generation, offset, record_span(size))
+
+    def _copy_to_quarantine(self, src: int, name: str, offset: int, length: int) -> None:
+        try:
+            dst = self._ops.open(name, _QUARANTINE_FLAGS, FILE_MODE, self._quarantine_fd)
+        except FileExistsError:
+            return  # quarantined before (the same record): the first copy is kept
+        except OSError as exc:
+            log.warning("could not copy %s to quarantine: %s", name, exc)
+            return
+        try:
+            done = 0
+            while done < length:
+                n = os.copy_file_range(src, dst, length - done, offset + done)
+                if n == 0:
+                    break  # the pack ends inside the record: keep what there is
+                done += n
+        except OSError as exc:
+            log.warning("could not copy %s to quarantine: %s", name, exc)
+        finally:
+            self._ops.close(dst)
+
+    def _release_record(self, file_key: str, generation: str, offset: int,
+                        length: int) -> None:
+        """A record no row names any more: its blocks punched out of the pack, or the
+        whole pack removed if no row names it at all (rows of a pack are only ever
+        deleted once it is published, so the answer cannot change back)."""
+        named = self._wconn.execute(
+            "SELECT 1 FROM objects WHERE file_key = ? AND generation = ? LIMIT 1",
+            (file_key, generation)).fetchone()
+        if named:
+            self._writer.punch(file_key, generation, offset, length)
+        elif not (self._pool is not None and self._pool.cap_bytes > 0
+                  and self._pool_file(file_key, generation)):
+            self._writer.unlink(file_key, generation)
 
     def _maybe_flush_touches(self) -> None:
         now = self._clock()
@@ -656,18 +734,20 @@ class PageStore:
         object. True if it was quarantined."""
         key = require_hex(key, "page key")
         row = self._rconn.execute(
-            "SELECT bytes FROM objects WHERE key = ? AND generation = ? AND state = 'live'",
+            "SELECT bytes, file_key, file_offset FROM objects "
+            "WHERE key = ? AND generation = ? AND state = 'live'",
             (key, generation),
         ).fetchone()
         if row is None:
             return False
+        size, file_key, offset = row
         try:
-            dir_fd = open_subdir(fanout(key), self._objects_fd, create=False)
+            dir_fd = open_subdir(fanout(file_key or key), self._objects_fd, create=False)
         except (FileNotFoundError, StoreError):
             dir_fd = -1
         try:
             if dir_fd >= 0:
-                verify_file(self._ops, dir_fd, key, generation, int(row[0]))
+                verify_file(self._ops, dir_fd, key, generation, size, file_key, offset)
                 return False
         except (ObjectCorrupt, OSError):
             pass
@@ -696,8 +776,8 @@ class PageStore:
         and a crash leaves them as orphans that ``reconcile`` removes."""
         if budget is None:
             rows = self._delete_garbage(n)
-            for key, generation, size in rows:
-                self._unlink(key, generation, size)
+            for row in rows:
+                self._unlink(*row)
             return CollectResult(objects=len(rows), bytes=sum(r[2] for r in rows))
         done = self._unlink_waiting(budget)
         if self._unlinking:
@@ -716,18 +796,21 @@ class PageStore:
         """Objects whose rows collection deleted and whose files it has yet to unlink."""
         return CollectResult(len(self._unlinking), sum(r[2] for r in self._unlinking))
 
-    def _delete_garbage(self, n: int, budget: Budget | None = None) -> list[tuple[str, str, int]]:
+    def _delete_garbage(
+        self, n: int, budget: Budget | None = None
+    ) -> list[tuple[str, str, int, str | None, int]]:
         """Delete up to ``n`` unreferenced rows (fitting ``budget``'s bytes) durably."""
         with index.write_txn(self._wconn) as conn:
             rows = conn.execute(
-                "SELECT key, generation, bytes FROM objects WHERE refcount = 0 LIMIT ?", (n,)
+                "SELECT key, generation, bytes, file_key, file_offset FROM objects "
+                "WHERE refcount = 0 LIMIT ?", (n,)
             ).fetchall()
             if budget is not None:
                 rows = eviction.fitting_rows(rows, budget, size=2)
             self._hook("collect.select")
             conn.executemany(
                 "DELETE FROM objects WHERE key = ? AND generation = ? AND refcount = 0",
-                [(k, g) for k, g, _ in rows],
+                [(row[0], row[1]) for row in rows],
             )
             self._hook("collect.delete")
         return rows
@@ -735,40 +818,47 @@ class PageStore:
     def _unlink_waiting(self, budget: Budget) -> CollectResult:
         objects = nbytes = 0
         while self._unlinking and (budget.fresh or budget.affordable(UNLINK, 1)):
-            key, generation, size = self._unlinking[0]
+            row = self._unlinking[0]
+            size = row[2]
             start = budget.now()
-            self._unlink(key, generation, size)
+            self._unlink(*row)
             self._unlinking.popleft()
             budget.spend(UNLINK, 1, size, budget.now() - start)
             objects += 1
             nbytes += size
         return CollectResult(objects, nbytes)
 
-    def _unlink(self, key: str, generation: str, size: int) -> None:
-        """Remove a collected object's file: into the pool while it has room, else
-        unlinked."""
+    def _unlink(self, key: str, generation: str, size: int, file_key: str | None = None,
+                offset: int = 0) -> None:
+        """Remove a collected object: its file into the pool while it has room, else
+        unlinked; or its record freed in its pack (``_release_record``)."""
         self._hook("collect.unlink")
-        if self._pool is not None and self._pool.cap_bytes > 0 and self._pool_file(
-                key, generation, size):
+        if file_key is not None:
+            self._release_record(file_key, generation, offset, record_span(size))
             return
-        self._writer.discard([WrittenFile(key, generation, renamed=True)])
+        if self._pool is not None and self._pool.cap_bytes > 0 and self._pool_file(
+                key, generation):
+            return
+        self._writer.unlink(key, generation)
 
-    def _pool_file(self, key: str, generation: str, size: int) -> bool:
-        """Move a collected object's file into the pool; False if it is to be unlinked
-        instead (the pool is full, or the rename failed). A file already gone needs
-        neither."""
+    def _pool_file(self, key: str, generation: str) -> bool:
+        """Move a collected file (an object's, or a pack no row names) into the pool;
+        False if it is to be unlinked instead (the pool is full, or the rename failed).
+        A file already gone needs neither."""
         assert self._pool is not None
+        name = object_name(key, generation)
         try:
             fd = open_subdir(fanout(key), self._objects_fd, create=False)
         except FileNotFoundError:
             return True
         try:
-            if not self._pool.put(object_name(key, generation), fd, HEADER_SIZE + size):
+            size = os.stat(name, dir_fd=fd, follow_symlinks=False).st_size
+            if not self._pool.put(name, fd, size):
                 return False
         except FileNotFoundError:
             return True
         except OSError as exc:
-            log.warning("could not pool %s.%s, unlinking it: %s", key, generation, exc)
+            log.warning("could not pool %s, unlinking it: %s", name, exc)
             return False
         finally:
             os.close(fd)
@@ -797,6 +887,7 @@ class PageStore:
             dead_rows_removed=dead,
             refcounts_fixed=fixed,
             objects_missing=len(swept.missing),
+            pack_ranges_freed=swept.pack_ranges_freed,
         )
         log.info("reconcile %s: %s", self.layout.rank_dir, result)
         return result

@@ -7,11 +7,13 @@ import hashlib
 import os
 import signal
 import sqlite3
+from pathlib import Path
 
 import numpy as np
 
 from sparkcache.store import index
 from sparkcache.store.fileops import FileOps
+from sparkcache.store.layout import fanout, object_name
 from sparkcache.store.objects import split_pieces
 from sparkcache.store.records import PageData, Root
 
@@ -20,6 +22,15 @@ def page_bytes(key: str, size: int) -> bytes:
     """Deterministic page contents derived from the key, so any reader can check them."""
     seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def object_file(objects_dir: Path, conn: sqlite3.Connection, key: str) -> tuple[Path, int]:
+    """The file holding page ``key``'s object (its own, or a pack) and the offset of its
+    record there, as the index on ``conn`` names them."""
+    generation, file_key, offset = conn.execute(
+        "SELECT generation, file_key, file_offset FROM objects WHERE key = ?", (key,)).fetchone()
+    name_key = file_key or key
+    return objects_dir / fanout(name_key) / object_name(name_key, generation), offset
 
 
 def make_root(root_id: str, keys: list[str], size: int) -> Root:
@@ -109,7 +120,7 @@ def populate(store_conn: sqlite3.Connection, roots: int, pages: int, page_bytes:
         # Keys and ids as 32 hex digits, in order, so that b-tree inserts are appends.
         conn.execute(
             "INSERT INTO objects SELECT printf('%032x', i), '0000000000000000', ?, 1, "
-            "'live', ? FROM seq", (page_bytes, now))
+            "'live', ?, NULL, 0 FROM seq", (page_bytes, now))
         conn.execute(
             "INSERT INTO roots SELECT printf('%032x', i), ?, ?, ?, a, a FROM "
             "(SELECT i, ? - ? + i AS a FROM seq WHERE i < ?)",

@@ -12,9 +12,11 @@ import pytest
 from sparkcache import kvmem
 from sparkcache.identity import Namespace, sequence_keys
 from sparkcache.store import PageStore
-from sparkcache.store.layout import RankLayout, fanout, object_name
+from sparkcache.store.layout import RankLayout
+from sparkcache.store.objects import HEADER_SIZE
 from sparkcache.store.reader import StoreReader
 from sparkcache.store.records import PageData, Root
+from sparkcache.store.testing import object_file
 from tests.pipeline_util import start_supervisor, stop_supervisor
 
 pytest.importorskip("vllm.v1.core.kv_cache_planning", reason="needs vLLM 0.33's scheduler")
@@ -50,16 +52,14 @@ def prefix_keys(store: Path, tokens: list[int]) -> list[str]:
     return list(sequence_keys(ns, tokens).pages)
 
 
-def object_of(store: Path, rank: int, key: str) -> tuple[Path, str]:
-    """The object file of ``key`` in ``rank``'s store, and its generation."""
+def object_of(store: Path, rank: int, key: str) -> tuple[Path, int]:
+    """The file holding ``key``'s page in ``rank``'s store (its own, or its publication's
+    pack), and the offset of its record there."""
     reader = StoreReader(store, rank)
     try:
-        generation = reader.conn.execute(
-            "SELECT generation FROM objects WHERE key = ?", (key,)).fetchone()[0]
+        return object_file(reader.layout.objects_dir, reader.conn, key)
     finally:
         reader.close()
-    objects = RankLayout(store, rank).objects_dir
-    return objects / fanout(key) / object_name(key, generation), generation
 
 
 def load_turn(r, rid: str, prompt: list[int]):
@@ -190,9 +190,10 @@ def test_a_corrupt_page_is_a_load_error_and_recomputed(supervisor: Path, instanc
     with rig(supervisor, instance) as r:
         run_turn(r, "A", [*prefix, 1])
         wait_stored(r, 5)
-        path, _ = object_of(supervisor, 0, prefix_keys(supervisor, prefix)[2])
+        bad_key = prefix_keys(supervisor, prefix)[2]
+        path, offset = object_of(supervisor, 0, bad_key)
         data = bytearray(path.read_bytes())
-        data[len(data) // 2] ^= 0xFF
+        data[offset + HEADER_SIZE + 17] ^= 0xFF  # a byte of the page
         path.write_bytes(bytes(data))
         table = load_turn(r, "B", [*prefix, 2, 3])
         # Pages 0-1 restored; page 2 failed verification: its block and the ones after
@@ -207,11 +208,14 @@ def test_a_corrupt_page_is_a_load_error_and_recomputed(supervisor: Path, instanc
         for page in range(5):  # recomputed: right bytes everywhere
             assert r.block_holds(0, table[page], prefix[page * BLOCK:(page + 1) * BLOCK],
                                  page * BLOCK)
-        # The bad object was sent to maintenance, which quarantines it.
+        # The bad object was sent to maintenance, which quarantines it: its record is
+        # kept under its own key and its pack's generation.
+        kept = (RankLayout(supervisor, 0).quarantine_dir
+                / f"{bad_key}.{path.name.split('.')[1]}")
         deadline = time.monotonic() + 15
-        while path.exists() and time.monotonic() < deadline:
+        while not kept.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not path.exists()
+        assert kept.exists()
 
 
 def test_no_supervisor_every_request_completes(tmp_path: Path, instance: str) -> None:

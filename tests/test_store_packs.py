@@ -1,0 +1,307 @@
+"""Packs: a publication's new pages in one file, one record each (docs/store.md, "Packs").
+
+A commit of several new pages writes one pack; records are block-aligned; a restore reads
+a pack front to back through one descriptor; collecting part of a pack frees exactly its
+records' blocks and the last record removes the file; a damaged record is quarantined
+alone; what a crash leaves between a row's deletion and the punch, reconcile frees; a
+vanished pack makes its records misses; an index of version 1 is upgraded in place.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from sparkcache.store import PageStore, StoreError, index
+from sparkcache.store.fileops import FileOps
+from sparkcache.store.fsck import fsck
+from sparkcache.store.objects import HEADER_SIZE, RECORD_ALIGN, record_span
+from sparkcache.store.reader import StoreReader
+from sparkcache.store.testing import make_root, object_file, page_bytes
+
+SIZE = 3 * 4096 + 100  # a page whose record does not end on a block: padding is written
+
+
+def keys(n: int) -> list[str]:
+    return [secrets.token_hex(16) for _ in range(n)]
+
+
+def rid() -> str:
+    return secrets.token_hex(16)
+
+
+def files(store: PageStore) -> list[Path]:
+    return sorted(p for p in store.layout.objects_dir.rglob("*") if p.is_file())
+
+
+def restored(store: PageStore, page_keys: list[str]) -> list[bytes]:
+    bufs = [bytearray(SIZE) for _ in page_keys]
+    n = store.restore(page_keys, bufs)
+    return [bytes(b) for b in bufs[:n]]
+
+
+def data_blocks(path: Path) -> int:
+    """4 KiB blocks of ``path`` holding data, its holes excluded (from SEEK_DATA and
+    SEEK_HOLE, not ``st_blocks``, which counts the filesystem's own extent blocks too)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size, at, data = os.fstat(fd).st_size, 0, 0
+        while at < size:
+            try:
+                start = os.lseek(fd, at, os.SEEK_DATA)
+            except OSError:  # ENXIO: only a hole from here on
+                break
+            at = os.lseek(fd, start, os.SEEK_HOLE)
+            data += at - start
+        return data // 4096
+    finally:
+        os.close(fd)
+
+
+def assert_clean(store_dir: Path) -> None:
+    report = fsck(store_dir, grace_seconds=0)
+    assert report.ok, report.problems
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with PageStore(tmp_path / "s", 0, lease_seconds=0) as s:
+        yield s
+
+
+def test_a_publication_is_one_pack_of_block_aligned_records(store: PageStore) -> None:
+    page_keys = keys(5)
+    result = store.commit(make_root(rid(), page_keys, SIZE))
+    assert result.pages_written == 5
+    (pack,) = files(store)
+    assert pack.name.startswith(page_keys[0])  # named after its first record
+    rows = store._rconn.execute(
+        "SELECT key, file_key, file_offset FROM objects ORDER BY file_offset").fetchall()
+    assert [r[0] for r in rows] == page_keys
+    assert {r[1] for r in rows} == {page_keys[0]}
+    assert [r[2] for r in rows] == [i * record_span(SIZE) for i in range(5)]
+    assert record_span(SIZE) % RECORD_ALIGN == 0 and record_span(SIZE) > HEADER_SIZE + SIZE
+    assert pack.stat().st_size == 5 * record_span(SIZE)
+    assert stat_mode(pack) == 0o600
+    assert restored(store, page_keys) == [page_bytes(k, SIZE) for k in page_keys]
+    # A single new page is an object file of its own, as it always was.
+    single = keys(1)
+    store.commit(make_root(rid(), single, SIZE))
+    path, offset = object_file(store.layout.objects_dir, store._rconn, single[0])
+    assert offset == 0 and path.stat().st_size == HEADER_SIZE + SIZE
+    assert store._rconn.execute("SELECT file_key FROM objects WHERE key = ?",
+                                single).fetchone() == (None,)
+    assert_clean(store.layout.store_dir)
+
+
+def stat_mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+class CountingOps(FileOps):
+    def __init__(self) -> None:
+        self.opened: list[str] = []
+
+    def open(self, name: str, flags: int, mode: int, dir_fd: int) -> int:
+        self.opened.append(name)
+        return super().open(name, flags, mode, dir_fd)
+
+
+def test_a_restore_reads_a_pack_through_one_descriptor(tmp_path: Path) -> None:
+    with PageStore(tmp_path / "s", 0) as store:
+        first, second = keys(40), keys(24)
+        store.commit(make_root(rid(), first, SIZE))
+        store.commit(make_root(rid(), first + second, SIZE))  # a second turn: its own pack
+    ops = CountingOps()
+    reader = StoreReader(tmp_path / "s", 0, fileops=ops)
+    try:
+        bufs = [bytearray(SIZE) for _ in first + second]
+        assert reader.restore(first + second, bufs).pages == 64
+        assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in first + second]
+        assert len(ops.opened) == 2  # one open per pack, not one per page
+        assert reader.read_ahead(reader.plan(first + second)) == 64 * SIZE
+    finally:
+        reader.close()
+
+
+def test_collecting_part_of_a_pack_frees_its_records_and_the_last_removes_it(
+        store: PageStore) -> None:
+    shared, own_a, own_b = keys(2), keys(6), keys(2)
+    a, b = rid(), rid()
+    store.commit(make_root(a, shared + own_a, SIZE))  # pack A: 8 records
+    store.commit(make_root(b, shared + own_b, SIZE))  # pack B: its 2 new pages only
+    pack_a = object_file(store.layout.objects_dir, store._rconn, shared[0])[0]
+    full = data_blocks(pack_a)
+    assert full == 8 * record_span(SIZE) // 4096
+    store.remove_roots([a])
+    assert store.collect(100).objects == 6  # own_a; shared lives on in B
+    assert pack_a.exists() and pack_a.stat().st_size == 8 * record_span(SIZE)
+    assert data_blocks(pack_a) == 2 * record_span(SIZE) // 4096  # exactly the 6 freed
+    assert restored(store, shared + own_b) == [page_bytes(k, SIZE) for k in shared + own_b]
+    assert store.usage().used_bytes == 4 * SIZE
+    assert_clean(store.layout.store_dir)
+    store.remove_roots([b])
+    assert store.collect(100).objects == 4
+    assert files(store) == []  # the last record of each pack removed its file
+    assert_clean(store.layout.store_dir)
+
+
+def test_a_record_collected_after_it_was_planned_is_a_miss_not_damage(
+        store: PageStore) -> None:
+    shared, own = keys(2), keys(3)
+    old = rid()
+    store.commit(make_root(old, shared + own, SIZE))
+    store.commit(make_root(rid(), shared + keys(1), SIZE))  # keeps the pack named
+    plan = store._reader.plan(shared + own)
+    store.remove_roots([old])
+    assert store.collect(100).objects == 3  # own's records punched: they read as zeros
+    result = store._reader.read_planned(plan, [bytearray(SIZE) for _ in plan])
+    assert (result.pages, result.bad) == (2, ())
+    assert_clean(store.layout.store_dir)
+
+
+def test_a_damaged_record_is_quarantined_alone_and_healed_by_the_next_commit(
+        store: PageStore) -> None:
+    page_keys = keys(4)
+    store.commit(make_root(rid(), page_keys, SIZE))
+    pack, offset = object_file(store.layout.objects_dir, store._rconn, page_keys[2])
+    generation = pack.name.split(".")[1]
+    data = bytearray(pack.read_bytes())
+    data[offset + HEADER_SIZE + 7] ^= 0x04
+    pack.write_bytes(data)
+    damaged = bytes(data[offset:offset + HEADER_SIZE + SIZE])
+    assert len(restored(store, page_keys)) == 2
+    kept = store.layout.quarantine_dir / f"{page_keys[2]}.{generation}"
+    assert kept.read_bytes() == damaged  # the record, for forensics
+    assert store.lookup(page_keys) == 2
+    assert store.usage().by_state["quarantined"] == (1, SIZE)
+    # The other records are untouched: the page after the damaged one restores alone.
+    assert restored(store, page_keys[:2]) == [page_bytes(k, SIZE) for k in page_keys[:2]]
+    assert data_blocks(pack) == 3 * record_span(SIZE) // 4096
+    assert_clean(store.layout.store_dir)
+    result = store.commit(make_root(rid(), page_keys, SIZE))
+    assert result.pages_written == 1
+    assert restored(store, page_keys) == [page_bytes(k, SIZE) for k in page_keys]
+    assert_clean(store.layout.store_dir)
+
+
+class PunchLost(FileOps):
+    """A punch that never happens: what a crash between collection's delete and its
+    punch leaves."""
+
+    def punch_hole(self, fd: int, offset: int, length: int) -> bool:
+        return True
+
+
+def test_reconcile_frees_records_a_crash_left_in_a_pack(tmp_path: Path) -> None:
+    store_dir = tmp_path / "s"
+    shared, own = keys(3), keys(5)
+    with PageStore(store_dir, 0, lease_seconds=0, fileops=PunchLost()) as store:
+        old = rid()
+        store.commit(make_root(old, shared + own, SIZE))
+        store.commit(make_root(rid(), [*shared, *keys(1)], SIZE))
+        store.remove_roots([old])
+        assert store.collect(100).objects == 5
+        pack = object_file(store.layout.objects_dir, store._rconn, shared[0])[0]
+    report = fsck(store_dir, grace_seconds=0)
+    assert not report.ok
+    assert any("holds" in p and "no row names" in p for p in report.problems), report.problems
+    with PageStore(store_dir, 0) as store:
+        assert store.reconcile(grace_seconds=0).pack_ranges_freed == 1  # five in a row
+        assert data_blocks(pack) == 3 * record_span(SIZE) // 4096
+        assert restored(store, shared) == [page_bytes(k, SIZE) for k in shared]
+        assert store.reconcile(grace_seconds=0).pack_ranges_freed == 0
+    assert_clean(store_dir)
+
+
+def test_a_vanished_pack_makes_its_records_misses(store: PageStore) -> None:
+    page_keys = keys(6)
+    store.commit(make_root(rid(), page_keys, SIZE))
+    (pack,) = files(store)
+    pack.unlink()
+    assert restored(store, page_keys) == []
+    assert store.counters.missing_files == 1  # the first page's read found it gone
+    result = store.reconcile(grace_seconds=0)
+    assert result.objects_missing == 5  # the rest
+    assert store.lookup(page_keys) == 0
+    assert_clean(store.layout.store_dir)
+    store.commit(make_root(rid(), page_keys, SIZE))
+    assert restored(store, page_keys) == [page_bytes(k, SIZE) for k in page_keys]
+
+
+def test_a_symlink_planted_for_a_pack_is_never_followed(store: PageStore,
+                                                        tmp_path: Path) -> None:
+    page_keys = keys(3)
+    store.commit(make_root(rid(), page_keys, SIZE))
+    (pack,) = files(store)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * (4 * record_span(SIZE)))
+    pack.unlink()
+    pack.symlink_to(secret)
+    assert restored(store, page_keys) == []
+    assert store.counters.quarantined == 1
+    assert secret.read_bytes() == b"s" * (4 * record_span(SIZE))
+    store.reconcile(grace_seconds=0)
+    assert not pack.is_symlink() and secret.exists()
+    assert store.lookup(page_keys) == 0
+    assert_clean(store.layout.store_dir)
+
+
+def test_a_page_another_committer_stored_first_is_punched_out_of_ours(
+        tmp_path: Path) -> None:
+    page_keys = keys(4)
+    other = PageStore(tmp_path / "s", 0)
+
+    def race(step: str) -> None:
+        if step == "commit.durable" and not raced:
+            raced.append(other.commit(make_root(rid(), page_keys[1:3], SIZE)))
+
+    raced: list[object] = []
+    with PageStore(tmp_path / "s", 0, hook=race) as store:
+        result = store.commit(make_root(rid(), page_keys, SIZE))
+        assert raced and result.pages_written == 2  # the other two are theirs
+        pack = object_file(store.layout.objects_dir, store._rconn, page_keys[0])[0]
+        assert data_blocks(pack) == 2 * record_span(SIZE) // 4096
+        assert restored(store, page_keys) == [page_bytes(k, SIZE) for k in page_keys]
+    other.close()
+    assert_clean(tmp_path / "s")
+
+
+def downgrade_to_version_1(index_path: Path) -> None:
+    """Make an index as version 1 of the schema left it (no pack columns)."""
+    conn = sqlite3.connect(index_path, isolation_level=None)
+    try:
+        conn.execute("DROP INDEX objects_file")
+        conn.execute("ALTER TABLE objects DROP COLUMN file_key")
+        conn.execute("ALTER TABLE objects DROP COLUMN file_offset")
+        conn.execute("UPDATE meta SET value = '1' WHERE name = 'schema_version'")
+    finally:
+        conn.close()
+
+
+def test_an_index_of_version_1_is_upgraded_by_its_first_writer(tmp_path: Path) -> None:
+    store_dir = tmp_path / "s"
+    page_keys = keys(3)
+    with PageStore(store_dir, 0) as store:
+        for n in range(1, 4):  # a page a turn: object files, what version 1 wrote
+            store.commit(make_root(rid(), page_keys[:n], SIZE))
+        layout = store.layout
+    downgrade_to_version_1(layout.index_path)
+    with pytest.raises(StoreError, match="schema version 1, expected 2"):
+        StoreReader(store_dir, 0)  # a reader never upgrades
+    with PageStore(store_dir, 0) as store:
+        assert store._rconn.execute(
+            "SELECT value FROM meta WHERE name = 'schema_version'").fetchone() == ("2",)
+        assert restored(store, page_keys) == [page_bytes(k, SIZE) for k in page_keys]
+        more = keys(3)
+        store.commit(make_root(rid(), page_keys + more, SIZE))  # a pack beside them
+        assert restored(store, page_keys + more) == [
+            page_bytes(k, SIZE) for k in page_keys + more]
+    conn = index.connect(layout.index_path, create=True)  # a second writer: no-op
+    conn.close()
+    assert_clean(store_dir)
+    assert os.path.exists(layout.index_path)
