@@ -283,6 +283,7 @@ def fsck_command(
         print(
             f"sparkcache fsck: {verdict} roots={report.roots} objects={report.objects} "
             f"quarantined={report.quarantined} pooled={report.pooled_files} "
-            f"({report.pooled_bytes / 2**20:.1f} MiB)"
+            f"({report.pooled_bytes / 2**20:.1f} MiB) "
+            f"unpunched={report.unpunched_bytes / 2**20:.1f} MiB"
         )
     return 0 if report.ok else 1

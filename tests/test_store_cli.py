@@ -133,6 +133,7 @@ def test_fsck_clean_then_finds_and_repairs_damage(
         "quarantined": 0,
         "pooled_files": 0,
         "pooled_bytes": 0,
+        "unpunched_bytes": 0,
         "problems": [],
     }
     victim = sorted((store_dir / "rank-1" / "objects").rglob("*.*"))[0]

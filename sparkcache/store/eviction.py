@@ -32,6 +32,7 @@ from typing import Protocol
 # Units of work whose cost a slice's budget learns (see maintenance_policy.CostModel).
 PAGE = "page"  # one page reference dropped from a root (index rows)
 UNLINK = "unlink"  # one unreferenced object collected (row deleted, file unlinked)
+RECORD = "record"  # a pack's record collected, its punch deferred (row deleted, one read)
 TXN = "txn"  # beginning and committing one write transaction (the WAL's fsync)
 # Page references dropped per statement batch; between batches the budget is asked again.
 CHUNK_PAGES = 256

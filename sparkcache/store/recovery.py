@@ -135,7 +135,7 @@ def _sweep_dir(
         if not is_temp and named and stat.S_ISREG(st.st_mode):
             present.add((key, generation))
             if (key, generation) in packs:
-                result.pack_ranges_freed += _free_dead_ranges(conn, ops, fd, key, generation)
+                result.pack_ranges_freed += free_dead_ranges(conn, ops, fd, key, generation)
             continue
         if now - st.st_mtime < grace_seconds:
             continue
@@ -190,11 +190,11 @@ def holds_data(fd: int, offset: int, length: int) -> bool:
         return False
 
 
-def _free_dead_ranges(conn: sqlite3.Connection, ops: FileOps, dir_fd: int, key: str,
+def free_dead_ranges(conn: sqlite3.Connection, ops: FileOps, dir_fd: int, key: str,
                       generation: str) -> int:
-    """Punch the bytes of a named pack that no row covers and that still hold data
-    (collection punches each record after deleting its row, so a crash between the two
-    leaves it); how many ranges were freed."""
+    """Punch the bytes of named pack ``key.generation`` (under ``dir_fd``) that no row
+    covers and that still hold data: what a crash left before collection's deferred
+    punches (``PageStore``); how many ranges were freed."""
     try:
         fd = ops.open(object_name(key, generation), _PUNCH_FLAGS, 0, dir_fd)
     except OSError as exc:

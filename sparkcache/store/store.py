@@ -42,7 +42,7 @@ from pathlib import Path
 
 from sparkcache.identity import require_hex
 from sparkcache.store import eviction, index, recovery
-from sparkcache.store.eviction import TXN, UNLINK, Budget, EvictionPlan
+from sparkcache.store.eviction import RECORD, TXN, UNLINK, Budget, EvictionPlan
 from sparkcache.store.fileops import FileOps, StepHook, no_hook
 from sparkcache.store.gate import LookupGate
 from sparkcache.store.layout import (
@@ -57,7 +57,6 @@ from sparkcache.store.objects import (
     HEADER_SIZE,
     ObjectCorrupt,
     open_object,
-    record_span,
     verify_file,
 )
 from sparkcache.store.pool import FilePool
@@ -80,6 +79,15 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_SECONDS = 300.0
 _QUARANTINE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# A record collected from a pack that other rows still name is not punched at once: the
+# rest of its pack usually follows within a few slices (eviction cuts a root from its
+# end), and a pack that goes whole is pooled with its blocks for a commit to overwrite,
+# where punching would free them, and a filesystem mounted with discard discards them in
+# the journal commits that commits' syncs wait for: with every record punched at once,
+# commits at the cap ran 2.6x an empty store's p99 and the disk discarded all 80 MB/s
+# reclaimed (docs/store.md, "Packs"). A pack still named this long after its first
+# record went has its dead records punched.
+PUNCH_DELAY_S = 10.0
 DEFAULT_GRACE_SECONDS = 60.0
 
 
@@ -159,6 +167,8 @@ class PageStore:
         # Rows collection deleted whose records it has yet to remove:
         # (key, generation, bytes, file_key, file_offset).
         self._unlinking: deque[tuple[str, str, int, str | None, int]] = deque()
+        # Packs with records collected and not yet punched: name -> when the first went.
+        self._deferred: dict[tuple[str, str], float] = {}
         self._objects_fd = os.open(self.layout.objects_dir, DIR_FLAGS)
         self._quarantine_fd = os.open(self.layout.quarantine_dir, DIR_FLAGS)
         # Collection pools up to pool_bytes of its files; commits take pooled files
@@ -200,6 +210,7 @@ class PageStore:
             self.flush_touches()
             while self._unlinking:
                 self._unlink(*self._unlinking.popleft())
+            self._punch_deferred(None, every=True)
         finally:
             self._writer.close()
             self._wconn.close()
@@ -557,7 +568,7 @@ class PageStore:
             self._copy_to_quarantine(src, name, offset, HEADER_SIZE + size)
         finally:
             self._ops.close(src)
-        self._release_record(file_key, generation, offset, record_span(size))
+        self._release_record(file_key, generation)
 
     def _copy_to_quarantine(self, src: int, name: str, offset: int, length: int) -> None:
         try:
@@ -579,19 +590,65 @@ class PageStore:
         finally:
             self._ops.close(dst)
 
-    def _release_record(self, file_key: str, generation: str, offset: int,
-                        length: int) -> None:
-        """A record no row names any more: its blocks punched out of the pack, or the
-        whole pack removed if no row names it at all (rows of a pack are only ever
-        deleted once it is published, so the answer cannot change back)."""
-        named = self._wconn.execute(
-            "SELECT 1 FROM objects WHERE file_key = ? AND generation = ? LIMIT 1",
-            (file_key, generation)).fetchone()
-        if named:
-            self._writer.punch(file_key, generation, offset, length)
-        elif not (self._pool is not None and self._pool.cap_bytes > 0
-                  and self._pool_file(file_key, generation)):
+    def _release_record(self, file_key: str, generation: str) -> None:
+        """A record of pack ``file_key.generation`` that no row names any more: the whole
+        pack pooled or unlinked if no row names it at all (rows of a pack are only ever
+        deleted once it is published, so that cannot change back), else its punch
+        deferred (``PUNCH_DELAY_S``)."""
+        name = (file_key, generation)
+        if self._pack_named(file_key, generation):
+            self._deferred.setdefault(name, self._clock())
+            return
+        self._deferred.pop(name, None)
+        if not (self._pool is not None and self._pool.cap_bytes > 0
+                and self._pool_file(file_key, generation)):
             self._writer.unlink(file_key, generation)
+
+    def _pack_named(self, file_key: str, generation: str) -> bool:
+        return self._wconn.execute(
+            "SELECT 1 FROM objects WHERE file_key = ? AND generation = ? LIMIT 1",
+            (file_key, generation)).fetchone() is not None
+
+    def _punch_deferred(self, budget: Budget | None, every: bool = False) -> None:
+        """Punch the collected records of the packs deferred at least ``PUNCH_DELAY_S``
+        ago (``every``: all of them) that rows still name, a punch a unit of ``budget``'s
+        work; a pack that none names any more goes whole."""
+        now = self._clock()
+        for name, since in list(self._deferred.items()):
+            if not every and now - since < PUNCH_DELAY_S:
+                continue
+            if not self._pack_named(*name):
+                self._release_record(*name)
+                continue
+            ranges = self._unpunched(*name)
+            if (budget is not None and not budget.fresh
+                    and not budget.affordable(UNLINK, max(1, len(ranges)))):
+                return  # the rest at the next slice
+            del self._deferred[name]
+            for offset, length in ranges:
+                begun = budget.now() if budget is not None else 0.0
+                self._writer.punch(*name, offset, length)
+                if budget is not None:
+                    budget.spend(UNLINK, 1, length, budget.now() - begun)
+
+    def _unpunched(self, file_key: str, generation: str) -> list[tuple[int, int]]:
+        """The ranges of a pack that no row's record covers and that still hold data."""
+        try:
+            dir_fd = open_subdir(fanout(file_key), self._objects_fd, create=False)
+        except (FileNotFoundError, StoreError):
+            return []
+        try:
+            fd = open_object(self._ops, dir_fd, file_key, generation)
+        except (OSError, ObjectCorrupt):
+            return []
+        finally:
+            os.close(dir_fd)
+        try:
+            records = recovery.pack_records(self._wconn, file_key, generation)
+            return [r for r in recovery.dead_ranges(records, os.fstat(fd).st_size)
+                    if recovery.holds_data(fd, *r)]
+        finally:
+            self._ops.close(fd)
 
     def _maybe_flush_touches(self) -> None:
         now = self._clock()
@@ -778,11 +835,16 @@ class PageStore:
             rows = self._delete_garbage(n)
             for row in rows:
                 self._unlink(*row)
+            self._punch_deferred(None)
             return CollectResult(objects=len(rows), bytes=sum(r[2] for r in rows))
+        self._punch_deferred(budget)
         done = self._unlink_waiting(budget)
         if self._unlinking:
             return done  # out of time
-        n = budget.affordable(UNLINK, n) or (1 if budget.fresh else 0)
+        # Rows deleted by what the cheaper kind affords: a pack's record whose punch is
+        # deferred costs a read, and what its time does not cover waits for the next call.
+        n = (max(budget.affordable(UNLINK, n), budget.affordable(RECORD, n))
+             or (1 if budget.fresh else 0))
         if n <= 0 or (budget.bytes_left() <= 0 and not budget.fresh):
             return done
         begun = budget.now()
@@ -817,13 +879,17 @@ class PageStore:
 
     def _unlink_waiting(self, budget: Budget) -> CollectResult:
         objects = nbytes = 0
-        while self._unlinking and (budget.fresh or budget.affordable(UNLINK, 1)):
+        while self._unlinking:
             row = self._unlinking[0]
             size = row[2]
+            # A file goes (UNLINK) unless this is a record of a pack other rows still name.
+            kind = RECORD if row[3] is not None and self._pack_named(row[3], row[1]) else UNLINK
+            if not (budget.fresh or budget.affordable(kind, 1)):
+                break
             start = budget.now()
             self._unlink(*row)
             self._unlinking.popleft()
-            budget.spend(UNLINK, 1, size, budget.now() - start)
+            budget.spend(kind, 1, size, budget.now() - start)
             objects += 1
             nbytes += size
         return CollectResult(objects, nbytes)
@@ -834,12 +900,10 @@ class PageStore:
         unlinked; or its record freed in its pack (``_release_record``)."""
         self._hook("collect.unlink")
         if file_key is not None:
-            self._release_record(file_key, generation, offset, record_span(size))
-            return
-        if self._pool is not None and self._pool.cap_bytes > 0 and self._pool_file(
-                key, generation):
-            return
-        self._writer.unlink(key, generation)
+            self._release_record(file_key, generation)
+        elif not (self._pool is not None and self._pool.cap_bytes > 0
+                  and self._pool_file(key, generation)):
+            self._writer.unlink(key, generation)
 
     def _pool_file(self, key: str, generation: str) -> bool:
         """Move a collected file (an object's, or a pack no row names) into the pool;
