@@ -103,6 +103,10 @@ class CostModel:
     def estimate(self, kind: str) -> float | None:
         return self._per_unit.get(kind)
 
+    def cheapest(self) -> float:
+        """The lowest estimate of a unit of work (not a transaction), 0 if none yet."""
+        return min((v for k, v in self._per_unit.items() if k != TXN), default=0.0)
+
     def observe(self, kind: str, units: int, seconds: float) -> None:
         if units <= 0:
             return
@@ -121,6 +125,9 @@ class SliceMeter:
         self.costs = costs
         self._clock = clock
         self.started = clock()
+        # The last reading of the clock, and the one that ended the last unit of work.
+        self._read = self._worked_until = self.started
+        self._spent = False  # a check found no time left for any unit
         self.roots = 0
         self.bytes = 0
         self.units = 0  # pages dropped and objects collected
@@ -130,7 +137,8 @@ class SliceMeter:
         return self.units == 0
 
     def now(self) -> float:
-        return self._clock()
+        self._read = self._clock()
+        return self._read
 
     def roots_left(self) -> int:
         return self.budget.roots - self.roots
@@ -141,9 +149,14 @@ class SliceMeter:
     def affordable(self, kind: str, units: int) -> int:
         """How many of ``units`` of ``kind`` fit in the time left, keeping room for the
         transaction's commit."""
+        if self._spent:
+            return 0
         reserve = self.costs.estimate(TXN) or 0.0
-        left = self.started + self.budget.seconds - self._clock() - reserve
-        if left <= 0:
+        left = self.started + self.budget.seconds - self.now() - reserve
+        if left < self.costs.cheapest():
+            # No unit of any kind fits: later checks need not read the clock again (a
+            # reading is work too, and the reserve covers only the check that found this).
+            self._spent = True
             return 0
         per_unit = self.costs.estimate(kind)
         if per_unit is None:
@@ -151,8 +164,13 @@ class SliceMeter:
         return min(units, int(left / max(per_unit, 1e-9)))
 
     def spend(self, kind: str, units: int, nbytes: int, seconds: float) -> None:
+        """Count ``units`` of ``kind`` done in ``seconds``, ending at the last reading of
+        ``now()``: the time since the last unit ended counts too (the budget checks that
+        let these start), so the estimates cover all that a slice's time goes to."""
+        seconds = max(seconds, self._read - self._worked_until)
         if kind != TXN:
             self.units += units
+        self._worked_until = self._read
         self.bytes += nbytes
         self.costs.observe(kind, units, seconds)
 
