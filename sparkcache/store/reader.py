@@ -361,6 +361,11 @@ class StoreReader:
             fd = self._open_file(page, bad)
             if fd is not None:
                 packs[page.file] = fd
+                # Twice the kernel's readahead window for this descriptor: 64 records of
+                # 512 KiB read at 0.89-0.93 of a sequential read with it, 0.85-0.88
+                # without (docs/store.md, "Reading a pack").
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         return fd
 
     def _open_file(self, page: PlannedPage, bad: list[BadObject]) -> int | None:
