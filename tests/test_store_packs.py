@@ -16,6 +16,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from eviction_util import FakeClock
 
 from sparkcache.store import PageStore, StoreError, index
 from sparkcache.store.fileops import FileOps
@@ -69,28 +70,19 @@ def assert_clean(store_dir: Path) -> None:
     assert report.ok, report.problems
 
 
-class Clock:
+@pytest.fixture
+def clock() -> FakeClock:
     """The store's wall clock, moved by hand (leases, and the delay before a punch)."""
-
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
+    return FakeClock(now=1_000_000.0)
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def store(tmp_path: Path, clock: Clock):
+def store(tmp_path: Path, clock: FakeClock):
     with PageStore(tmp_path / "s", 0, lease_seconds=0, clock=clock) as s:
         yield s
 
 
-def punch_due(store: PageStore, clock: Clock) -> None:
+def punch_due(store: PageStore, clock: FakeClock) -> None:
     """Let the deferred punches fall due and run them (a collection with nothing else
     to collect does)."""
     clock.now += PUNCH_DELAY_S
@@ -153,7 +145,7 @@ def test_a_restore_reads_a_pack_through_one_descriptor(tmp_path: Path) -> None:
 
 
 def test_collecting_part_of_a_pack_frees_its_records_and_the_last_removes_it(
-        store: PageStore, clock: Clock) -> None:
+        store: PageStore, clock: FakeClock) -> None:
     shared, own_a, own_b = keys(2), keys(6), keys(2)
     a, b = rid(), rid()
     store.commit(make_root(a, shared + own_a, SIZE))  # pack A: 8 records
@@ -181,7 +173,7 @@ def test_collecting_part_of_a_pack_frees_its_records_and_the_last_removes_it(
 
 
 def test_a_record_collected_after_it_was_planned_is_a_miss_not_damage(
-        store: PageStore, clock: Clock) -> None:
+        store: PageStore, clock: FakeClock) -> None:
     shared, own = keys(2), keys(3)
     old = rid()
     store.commit(make_root(old, shared + own, SIZE))
@@ -196,7 +188,7 @@ def test_a_record_collected_after_it_was_planned_is_a_miss_not_damage(
 
 
 def test_a_damaged_record_is_quarantined_alone_and_healed_by_the_next_commit(
-        store: PageStore, clock: Clock) -> None:
+        store: PageStore, clock: FakeClock) -> None:
     page_keys = keys(4)
     store.commit(make_root(rid(), page_keys, SIZE))
     pack, offset = object_file(store.layout.objects_dir, store._rconn, page_keys[2])
