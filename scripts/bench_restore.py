@@ -60,6 +60,9 @@ SETTINGS = {"ranks": "1", "capture_slots": "1", "capture_slot_bytes": "16MiB",
 
 
 def drop_cache(paths: list[Path]) -> None:
+    """``paths`` out of the page cache, and nothing left dirty to be written during the
+    timed read: DONTNEED passes over dirty pages, and the store was just filled."""
+    os.sync()
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
