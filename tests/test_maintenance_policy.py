@@ -147,6 +147,34 @@ def test_the_meter_stops_before_the_time_budget_with_learnt_costs() -> None:
     assert m.roots_left() == 3
 
 
+def test_time_between_units_is_the_next_units_and_a_spent_slice_stops_reading() -> None:
+    """Whatever passes between two units (the budget checks that let the second start)
+    is the second's cost, and all from the last unit to the COMMIT the transaction's;
+    once a check finds no unit of any kind fits, later ones answer 0 without reading
+    the clock (a reading is work the reserve did not cover)."""
+    clock = FakeClock(tick=0.0)
+    costs = CostModel()
+    m = meter(seconds=0.01, clock=clock, costs=costs)
+    start = m.now()
+    clock.now += 0.001
+    m.spend(PAGE, 1, 0, seconds=m.now() - start)  # 1 ms a page
+    clock.now += 0.002  # checks, a hook: nobody's yet
+    start = m.now()
+    clock.now += 0.001
+    m.spend(UNLINK, 1, 0, seconds=m.now() - start)  # measured 1 ms, counted 3
+    assert costs.estimate(UNLINK) == pytest.approx(0.003)
+    clock.now += 0.0005
+    worked = m.now()
+    clock.now += 0.0005
+    m.spend(TXN, 1, 0, seconds=m.now() - worked)  # measured 0.5 ms, counted 1
+    assert costs.estimate(TXN) == pytest.approx(0.001)
+    clock.now = m.started + 0.0085  # 1.5 ms left, 1 ms of it the reserve: no unit fits
+    assert m.affordable(PAGE, 10) == 0
+    clock.tick = 1.0  # any further reading would show
+    assert m.affordable(PAGE, 10) == 0 and m.affordable(UNLINK, 1) == 0
+    assert clock.now == pytest.approx(m.started + 0.0085)
+
+
 def test_costs_rise_at_once_and_decay_slowly() -> None:
     costs = CostModel()
     assert costs.estimate(UNLINK) is None
