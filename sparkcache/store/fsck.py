@@ -34,7 +34,7 @@ from sparkcache.store.layout import (
 from sparkcache.store.objects import ObjectCorrupt, verify_file
 from sparkcache.store.pool import parse_free_name
 from sparkcache.store.records import StoreError
-from sparkcache.store.recovery import dead_ranges, holds_data
+from sparkcache.store.recovery import unfreed_ranges
 from sparkcache.store.store import PageStore
 
 DEFAULT_FSCK_GRACE_SECONDS = 300.0
@@ -244,9 +244,7 @@ def _check_pack(path: str, records: list[tuple[int, int]], report: FsckReport) -
     """Count a pack's bytes that no row's record covers and that are not yet freed."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        report.unpunched_bytes += sum(
-            length for offset, length in dead_ranges(records, os.fstat(fd).st_size)
-            if holds_data(fd, offset, length))
+        report.unpunched_bytes += sum(length for _, length in unfreed_ranges(records, fd))
     finally:
         os.close(fd)
 

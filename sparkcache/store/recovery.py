@@ -135,7 +135,7 @@ def _sweep_dir(
         if not is_temp and named and stat.S_ISREG(st.st_mode):
             present.add((key, generation))
             if (key, generation) in packs:
-                result.pack_ranges_freed += free_dead_ranges(conn, ops, fd, key, generation)
+                result.pack_ranges_freed += _free_dead_ranges(conn, ops, fd, key, generation)
             continue
         if now - st.st_mtime < grace_seconds:
             continue
@@ -190,7 +190,13 @@ def holds_data(fd: int, offset: int, length: int) -> bool:
         return False
 
 
-def free_dead_ranges(conn: sqlite3.Connection, ops: FileOps, dir_fd: int, key: str,
+def unfreed_ranges(records: list[tuple[int, int]], fd: int) -> list[tuple[int, int]]:
+    """The ``dead_ranges`` of the pack open as ``fd`` that still hold data: collected
+    records not punched yet (collection defers it, and a crash can come first)."""
+    return [r for r in dead_ranges(records, os.fstat(fd).st_size) if holds_data(fd, *r)]
+
+
+def _free_dead_ranges(conn: sqlite3.Connection, ops: FileOps, dir_fd: int, key: str,
                       generation: str) -> int:
     """Punch the bytes of named pack ``key.generation`` (under ``dir_fd``) that no row
     covers and that still hold data: what a crash left before collection's deferred
@@ -202,9 +208,8 @@ def free_dead_ranges(conn: sqlite3.Connection, ops: FileOps, dir_fd: int, key: s
         return 0
     freed = 0
     try:
-        records = pack_records(conn, key, generation)
-        for offset, length in dead_ranges(records, os.fstat(fd).st_size):
-            if holds_data(fd, offset, length) and ops.punch_hole(fd, offset, length):
+        for offset, length in unfreed_ranges(pack_records(conn, key, generation), fd):
+            if ops.punch_hole(fd, offset, length):
                 freed += 1
     finally:
         ops.close(fd)

@@ -644,9 +644,8 @@ class PageStore:
         finally:
             os.close(dir_fd)
         try:
-            records = recovery.pack_records(self._wconn, file_key, generation)
-            return [r for r in recovery.dead_ranges(records, os.fstat(fd).st_size)
-                    if recovery.holds_data(fd, *r)]
+            return recovery.unfreed_ranges(
+                recovery.pack_records(self._wconn, file_key, generation), fd)
         finally:
             self._ops.close(fd)
 
