@@ -170,6 +170,7 @@ def step_times(tmp: Path, steps: int, forward_size: int) -> dict:
 
     store, instance = tmp / "step-store", f"bs{uuid.uuid4().hex[:8]}"
     sup = start_supervisor(store, instance)
+    all_cores = os.sched_getaffinity(0)
     os.sched_setaffinity(0, ENGINE_CORES)
     # As vLLM's CPU worker does: one torch thread per core it is bound to. torch's default
     # (one per core of the machine) would oversubscribe the engine's core.
@@ -229,6 +230,8 @@ def step_times(tmp: Path, steps: int, forward_size: int) -> dict:
             stats = r.workers[0]._worker.counters
     finally:
         stop(sup)
+        # What runs after (bench_restore.py, a child) must not inherit the engine's core.
+        os.sched_setaffinity(0, all_cores)
 
     for key in per_step:  # steady state: the first steps open readers, rings, staging
         del per_step[key][:WARMUP_STEPS]

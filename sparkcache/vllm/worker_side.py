@@ -64,7 +64,7 @@ class WorkerSide:
         self._loading: set[str] = set()  # loads started and not ended
         # Loads the restore worker holds: request -> (job, staging pages, started at).
         self._inflight: dict[str, tuple[PageJob, list[int] | None, float]] = {}
-        self._finished: set[str] = set()  # ids vLLM has passed to get_finished
+        self._finished: set[str] = set()  # saved requests vLLM reported finished
         self._load_errors: set[int] = set()
         self._poll_at = 0.0  # when get_finished next reads the rings with nothing outstanding
         # Something may have been counted since totals() was last read: start() had jobs,
@@ -213,7 +213,10 @@ class WorkerSide:
         self._recved.add(job.req_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        self._finished |= finished_req_ids
+        # Only a request with a save here is remembered: its save came in this same
+        # step's metadata (vLLM binds it and calls start_load_kv before get_finished), and
+        # the ids of every other finished request would pile up for the process's life.
+        self._finished |= finished_req_ids & (self._sent | self._saving)
         now = time.monotonic()
         if self._inflight or self._saving or self._staged or now >= self._poll_at:
             self._poll_at = now + IDLE_POLL_S

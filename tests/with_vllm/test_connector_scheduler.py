@@ -223,8 +223,11 @@ def test_no_supervisor_every_request_completes(tmp_path: Path, instance: str) ->
     with rig(tmp_path / "store", instance) as r:
         for i in range(3):
             r.sched.add_request(request(f"R{i}", [*prefix, i], max_tokens=3))
+        r.sched.add_request(request("short", [1, 2, 3], max_tokens=3))  # no full page
         r.run_until_idle()
         assert {"R0", "R1", "R2"} <= r.finished_sending or not r.finished_sending
+        # Nothing is kept of a finished request once reported (or never saved).
+        assert not r.workers[0]._worker._finished
         assert not r.finished_recving and not r.load_errors
         side = r.sched.get_kv_connector()._scheduler
         assert side.lookup.misses  # counted, not raised
