@@ -26,9 +26,10 @@ from sparkcache.vllm.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# With no save or load outstanding, get_finished reads the rings only this often: nothing
-# can arrive for this rank then but reports of publications already released by their
-# deadline (drained here, ignored) and durability reports no one on this side waits for.
+# With no save (or no load) outstanding, get_finished reads the capture rings (or the
+# restore ring) only this often: nothing can arrive for this rank then but reports of
+# publications already released by their deadline (drained here, ignored) and
+# durability reports no one on this side waits for.
 # Every step of a decode-only batch would otherwise pay for polling five rings on cold
 # caches: ~50 µs a step in vLLM's CPU engine, about half of what the connector cost there.
 IDLE_POLL_S = 1.0
@@ -218,12 +219,16 @@ class WorkerSide:
         # the ids of every other finished request would pile up for the process's life.
         self._finished |= finished_req_ids & (self._sent | self._saving)
         now = time.monotonic()
-        if self._inflight or self._saving or self._staged or now >= self._poll_at:
+        idle_poll = now >= self._poll_at
+        if idle_poll:
             self._poll_at = now + IDLE_POLL_S
-            # Only a load's result changes what totals() sums (a capture's completion
-            # does not); the stats' refresh picks up anything else.
-            if self._finish_loads():
-                self.counted = True
+        # Each ring only while something of its kind is outstanding (and at the idle
+        # poll): a step of loads alone then does not also pay for the capture rings.
+        # Only a load's result changes what totals() sums (a capture's completion does
+        # not); the stats' refresh picks up anything else.
+        if (self._inflight or idle_poll) and self._finish_loads():
+            self.counted = True
+        if self._saving or self._staged or idle_poll:
             for done in self.client.poll_completions():
                 req_id = str(done.seq_id)
                 pages = self._staged.pop(req_id, None)
