@@ -35,16 +35,21 @@ from workers.lifecycle import Role
 log = logging.getLogger(__name__)
 
 RETRY_INTERVAL_S = 1.0
+# How long a check that maintenance is alive answers for, for a caller that looks up
+# often (vLLM's scheduler: ``alive_recheck_s``). A check reads and verifies its whole
+# stats record, ~30-45 µs of a scheduling step on cold caches; its answer is already as
+# old as the heartbeat, which goes stale only after ``heartbeat_timeout_s`` (seconds).
+ALIVE_RECHECK_S = 0.25
 
 
 class PrefixLookup:
     """Leased lookups of key chains across ``tp_size`` ranks of one instance."""
 
-    def __init__(self, cfg: Config, tp_size: int, *, passes: bool = False) -> None:
-        """``passes``: the caller calls ``end_pass`` after each scheduling pass, and
-        maintenance is checked alive once per pass instead of once per lookup."""
+    def __init__(self, cfg: Config, tp_size: int, *, alive_recheck_s: float = 0.0) -> None:
+        """``alive_recheck_s``: maintenance is checked alive at most this often (0: at
+        every lookup); see ``ALIVE_RECHECK_S``."""
         self.cfg = cfg
-        self._passes = passes
+        self._alive_recheck_s = alive_recheck_s
         self.tp_size = tp_size
         self.misses: Counter = Counter()
         self.lookups = 0
@@ -57,8 +62,8 @@ class PrefixLookup:
         self._leases: list[Producer | None] = [None] * tp_size
         self._stats: list[StatsBlock | None] = [None] * tp_size
         self._retry_at = 0.0
-        # Maintenance was seen alive on every rank in this scheduling pass (see end_pass).
-        self._alive_this_pass = False
+        # Until when maintenance counts as alive on every rank without a new check.
+        self._alive_until = 0.0
         self._log = RateLimitedLog(log)
 
     def _reader(self, rank: int) -> StoreReader:
@@ -83,14 +88,6 @@ class PrefixLookup:
             stats = self._stats[rank] = segments.attach_stats(self.cfg, rank)
         return worker_alive(stats.read(int(Role.MAINTENANCE)), self.cfg.heartbeat_timeout_s)
 
-    def end_pass(self) -> None:
-        """The caller's scheduling pass is over (see ``passes``): the next lookup checks
-        again that maintenance is alive. vLLM's scheduler asks about every request it admits in
-        one pass; checking once per pass saves a stats read per rank for each further
-        one, and a lease taken in a pass that maintenance died during is lost as it
-        would be a moment later anyway (the lookup is a miss then, the load recomputed)."""
-        self._alive_this_pass = False
-
     def lookup(self, keys: Sequence[str], beyond: int = 0, hint: int = 0) -> int:
         """Leading ``keys`` every rank holds, leased for ``lookup_lease_seconds``; 0 if
         they are not more than ``beyond`` (the pages the caller has already: one probe
@@ -106,7 +103,7 @@ class PrefixLookup:
                 self.misses["unavailable"] += 1
                 return 0
             try:
-                pages = self._lookup(keys, beyond, hint)
+                pages = self._lookup(keys, beyond, hint, now)
             except Exception as exc:
                 # A store not created yet, a supervisor gone: try again a little later,
                 # and drop every handle (a new supervisor makes new rings).
@@ -137,11 +134,13 @@ class PrefixLookup:
                 return
         self._engine.write_due(self._fields)
 
-    def _lookup(self, keys: Sequence[str], beyond: int, hint: int) -> int:
-        if not self._alive_this_pass:
+    def _lookup(self, keys: Sequence[str], beyond: int, hint: int, now: float) -> int:
+        if now >= self._alive_until:
+            # A lease taken in the interval after maintenance died is lost, as one taken
+            # a moment before its death would be: the load misses and is recomputed.
             if not all(self._maintenance_alive(r) for r in range(self.tp_size)):
                 raise RuntimeError("no maintenance worker running: no supervisor, or stopped")
-            self._alive_this_pass = self._passes
+            self._alive_until = now + self._alive_recheck_s
         readers = [self._reader(r) for r in range(self.tp_size)]
         held = []
         try:
@@ -177,7 +176,7 @@ class PrefixLookup:
         return True
 
     def close(self) -> None:
-        self._alive_this_pass = False
+        self._alive_until = 0.0
         if self._engine is not None:
             # What was counted since the last write reaches the block (this supervisor's,
             # or a stopped one's, where it is harmless).

@@ -16,7 +16,9 @@ REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 CODE_DIRS = ("sparkcache", "workers", "shm")
 # Names the docs quote from outside the project (libc, glibc tunables).
-FOREIGN = {"sem_timedwait", "x86_non_temporal_threshold"}
+FOREIGN = {"sem_timedwait", "x86_non_temporal_threshold",
+           # symbols in perf profiles the docs quote (CPython's collector, the kernel's copy)
+           "gc_collect_main", "_copy_to_iter"}
 # vLLM's own names that docs/vllm.md explains the connector by.
 VLLM_NAMES = {"finished_sending"}
 # Names made at run time: prometheus_client adds "_total" to a counter's name, and the

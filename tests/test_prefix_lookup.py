@@ -43,11 +43,11 @@ def test_no_supervisor_is_a_miss_and_a_restarted_one_is_found(tmp_path: Path,
         lookup.close()
 
 
-def test_with_passes_maintenance_is_checked_once_a_pass(tmp_path: Path, instance: str,
-                                                        monkeypatch) -> None:
+def test_maintenance_is_checked_alive_at_most_once_an_interval(tmp_path: Path, instance: str,
+                                                               monkeypatch) -> None:
     store = tmp_path / "store"
     keys = list(sequence_keys(NS, list(range(16 * 8))).pages)
-    lookup = PrefixLookup(make_cfg(store, instance), 1, passes=True)
+    lookup = PrefixLookup(make_cfg(store, instance), 1, alive_recheck_s=0.5)
     checks: list[bool] = []
     real = PrefixLookup._maintenance_alive
 
@@ -61,14 +61,14 @@ def test_with_passes_maintenance_is_checked_once_a_pass(tmp_path: Path, instance
         with PageStore(store, 0) as st:
             st.commit(make_root("ab" * 16, keys[:5], 64))
         assert lookup.lookup(keys) == 5 and lookup.lookup(keys) == 5
-        assert checks == [True]  # two lookups, one pass
-        lookup.end_pass()
+        assert checks == [True]  # two lookups inside the interval, one check
+        time.sleep(0.6)
         assert lookup.lookup(keys) == 5 and checks == [True, True]
     finally:
         stop_supervisor(sup)
-    lookup.end_pass()
+    time.sleep(0.6)
     try:
-        assert lookup.lookup(keys) == 0  # the next pass sees maintenance gone
+        assert lookup.lookup(keys) == 0  # the next interval sees maintenance gone
         assert checks[-1] is False and lookup.misses["unavailable"] == 1
     finally:
         lookup.close()

@@ -172,9 +172,14 @@ def extra_key_text(key: object) -> str:
 def request_extras(request: Request) -> KeyExtras:
     """The request-wide extras of ``request``, read as vLLM's hasher reads them."""
     lora = request.lora_request
-    adapter = json.dumps([lora.lora_name, lora.lora_path]) if lora else None
     salt = request.cache_salt or None  # vLLM: `if request.cache_salt`
+    if not lora and salt is None:
+        return _NO_EXTRAS  # most requests: no new (frozen, so slow to build) object each
+    adapter = json.dumps([lora.lora_name, lora.lora_path]) if lora else None
     return KeyExtras(adapter=adapter, cache_salt=salt)
+
+
+_NO_EXTRAS = KeyExtras()
 
 
 def _has_block_extras(request: Request) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 from sparkcache import kvmem
 from sparkcache.config import AccessMode
 from sparkcache.identity import Namespace
-from sparkcache.prefix_lookup import PrefixLookup
+from sparkcache.prefix_lookup import ALIVE_RECHECK_S, PrefixLookup
 from sparkcache.vllm.metadata import PageJob, SparkCacheMetadata
 from sparkcache.vllm.request_keys import RequestKeys
 from sparkcache.vllm.settings import Settings
@@ -38,7 +38,8 @@ class SchedulerSide:
         self._hash_block_size = hash_block_size
         self._lookahead = lookahead_tokens
         self.block = settings.block_size
-        self.lookup = PrefixLookup(settings.cfg, settings.tp_size, passes=True)
+        self.lookup = PrefixLookup(settings.cfg, settings.tp_size,
+                                   alive_recheck_s=ALIVE_RECHECK_S)
         self.counters: Counter = Counter()
         # Something may have been counted since totals() was last read (a lookup or a
         # finished request): the connector's stats skip the sums otherwise.
@@ -122,7 +123,6 @@ class SchedulerSide:
             PageJob(request.request_id, state.keys.keys[start:end], block_ids[start:end]))
 
     def build_connector_meta(self, scheduler_output: Any) -> SparkCacheMetadata:
-        self.lookup.end_pass()
         meta, self._meta = self._meta, SparkCacheMetadata()
         return meta
 
