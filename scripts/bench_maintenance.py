@@ -20,6 +20,14 @@ scenarios, each on a fresh store:
   file, and passes run back to back while used bytes are above ``max_bytes``: no
   budget, no pause (``commit_p99_baseline_s``, ``baseline_vs_empty_p99``).
 
+A store at its cap also changes what is committed: a conversation whose earlier turns
+were evicted writes them again with its next turn, 2 to 8 turns' pages in one commit, and
+those commits, 3-4 % of a full store's, are its slowest 1 %; an empty store evicts
+nothing and never writes them. So each scenario also gives the p99 of the ordinary turns
+alone, the commits that wrote exactly ``--pages`` pages (``commit_p99_<scenario>_turns_s``,
+``full_vs_empty_p99_turns``, ``baseline_vs_empty_p99_turns``: the same commit, slowed
+or not by maintenance beside it), and how many commits wrote more (``rewrites_<scenario>``).
+
 The scenarios run in alternating rounds (``--rounds``), so drift in a shared disk's speed
 falls on each alike. Both kinds of maintenance run as the supervisor starts maintenance
 (nice 10, best-effort I/O at its lowest level). From the full runs: the longest slice the
@@ -158,6 +166,7 @@ class Run:
     # Page files the writer wrote, and how many of them over a pooled file (store/pool.py).
     files: int = 0
     recycled: int = 0
+    written_pages: list[int] = field(default_factory=list)  # of each commit
 
     def __add__(self, other: Run) -> Run:
         """Two rounds of one scenario as one."""
@@ -166,13 +175,17 @@ class Run:
                    self.cpu_s + other.cpu_s, max(self.slice_max_s, other.slice_max_s),
                    self.collected + other.collected, self.refused_s + other.refused_s,
                    self.evicted + other.evicted, self.files + other.files,
-                   self.recycled + other.recycled)
+                   self.recycled + other.recycled, self.written_pages + other.written_pages)
+
+    def turns_of(self, pages: int) -> list[float]:
+        """The commit times of the turns that wrote exactly ``pages`` pages."""
+        return [t for t, n in zip(self.commits, self.written_pages, strict=True) if n == pages]
 
 
 def write(store: PageStore, convs: Conversations, page: bytes, rate: float,
           seconds: float) -> Run:
     """Commit a turn every 1/rate s (never catching up in bursts) for ``seconds``."""
-    period, commits, waits, published, files = 1.0 / rate, [], [], 0, 0
+    period, commits, waits, published, files, sizes = 1.0 / rate, [], [], 0, 0, []
     taken = store.pool.taken_files if store.pool else 0
     start = time.monotonic()
     due = start
@@ -186,11 +199,12 @@ def write(store: PageStore, convs: Conversations, page: bytes, rate: float,
         commits.append(time.perf_counter() - t0)
         waits.append(store.counters.lock_wait_s - waited)
         published += result.bytes_written
+        sizes.append(result.pages_written)
         files += result.pages_written > 0  # a turn's new pages are one file, its pack
         due = max(due + period, time.monotonic())
     recycled = (store.pool.taken_files if store.pool else 0) - taken
     return Run(commits, waits, published, time.monotonic() - start, files=files,
-               recycled=recycled)
+               recycled=recycled, written_pages=sizes)
 
 
 def fill(store: PageStore, convs: Conversations, page: bytes, upto: int) -> None:
@@ -347,6 +361,8 @@ def main() -> int:
         shutil.rmtree(work)
     empty, full, base = runs["empty"], runs["full"], runs["baseline"]
     p99 = {name: percentile(run.commits, 0.99) for name, run in runs.items()}
+    turns = {name: run.turns_of(args.pages) for name, run in runs.items()}
+    p99_turn = {name: percentile(t, 0.99) for name, t in turns.items()}
     result = {
         "commits_per_scenario": min(len(r.commits) for r in runs.values()),
         "commit_p50_empty_s": statistics.median(empty.commits),
@@ -358,6 +374,10 @@ def main() -> int:
         "full_vs_empty_p99": p99["full"] / p99["empty"],
         "baseline_vs_empty_p99": p99["baseline"] / p99["empty"],
         **{f"commit_p99_{name}_by_round_s": r for name, r in rounds.items()},
+        **{f"commit_p99_{name}_turns_s": p99_turn[name] for name in runs},
+        "full_vs_empty_p99_turns": p99_turn["full"] / p99_turn["empty"],
+        "baseline_vs_empty_p99_turns": p99_turn["baseline"] / p99_turn["empty"],
+        **{f"rewrites_{name}": len(run.commits) - len(turns[name]) for name, run in runs.items()},
         "commit_lock_wait_p99_full_s": percentile(full.lock_waits, 0.99),
         "commit_lock_wait_max_full_s": max(full.lock_waits),
         "commit_lock_wait_p99_baseline_s": percentile(base.lock_waits, 0.99),
