@@ -131,6 +131,9 @@ class SliceMeter:
         self.roots = 0
         self.bytes = 0
         self.units = 0  # pages dropped and objects collected
+        # The longest single spend, (seconds, kind, units): what a slice that overran
+        # its budget spent its time on, for the worker's warning.
+        self.slowest: tuple[float, str, int] = (0.0, "", 0)
 
     @property
     def fresh(self) -> bool:
@@ -173,6 +176,8 @@ class SliceMeter:
         self._worked_until = self._read
         self.bytes += nbytes
         self.costs.observe(kind, units, seconds)
+        if seconds > self.slowest[0]:
+            self.slowest = (seconds, kind, units)
 
     def take_root(self) -> None:
         self.roots += 1

@@ -6,6 +6,7 @@ the backlog is in the stats slot."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -137,3 +138,19 @@ def test_the_hard_cap_refuses_publications_then_publishing_resumes(
         with segments.attach_stats(r.cfg, 0) as stats:
             commit = stats.read(int(Role.COMMIT))
         assert commit.lock_wait_s > 0 and commit.lock_wait_max_s <= commit.lock_wait_s
+
+
+def test_a_slice_far_over_its_budget_is_logged_with_its_longest_step(
+        tmp_path: Path, instance: str, caplog) -> None:
+    """Every clock reading costs 30 ms, so each slice overruns its 20 ms budget: the
+    worker says so, naming the step that took longest, once a minute at most."""
+    clock = FakeClock(tick=0.03)
+    with rig(tmp_path / "store", instance, clock=clock, **SETTINGS) as r:
+        for _ in range(6):
+            put(r, 4)  # above max_bytes: an episode
+        with caplog.at_level(logging.WARNING, logger="workers.maintenance"):
+            drive(r, clock, 5)
+        assert maintenance_record(r).slice_max_s > 0.04
+    warned = [m for m in caplog.messages if "against its budget of 20 ms" in m]
+    assert len(warned) == 1, caplog.messages
+    assert "longest step: 1 " in warned[0] and "unit(s) in " in warned[0]

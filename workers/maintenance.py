@@ -35,6 +35,7 @@ from sparkcache.maintenance_policy import (
     SliceMeter,
 )
 from sparkcache.protocol import RequestKind
+from sparkcache.ratelog import RateLimitedLog
 from sparkcache.store import CollectResult, EvictResult, PageStore
 from sparkcache.store.eviction import EvictionPlan
 from workers import lifecycle
@@ -45,6 +46,10 @@ log = logging.getLogger(__name__)
 # Rows one collection reads at most; its bytes and time budget usually stop it first.
 COLLECT_ROWS = 1024
 IDLE_S = 0.2
+# A slice longer than this many times its time budget is logged (at most once a minute)
+# with its longest step: the budget is an estimate, and an overrun that large is worth
+# an operator's look (a disk stalled, or a unit far slower than any seen before).
+OVERRUN_WARN = 2.0
 # How often the report lists the pool of collected files for its size (store/pool.py).
 POOL_READ_S = 1.0
 # A request's page position is below the most pages one publication can carry.
@@ -89,6 +94,7 @@ class Maintenance:
         self._pool_read_at = float("-inf")
         self.limits = Limits.from_config(cfg)
         self.costs = CostModel()
+        self._rare = RateLimitedLog(log)
         self.pressure = Pressure(cfg.max_bytes, cfg.low_watermark_bytes)
         self.hard_cap = HardCap(self.limits.hard_cap_bytes)
         self.pacing = Pacing(self.limits, clock())
@@ -158,6 +164,12 @@ class Maintenance:
         self.pacing.record(meter.started, end, io)
         self.slice_last_s = end - meter.started
         self.slice_max_s = max(self.slice_max_s, self.slice_last_s)
+        if self.slice_last_s > OVERRUN_WARN * self.limits.budget.seconds:
+            seconds, kind, units = meter.slowest
+            self._rare.warning("overrun", "a slice took %.1f ms against its budget of %.0f "
+                               "ms; its longest step: %d %s unit(s) in %.1f ms",
+                               self.slice_last_s * 1e3, self.limits.budget.seconds * 1e3,
+                               units, kind or "no metered", seconds * 1e3)
         self.life.timed(self.slice_last_s)
         t = self.totals
         t["evicted_roots"] += len(evicted.removed)
