@@ -157,7 +157,7 @@ class Maintenance:
         for key, generation in self._quarantines:
             self.store.verify_and_quarantine(key, generation, "failed verification in a restore")
         self._quarantines = []
-        if not (collected.objects or evicted.pages or requests):
+        if not (collected.objects or collected.shrunk or evicted.pages or requests):
             return False
         end = self.clock()
         io = collected.bytes + written_bytes() - wrote
