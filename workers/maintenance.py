@@ -88,6 +88,7 @@ class Maintenance:
         self.store = PageStore(
             cfg.store_dir, life.spec.rank, lease_seconds=cfg.lease_seconds,
             hook=lifecycle.checkpoint, pool_bytes=cfg.pool_cap_bytes,
+            shrink_step=cfg.maintenance_shrink_bytes,
         )
         self.clock = clock
         self.pooled_bytes = 0
