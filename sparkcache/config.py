@@ -158,15 +158,7 @@ class Config:
         metadata=_help(
             "Bytes of collected files kept per rank for the next commits to overwrite "
             "instead of creating files (e.g. 256MiB), at most the gap between the "
-            "watermarks; 0: none kept."
-        ),
-    )
-    maintenance_shrink_bytes: int = field(
-        default=MiB,
-        metadata=_help(
-            "Bytes a collected file the pool does not take loses per unit of a "
-            "maintenance slice, from its end, until it is unlinked (e.g. 1MiB): with "
-            "online discard, freeing a whole file at once can take longer than a slice."
+            "watermarks; 0: collected files are unlinked at once."
         ),
     )
     read_ahead_bytes: int = field(
@@ -277,7 +269,7 @@ def _parse_field(name: str, text: str) -> Any:
     """Convert one raw string to the type of field ``name``; ValueError names what is allowed."""
     if name in ("max_bytes", "low_watermark_bytes", "capture_slot_bytes",
                 "maintenance_slice_bytes", "maintenance_io_bytes_per_s",
-                "maintenance_pool_bytes", "maintenance_shrink_bytes", "read_ahead_bytes"):
+                "maintenance_pool_bytes", "read_ahead_bytes"):
         return parse_size(text)
     if name in ("ranks", "capture_slots", "page_tokens", "metrics_port",
                 "maintenance_slice_roots"):
@@ -410,8 +402,7 @@ def validate(
 def _validate_maintenance(cfg: Config, bad: Callable[[str, str], None]) -> None:
     if cfg.maintenance_slice_roots < 1:
         bad("maintenance_slice_roots", "at least 1")
-    for name in ("maintenance_slice_bytes", "maintenance_io_bytes_per_s",
-                 "maintenance_shrink_bytes"):
+    for name in ("maintenance_slice_bytes", "maintenance_io_bytes_per_s"):
         if getattr(cfg, name) <= 0:
             bad(name, "a positive size")
     for name in ("maintenance_pool_bytes", "read_ahead_bytes"):

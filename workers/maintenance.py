@@ -88,7 +88,6 @@ class Maintenance:
         self.store = PageStore(
             cfg.store_dir, life.spec.rank, lease_seconds=cfg.lease_seconds,
             hook=lifecycle.checkpoint, pool_bytes=cfg.pool_cap_bytes,
-            shrink_step=cfg.maintenance_shrink_bytes,
         )
         self.clock = clock
         self.pooled_bytes = 0
@@ -158,7 +157,7 @@ class Maintenance:
         for key, generation in self._quarantines:
             self.store.verify_and_quarantine(key, generation, "failed verification in a restore")
         self._quarantines = []
-        if not (collected.objects or collected.shrunk or evicted.pages or requests):
+        if not (collected.objects or evicted.pages or requests):
             return False
         end = self.clock()
         io = collected.bytes + written_bytes() - wrote
