@@ -22,7 +22,7 @@ scenarios, each on a fresh store:
 
 A store at its cap also changes what is committed: a conversation whose earlier turns
 were evicted writes them again with its next turn, 2 to 8 turns' pages in one commit, and
-those commits, 3-4 % of a full store's, are its slowest 1 %; an empty store evicts
+those commits, 2-3 % of a full store's, are its slowest 1 %; an empty store evicts
 nothing and never writes them. So each scenario also gives the p99 of the ordinary turns
 alone, the commits that wrote exactly ``--pages`` pages (``commit_p99_<scenario>_turns_s``,
 ``full_vs_empty_p99_turns``, ``baseline_vs_empty_p99_turns``: the same commit, slowed
