@@ -158,7 +158,16 @@ class Config:
         metadata=_help(
             "Bytes of collected files kept per rank for the next commits to overwrite "
             "instead of creating files (e.g. 256MiB), at most the gap between the "
-            "watermarks; 0: collected files are unlinked at once."
+            "watermarks; 0: none kept."
+        ),
+    )
+    maintenance_halve_bytes: int = field(
+        default=MiB,
+        metadata=_help(
+            "A collected file the pool does not take and larger than this (e.g. 1MiB) "
+            "is removed in two units of a maintenance slice, its back half cut off "
+            "first: with online discard, freeing a whole file at once can take longer "
+            "than a slice."
         ),
     )
     read_ahead_bytes: int = field(
@@ -269,7 +278,7 @@ def _parse_field(name: str, text: str) -> Any:
     """Convert one raw string to the type of field ``name``; ValueError names what is allowed."""
     if name in ("max_bytes", "low_watermark_bytes", "capture_slot_bytes",
                 "maintenance_slice_bytes", "maintenance_io_bytes_per_s",
-                "maintenance_pool_bytes", "read_ahead_bytes"):
+                "maintenance_pool_bytes", "maintenance_halve_bytes", "read_ahead_bytes"):
         return parse_size(text)
     if name in ("ranks", "capture_slots", "page_tokens", "metrics_port",
                 "maintenance_slice_roots"):
@@ -402,7 +411,8 @@ def validate(
 def _validate_maintenance(cfg: Config, bad: Callable[[str, str], None]) -> None:
     if cfg.maintenance_slice_roots < 1:
         bad("maintenance_slice_roots", "at least 1")
-    for name in ("maintenance_slice_bytes", "maintenance_io_bytes_per_s"):
+    for name in ("maintenance_slice_bytes", "maintenance_io_bytes_per_s",
+                 "maintenance_halve_bytes"):
         if getattr(cfg, name) <= 0:
             bad(name, "a positive size")
     for name in ("maintenance_pool_bytes", "read_ahead_bytes"):

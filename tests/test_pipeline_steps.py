@@ -66,8 +66,10 @@ PIPELINE = {"capture_slots": "1", "release_timeout_seconds": str(RELEASE_S)}
 # Pages are 16 KiB: the first batch alone crosses max_bytes; a zero lease makes every
 # root a victim at once, and short lookup leases (capture's too) end soon after. A slice
 # may handle two pages, so roots are cut short across slices (evict.truncated).
+# Files the pool does not take are removed in halves (collect.shrunk).
 EVICTING = {"max_bytes": "192KiB", "low_watermark_bytes": "96KiB", "lease_seconds": "0",
-            "lookup_lease_seconds": "1", "maintenance_slice_bytes": "32KiB"}
+            "lookup_lease_seconds": "1", "maintenance_slice_bytes": "32KiB",
+            "maintenance_halve_bytes": "4KiB"}
 
 
 def _role(step: str) -> str:

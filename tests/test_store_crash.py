@@ -103,9 +103,10 @@ def eviction_child(store_dir: Path, step: str, nth: int, seed: int, conn: Connec
     """Acknowledge six roots, then evict and collect everything in slices as maintenance
     does, each allowed two roots and two pages' bytes: roots are cut short across slices
     (``evict.truncated``), and the kill lands inside one of them. The pool takes four
-    files, and later ones are unlinked: collection's two ways out are both crossed."""
+    files, and later ones lose their back half, then are unlinked: collection's two ways
+    out are both crossed."""
     store = PageStore(store_dir, 0, lease_seconds=0, hook=KillAt(step, nth),
-                      pool_bytes=4 * (SIZE + HEADER_SIZE))
+                      pool_bytes=4 * (SIZE + HEADER_SIZE), halve_above=4096)
     rng = random.Random(seed)
     ids = []
     for _ in range(6):
@@ -141,6 +142,7 @@ LEFTOVERS = {
     "commit.durable": ("orphan_files_removed",),
     "commit.index_txn": ("orphan_files_removed",),
     "collect.unlink": ("orphan_files_removed", "pack_ranges_freed"),
+    "collect.shrunk": ("orphan_files_removed",),
 }
 
 

@@ -8,10 +8,12 @@ import os
 import secrets
 import shutil
 import stat
+import time
 from pathlib import Path
 
 import pytest
 
+from sparkcache.maintenance_policy import CostModel, SliceBudget, SliceMeter
 from sparkcache.store import PageStore
 from sparkcache.store.fileops import FileOps
 from sparkcache.store.fsck import fsck
@@ -167,3 +169,32 @@ def test_put_reads_the_pool_again_at_most_once_a_refresh(tmp_path: Path) -> None
         os.close(free_fd)
     assert sorted(os.listdir(objects)) == ["f3"]
     assert len(os.listdir(free)) == 2
+
+
+def test_a_file_the_pool_refuses_is_removed_in_halves_one_per_unit(tmp_path: Path) -> None:
+    """With the pool full, a collected pack is not unlinked whole inside one unit (on a
+    disk with online discard that frees all its blocks at once): one unit of a slice's
+    budget cuts off its back half, the backlog counts what is left, and the next unit
+    unlinks it."""
+    store_dir = tmp_path / "s"
+    with PageStore(store_dir, 0, lease_seconds=0, pool_bytes=0, halve_above=4096) as store:
+        keys = [secrets.token_hex(16) for _ in range(4)]
+        root = rid()
+        store.commit(make_root(root, keys, SIZE))  # one pack of four records
+        pack = next(p for p in (store_dir / "rank-0" / "objects").rglob("*") if p.is_file())
+        size = pack.stat().st_size
+        store.remove_roots([root])
+        costs = CostModel()
+        sizes, calls = [], 0
+        while pack.exists():
+            # No time to spare: a slice does its one unit (a fresh slice always does one).
+            budget = SliceMeter(SliceBudget(16, 1 << 30, 1e-9), costs, time.monotonic)
+            store.collect(16, budget)
+            calls += 1
+            if pack.exists() and pack.stat().st_size < size:  # being cut short
+                sizes.append(pack.stat().st_size)
+                assert store.unlinking.bytes == sizes[-1]  # in the backlog meanwhile
+        # The back half (whole blocks) in one slice; the next unlinks the rest.
+        assert sizes == [size - (-(-size // 2 // 4096) * 4096)]
+        assert calls > len(sizes) and store.unlinking.objects == 0
+    assert fsck(store_dir, grace_seconds=0).ok

@@ -88,6 +88,7 @@ class Maintenance:
         self.store = PageStore(
             cfg.store_dir, life.spec.rank, lease_seconds=cfg.lease_seconds,
             hook=lifecycle.checkpoint, pool_bytes=cfg.pool_cap_bytes,
+            halve_above=cfg.maintenance_halve_bytes,
         )
         self.clock = clock
         self.pooled_bytes = 0
@@ -157,7 +158,7 @@ class Maintenance:
         for key, generation in self._quarantines:
             self.store.verify_and_quarantine(key, generation, "failed verification in a restore")
         self._quarantines = []
-        if not (collected.objects or evicted.pages or requests):
+        if not (collected.objects or collected.shrunk or evicted.pages or requests):
             return False
         end = self.clock()
         io = collected.bytes + written_bytes() - wrote

@@ -33,6 +33,7 @@ EVICTION_STEPS = (
     "collect.unlink",  # rows gone durably, before unlinking (or pooling) one file, or
     # punching one record out of a pack
     "collect.pooled",  # a collected file moved into the pool (store/pool.py)
+    "collect.shrunk",  # a collected file the pool did not take, cut short by one step
 )
 
 
@@ -75,6 +76,9 @@ class FileOps:
         """Free the blocks of a byte range (``durability.punch_hole``); False if the
         filesystem cannot."""
         return durability.punch_hole(fd, offset, length)
+
+    def truncate(self, fd: int, size: int) -> None:
+        os.ftruncate(fd, size)
 
     def rename(self, src: str, dst: str, src_dir_fd: int, dst_dir_fd: int) -> None:
         os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)

@@ -96,6 +96,7 @@ class EvictResult:
 class CollectResult:
     objects: int
     bytes: int
+    shrunk: int = 0  # steps cutting short files the pool did not take (PageStore.collect)
 
 
 @dataclass(frozen=True)

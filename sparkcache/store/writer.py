@@ -207,6 +207,49 @@ class ObjectWriter:
         finally:
             os.close(fd)
 
+    def file_size(self, key: str, generation: str) -> int | None:
+        """Bytes of file ``key.generation``; None if it is gone."""
+        try:
+            dir_fd = open_subdir(fanout(key), self._objects_fd, create=False)
+        except FileNotFoundError:
+            return None
+        try:
+            return os.stat(object_name(key, generation), dir_fd=dir_fd,
+                           follow_symlinks=False).st_size
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(dir_fd)
+
+    def shrink(self, key: str, generation: str, step: int) -> int:
+        """Free the last ``step`` bytes of file ``key.generation``, which no row names,
+        or unlink it once it is no longer than that; the bytes it still holds (0: gone).
+        A file already gone, or one that cannot be truncated, is unlinked or left for
+        ``reconcile()`` as an orphan."""
+        try:
+            dir_fd = open_subdir(fanout(key), self._objects_fd, create=False)
+        except FileNotFoundError:
+            return 0
+        try:
+            name = object_name(key, generation)
+            fd = self._ops.open(name, _PUNCH_FLAGS, 0, dir_fd)
+            try:
+                size = os.fstat(fd).st_size
+                if size > step:
+                    self._ops.truncate(fd, size - step)
+                    self._hook("collect.shrunk")
+                    return size - step
+            finally:
+                self._ops.close(fd)
+            self._ops.unlink(name, dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not remove unreferenced %s.%s: %s", key, generation, exc)
+        finally:
+            os.close(dir_fd)
+        return 0
+
     def punch(self, key: str, generation: str, offset: int, length: int) -> None:
         """Free the blocks of the record at ``offset`` (``length`` bytes) of pack
         ``key.generation``, which no row names any more. A pack already gone is no
