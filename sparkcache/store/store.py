@@ -89,7 +89,8 @@ _QUARANTINE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_
 # record went has its dead records punched.
 PUNCH_DELAY_S = 10.0
 # A collected file the pool does not take, if larger than this, is removed in two units
-# of a slice's budget (``_shrink_waiting``): its back half cut off, then the rest unlinked.
+# of a slice's budget after the one that collected it (``_shrink_waiting``): its back
+# half cut off, then the rest unlinked; a smaller one is unlinked in the unit itself.
 # On a filesystem mounted with online discard, freeing blocks discards them there and
 # then: on this guest's ext4 (discard, no journal) unlinking a 4 MiB pack took 3.2 ms at
 # p50 on an idle disk against 0.37 ms without discard, and 38-40 ms inside a slice beside
@@ -179,7 +180,7 @@ class PageStore:
         # (key, generation, bytes, file_key, file_offset).
         self._unlinking: deque[tuple[str, str, int, str | None, int]] = deque()
         # Collected files the pool did not take, being removed in halves
-        # (HALVE_ABOVE_BYTES): [key, generation, bytes left, bytes a step cuts].
+        # (HALVE_ABOVE_BYTES): [key, generation, bytes left, bytes the first step cuts].
         self._shrinking: deque[list] = deque()
         self._halve_above = halve_above
         # Packs with records collected and not yet punched: name -> when the first went.
@@ -616,18 +617,7 @@ class PageStore:
             self._deferred.setdefault(name, self._clock())
             return
         self._deferred.pop(name, None)
-        if not (self._pool is not None and self._pool.cap_bytes > 0
-                and self._pool_file(file_key, generation)):
-            self._shrink_later(file_key, generation)
-
-    def _shrink_later(self, key: str, generation: str) -> None:
-        """Queue a collected file that no row names and the pool did not take, to be
-        removed in two steps if larger than ``HALVE_ABOVE_BYTES`` (its back half, whole
-        blocks, then the rest), else in one; a file already gone needs nothing."""
-        size = self._writer.file_size(key, generation)
-        if size is not None:
-            step = size if size <= self._halve_above else -(-size // 2 // 4096) * 4096
-            self._shrinking.append([key, generation, size, step])
+        self._remove_file(file_key, generation)
 
     def _shrink_waiting(self, budget: Budget | None) -> int:
         """Cut the queued files short a step each, as ``budget``'s time allows (all of
@@ -950,31 +940,47 @@ class PageStore:
         self._hook("collect.unlink")
         if file_key is not None:
             self._release_record(file_key, generation)
-        elif not (self._pool is not None and self._pool.cap_bytes > 0
-                  and self._pool_file(key, generation)):
-            self._shrink_later(key, generation)
+        else:
+            self._remove_file(key, generation)
 
-    def _pool_file(self, key: str, generation: str) -> bool:
-        """Move a collected file (an object's, or a pack no row names) into the pool;
-        False if it is to be unlinked instead (the pool is full, or the rename failed).
-        A file already gone needs neither."""
-        assert self._pool is not None
+    def _remove_file(self, key: str, generation: str) -> None:
+        """A collected file no row names (an object's, or a pack's): into the pool while
+        it has room; else unlinked now if it holds at most ``HALVE_ABOVE_BYTES``, or
+        queued to lose its back half (whole blocks) and then the rest, a unit each
+        (``_shrink_waiting``). A file already gone needs nothing."""
         name = object_name(key, generation)
         try:
             fd = open_subdir(fanout(key), self._objects_fd, create=False)
         except FileNotFoundError:
-            return True
+            return
         try:
             size = os.stat(name, dir_fd=fd, follow_symlinks=False).st_size
-            if not self._pool.put(name, fd, size):
+            if self._pooled(name, fd, size):
+                return
+            if size > self._halve_above:
+                self._shrinking.append([key, generation, size, -(-size // 2 // 4096) * 4096])
+                return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.warning("could not read the size of %s, unlinking it: %s", name, exc)
+        finally:
+            os.close(fd)
+        self._writer.unlink(key, generation)
+
+    def _pooled(self, name: str, dir_fd: int, size: int) -> bool:
+        """Whether collected file ``name`` (in ``dir_fd``) went into the pool; False if
+        it is to be unlinked instead (no pool, the pool full, or the rename failed)."""
+        if self._pool is None or self._pool.cap_bytes <= 0:
+            return False
+        try:
+            if not self._pool.put(name, dir_fd, size):
                 return False
         except FileNotFoundError:
-            return True
+            return True  # gone already: nothing to unlink
         except OSError as exc:
             log.warning("could not pool %s, unlinking it: %s", name, exc)
             return False
-        finally:
-            os.close(fd)
         self._hook("collect.pooled")
         return True
 

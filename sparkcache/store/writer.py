@@ -207,20 +207,6 @@ class ObjectWriter:
         finally:
             os.close(fd)
 
-    def file_size(self, key: str, generation: str) -> int | None:
-        """Bytes of file ``key.generation``; None if it is gone."""
-        try:
-            dir_fd = open_subdir(fanout(key), self._objects_fd, create=False)
-        except FileNotFoundError:
-            return None
-        try:
-            return os.stat(object_name(key, generation), dir_fd=dir_fd,
-                           follow_symlinks=False).st_size
-        except FileNotFoundError:
-            return None
-        finally:
-            os.close(dir_fd)
-
     def shrink(self, key: str, generation: str, step: int) -> int:
         """Free the last ``step`` bytes of file ``key.generation``, which no row names,
         or unlink it once it is no longer than that; the bytes it still holds (0: gone).
