@@ -22,6 +22,8 @@ from typing import Any
 
 import psutil
 
+from sparkcache.filesystems import filesystem_problem
+
 ENV_PREFIX = "SPARKCACHE_"
 
 KiB = 1024
@@ -441,7 +443,8 @@ def is_host(text: str) -> bool:
 
 def store_dir_problem(path: Path) -> str | None:
     """Why ``path`` cannot be the store dir, or None. A missing dir is fine if it can be
-    created. Writability is probed with a real file, since root passes ``os.access``."""
+    created. Writability is probed with a real file, since root passes ``os.access``; the
+    filesystem must be a local one (``sparkcache.filesystems``)."""
     probe = path
     while not probe.exists():
         if probe.parent == probe:
@@ -458,7 +461,7 @@ def store_dir_problem(path: Path) -> str | None:
         what = "a writable directory" if probe == path else f"a creatable directory ({probe}"
         detail = errno.errorcode.get(e.errno or 0, str(e))
         return f"{what}{')' if probe != path else ''}: writing there fails with {detail}"
-    return None
+    return filesystem_problem(probe)
 
 
 def _show(value: Any) -> str:

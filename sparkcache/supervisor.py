@@ -29,6 +29,7 @@ from shm import SegmentError, TornRead, sweep
 from shm.segment import SHM_DIR, foreign_entries, instance_entries, read_creator, user
 from sparkcache import runtime, segments
 from sparkcache.config import AccessMode, Config
+from sparkcache.filesystems import MEMORY_FILESYSTEMS, filesystem_of
 from sparkcache.metrics.carry import Carry
 from sparkcache.metrics.reading import Source, WorkerInfo
 from sparkcache.metrics.server import MetricsServer, MetricsServerError
@@ -308,6 +309,11 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self._lock()
+        fstype = filesystem_of(self.cfg.store_dir)
+        if fstype in MEMORY_FILESYSTEMS:
+            log.warning("the store dir %s is on %s: the store lives in memory (up to %d "
+                        "bytes a rank, beside /dev/shm's segments) and a reboot empties it",
+                        self.cfg.store_dir, fstype, self.cfg.max_bytes)
         try:
             sweep(self.cfg.instance)
             self._check_shm()

@@ -27,6 +27,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from sparkcache.filesystems import filesystem_problem
 from sparkcache.identity import KEY_HEX_LEN, require_hex
 from sparkcache.store.records import UnsafeStoreDir
 
@@ -222,6 +223,9 @@ class RankLayout:
         Creating also makes all 256 fan-out directories up front, so commits do not pay a
         mkdir and a parent fsync the first time they touch one.
         """
+        problem = filesystem_problem(self.store_dir)  # before anything is created there
+        if problem:
+            raise UnsafeStoreDir(f"store dir: expected {problem}")
         for path in (self.store_dir, self.rank_dir, self.objects_dir, self.quarantine_dir):
             ensure_dir(path, create)
         if create or os.path.lexists(self.free_dir):

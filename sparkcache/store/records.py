@@ -17,7 +17,8 @@ class StoreError(RuntimeError):
 
 
 class UnsafeStoreDir(StoreError):
-    """A store path is a symlink, not a directory, owned by someone else or writable by others."""
+    """A store path is a symlink, not a directory, owned by someone else, writable by
+    others, or on a network filesystem."""
 
 
 class CommitFailed(StoreError):
