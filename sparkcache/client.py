@@ -259,6 +259,10 @@ class SparkCacheClient:
         # Captured publications whose durability commit has yet to report: pub id ->
         # (seq id, captured at).
         self._awaiting: dict[int, tuple[str | int, float]] = {}
+        # Publications whose durability report overtook their completion (two rings):
+        # settled already, their completion must not await it again.
+        self._durable_early: set[int] = set()
+        self._expire_at = 0.0  # when poll_completions next looks for lost reports
         # Reports not yet taken by poll_durable; an engine that never asks keeps only the
         # newest (its counters still count every one).
         self._settled: deque[Durability] = deque(maxlen=SETTLED_KEPT)
@@ -476,9 +480,12 @@ class SparkCacheClient:
                 continue  # released by its deadline already, or not ours
             what = status_name(CaptureStatus, status)
             self._released.append(Completion(entry.seq_id, entry.blocks, what, copied))
+            early = pub_id in self._durable_early
+            self._durable_early.discard(pub_id)
             if status == CaptureStatus.CAPTURED:
                 self.counters.completed += 1
-                self._awaiting[pub_id] = (entry.seq_id, now)
+                if not early:
+                    self._awaiting[pub_id] = (entry.seq_id, now)
             else:
                 self.counters.capture_failed[what] += 1
         for pub_id, status, _ in self._drain(conn.durable):
@@ -489,6 +496,7 @@ class SparkCacheClient:
                 if pending is None:
                     continue
                 entry = (pending.seq_id, now)
+                self._durable_early.add(pub_id)
             self._settle(entry[0], status_name(DurableStatus, status))
 
     @staticmethod
@@ -525,20 +533,31 @@ class SparkCacheClient:
         now = time.monotonic()
         for pub_id in [p for p, e in self._pending.items() if e.deadline <= now]:
             entry = self._pending.pop(pub_id)
+            self._durable_early.discard(pub_id)
             self._released.append(Completion(entry.seq_id, entry.blocks, "expired"))
             self.counters.released_by_deadline += 1
+        if now >= self._expire_at:
+            # A caller that never asks for durability (vLLM's connector) must not keep
+            # the reports that never came either.
+            self._expire_at = now + 1.0
+            self._expire_awaiting(now)
         released, self._released = self._released, []
         return released
 
     def poll_durable(self) -> list[Durability]:
         """Captured publications whose fate is now known: durable, or failed and why."""
         self._poll_safely()
-        now = time.monotonic()
-        for pub_id in [p for p, (_, t) in self._awaiting.items() if now - t > DURABLE_TIMEOUT_S]:
-            self._settle(self._awaiting.pop(pub_id)[0], "no_answer")
+        self._expire_awaiting(time.monotonic())
         settled = list(self._settled)
         self._settled.clear()
         return settled
+
+    def _expire_awaiting(self, now: float) -> None:
+        """Captured publications whose durability report has not come within
+        DURABLE_TIMEOUT_S (commit died with it, or its ring was full) settle as
+        ``no_answer``."""
+        for pub_id in [p for p, (_, t) in self._awaiting.items() if now - t > DURABLE_TIMEOUT_S]:
+            self._settle(self._awaiting.pop(pub_id)[0], "no_answer")
 
     @property
     def pending(self) -> int:

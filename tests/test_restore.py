@@ -303,3 +303,76 @@ def test_an_idle_restore_worker_maps_a_live_engines_kv_before_its_first_load(
         register(os.getpid(), psutil.Process().create_time(), 8)
         wait_for(lambda: _restore_stats(engine).item_errors == 1, 10,
                  "the restore worker to try the live engine's registration")
+
+
+def test_a_dead_engines_kv_is_unmapped(tmp_path: Path, instance: str) -> None:
+    """A registration the restore and capture workers have mapped is dropped once its
+    engine is gone: the KV segment, unlinked, would otherwise live on in their mappings,
+    and a restarted engine needs as much /dev/shm again for its own."""
+    from sparkcache import registry
+
+    store = tmp_path / "store"
+    with pipeline(store, instance) as engine:
+        desc = registry.read_registry(store, 0)
+        segment = desc["tensors"][0]["segment"]
+        pids = [_worker(store, role)["pid"] for role in ("restore", "capture")]
+        kv_kib = sum(t["storage_bytes"] for t in desc["tensors"]) // 1024
+        # The same KV registered again by an engine that then dies; restore maps it
+        # while idle, capture at the first publication naming it.
+        owner = psutil.Popen(["sleep", "60"])
+        own_gen = engine.client._reg.reg_gen
+        try:
+            again = {**desc, "owner_pid": owner.pid, "owner_start": owner.create_time()}
+            again.pop("reg_gen"), again.pop("block_dim")
+            registry.write_registry(store, 0, own_gen + 1, desc["block_dim"], again)
+            engine.client._reg.reg_gen = own_gen + 1
+            tokens = list(range(5000, 5000 + 2 * engine.client.cfg.page_tokens))
+            assert engine.publish("named", tokens)
+            engine.drain()
+            for pid in pids:
+                wait_for(lambda pid=pid: _resident_kib(pid, segment) >= kv_kib, 15,
+                         "the workers to map the registration")
+        finally:
+            engine.client._reg.reg_gen = own_gen
+            owner.kill()
+            owner.wait()
+        for pid in pids:
+            wait_for(lambda pid=pid: _resident_kib(pid, segment) == 0, 10,
+                     "the workers to unmap the dead engine's KV")
+
+
+def test_a_corrupt_page_is_reported_before_a_missing_one_read_ahead(
+        tmp_path: Path, instance: str) -> None:
+    """Page 2 corrupt, pages 3-5 (the next publication's pack) gone: the worker opens
+    the files ahead of the page it reads and finds 3-5 missing first, but the page it
+    stopped at, 2, is the one reported and quarantined."""
+    store = tmp_path / "store"
+    with pipeline(store, instance) as engine:
+        pt = engine.client.cfg.page_tokens
+        tokens = list(range(3000, 3000 + 6 * pt))
+        for sid, upto in (("first", 3), ("second", 6)):  # two packs: pages 0-2, 3-5
+            assert engine.publish(sid, tokens[: upto * pt])
+            engine.drain()
+            assert wait_committed(engine, seqs={sid: tokens[: upto * pt]}) == {}
+        keys = engine.keys(tokens)
+        first, offset = _object_file(store, keys[2])
+        second, _ = _object_file(store, keys[3])
+        assert first != second
+        raw = bytearray(first.read_bytes())
+        raw[offset + HEADER_SIZE + 9] ^= 0xFF
+        first.write_bytes(bytes(raw))
+        kept = second.read_bytes()
+        second.unlink()
+        blocks = engine.free[: len(keys)]
+        assert engine.client.load("victim", tokens, blocks)
+        r = engine.wait_loaded(["victim"])["victim"]
+        assert (r.status, r.bad_page, r.tokens) == ("corrupt", 2, 2 * pt), r
+        quarantine = store / "rank-0" / "quarantine"
+        deadline = time.monotonic() + 20
+        while not any(quarantine.iterdir()):
+            assert time.monotonic() < deadline, "nothing was quarantined"
+            time.sleep(0.1)
+        assert [p.name.split(".")[0] for p in quarantine.iterdir()] == [keys[2]]
+        second.write_bytes(kept)  # for the final fsck: only page 2 was damaged for good
+        second.chmod(0o600)
+

@@ -195,3 +195,121 @@ def test_a_failing_item_is_counted_and_the_worker_goes_on(
         assert r.engine.loaded["fine"].status == "ok"
         assert all(r.engine.exact_pages(t2, r.engine.free[8:16]))
         assert r.restore.life.item_errors == 1 and r.restore.life.failed == 1
+
+
+def test_every_load_among_malformed_records_is_answered(
+        tmp_path: Path, instance: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load whose first record lost its page index runs into the load before it: the
+    two are one malformed group, and both are answered (an unanswered load holds its
+    blocks until the worker dies)."""
+    with rig(tmp_path / "store", instance, **SETTINGS) as r:
+        answered: list[tuple[int, int]] = []
+        real = type(r.restore)._answer
+
+        def recorded(worker, load_id, outcome):
+            answered.append((load_id, int(outcome.status)))
+            return real(worker, load_id, outcome)
+
+        monkeypatch.setattr(type(r.restore), "_answer", recorded)
+        recs = np.zeros(4, LOAD.dtype)
+        recs["load_id"] = [101, 101, 102, 102]
+        recs["npages"] = 2
+        recs["page_index"] = [0, 1, 1, 1]  # 102's first record should be 0
+        recs["worker_pid"], recs["worker_start"] = r.restore.me
+        _ring_ends(r)["load"].push_batch(recs)
+        r.step()
+        from sparkcache.protocol import LoadStatus
+        assert sorted(answered) == [(101, int(LoadStatus.MALFORMED)),
+                                    (102, int(LoadStatus.MALFORMED))]
+
+
+def test_a_stored_page_of_another_size_is_not_loaded(tmp_path: Path, instance: str) -> None:
+    """Pages stored under the engine's keys but of another size than its pages end the
+    load before them; the blocks keep what they held."""
+    from sparkcache.store.testing import make_root
+
+    with rig(tmp_path / "store", instance, **SETTINGS) as r:
+        (sid, tokens), = sequences(1, r.cfg.page_tokens, seed=5).items()
+        keys = r.engine.keys(tokens)
+        page_bytes = r.engine.client._reg.views.page_bytes
+        r.commit.store.commit(make_root("ab" * 16, keys, page_bytes // 2))
+        blocks = r.engine.free[: len(keys)]
+        before = [r.engine.client._reg.views.tensors[0].clone()]
+        assert r.engine.client.load(sid, tokens, blocks)
+        r.step(2)
+        result = r.engine.loaded[sid]
+        assert (result.status, result.tokens) == ("partial", 0), result
+        assert r.engine.client._reg.views.tensors[0].equal(before[0])
+
+
+def test_a_read_stuck_past_its_limit_stops_the_heartbeat(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restore worker beats while a chunk is read, for STUCK_READ_S: a disk that hangs
+    longer shows as a hung worker (the supervisor restarts it and its loads end) instead
+    of one that beats on while every load waits."""
+    import itertools
+    import threading
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from workers import lifecycle
+    from workers import restore as restore_mod
+
+    ticks = itertools.count(0, 10.0)  # each look at the clock: 10 s later
+    monkeypatch.setattr(restore_mod, "time", SimpleNamespace(monotonic=lambda: next(ticks)))
+    monkeypatch.setattr(lifecycle, "PROGRESS_BEAT_S", 0.005)
+    beats: list[int] = []
+    worker = restore_mod.Restore.__new__(restore_mod.Restore)
+    worker.life = SimpleNamespace(progress=lambda: beats.append(1))
+    fut: Future = Future()
+    threading.Timer(0.5, fut.set_result, ("read",)).start()  # about 100 beat periods
+    assert worker._wait(fut) == "read"
+    assert len(beats) == restore_mod.STUCK_READ_S // 10 - 1  # before the limit, none after
+
+
+def test_a_fault_in_idle_read_ahead_does_not_stop_the_restore_worker(
+        tmp_path: Path, instance: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading ahead while idle is work ahead of loads: its fault gives it up, logged,
+    and the worker goes on serving loads."""
+    import sqlite3
+
+    with rig(tmp_path / "store", instance, **SETTINGS) as r:
+        seqs = sequences(1, r.cfg.page_tokens, seed=3)
+        (sid, tokens), = seqs.items()
+        assert r.engine.publish(sid, tokens, tries=1)
+        r.step(3)
+
+        def broken(reader, budget):
+            raise sqlite3.OperationalError("disk I/O error")
+
+        monkeypatch.setattr(StoreReader, "recent_pages", broken)
+        r.restore._ahead = None  # plan the read-ahead again, now
+        r.step()  # idle: raised out of the worker before
+        assert r.restore._ahead is not None and not r.restore._ahead
+        check_restores(r.engine, seqs)
+        blocks = r.engine.free[:8]
+        assert r.engine.client.load(sid, tokens, blocks)
+        r.step(2)
+        assert r.engine.loaded[sid].status == "ok"
+
+
+def test_a_durability_report_that_overtakes_its_completion_is_not_awaited_again(
+        tmp_path: Path, instance: str) -> None:
+    """The durability report and the completion travel on two rings: when the report
+    comes first, the publication settles then, and its completion does not leave it
+    awaiting a second report (which vLLM's connector, never asking, would keep)."""
+    with rig(tmp_path / "store", instance, **SETTINGS) as r:
+        client = r.engine.client
+        (sid, tokens), = sequences(1, r.cfg.page_tokens, seed=4).items()
+        assert r.engine.publish(sid, tokens, tries=1)
+        r.capture._step(0)
+        conn = client._connection()
+        held = conn.completion.pop_batch(256, timeout=0)  # the completion, held back
+        for _ in range(3):
+            r.commit._step(0)
+        client.poll_completions()
+        assert client.counters.durable == 1 and client.pending == 1
+        r.capture.completion.push_batch(held)
+        released = client.poll_completions()
+        assert [c.status for c in released] == ["captured"]
+        assert client.pending == 0 and client.awaiting_durable == 0
+        assert client.counters.durable == 1

@@ -27,8 +27,8 @@ from posix_ipc import SignalError
 
 from shm import FREE, RingClosed, RingEmpty, RingFull
 from shm.layouts import join_key
-from sparkcache import kvmem, segments
-from sparkcache.protocol import CaptureStatus
+from sparkcache import kvmem, registry, segments
+from sparkcache.protocol import CaptureStatus, process_gone
 from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT
 from sparkcache.store import PageStore
 from workers import lifecycle, slotfmt
@@ -44,6 +44,8 @@ PUBLISH_CAPACITY = segments.RINGS["publish"][1]  # also the most pages of one pu
 # Clocks of two processes read at slightly different moments: a deadline this much past
 # the release timeout is still taken as the client's.
 _DEADLINE_SLACK_S = 1.0
+# How often an idle capture checks that the engine of its open registration lives.
+OWNER_CHECK_S = 1.0
 _UNIFORM = ("pub_id", "root_hi", "root_lo", "reg_gen", "npages", "deadline")
 
 
@@ -64,6 +66,7 @@ class _Registered:
     reg_gen: int
     opened: kvmem.OpenedTensors
     views: kvmem.BlockViews
+    owner: tuple[float, float] | None  # the registering engine's pid and start time
 
 
 class Capture:
@@ -82,6 +85,7 @@ class Capture:
         self.store = PageStore(cfg.store_dir, spec.rank, lease_seconds=cfg.lease_seconds,
                                durable=False)
         self.reg: _Registered | None = None
+        self._owner_check_at = 0.0  # when the registering engine is next checked alive
         self.filled_records = SlotAnnouncer(self.filled, self.arena, OWNER_COMMIT)
         # Slots a dead predecessor was filling are ours to free: nobody else takes them.
         for i in range(self.arena.slots):
@@ -122,6 +126,7 @@ class Capture:
         try:
             batch = self.publish.pop_batch(PUBLISH_CAPACITY, timeout=timeout)
         except (RingEmpty, RingClosed, SignalError):
+            self._drop_dead_registration()
             return False
         latest = time.monotonic() + self.cfg.release_timeout_seconds + _DEADLINE_SLACK_S
         for recs, malformed in split_publications(batch, PUBLISH_CAPACITY, latest):
@@ -173,8 +178,21 @@ class Capture:
             opened.close()
             self.life.item_error(f"registration {reg_gen}")
             return None
-        self.reg = _Registered(reg_gen, opened, views)
+        self.reg = _Registered(reg_gen, opened, views, registry.registration_owner(desc))
         return self.reg
+
+    def _drop_dead_registration(self) -> None:
+        """Idle, at most once per OWNER_CHECK_S: close the registration whose engine is
+        gone. Its KV segment, unlinked, lives on only while mapped here, and a restarted
+        engine adopts a new one as large into /dev/shm."""
+        now = time.monotonic()
+        if self.reg is None or self.reg.owner is None or now < self._owner_check_at:
+            return
+        self._owner_check_at = now + OWNER_CHECK_S
+        if process_gone(*self.reg.owner):
+            log.info("registration %d: its engine is gone; its KV unmapped", self.reg.reg_gen)
+            self.reg.opened.close()
+            self.reg = None
 
     def _take_freed(self, timeout: float) -> None:
         """Move the slots of the freed records in the ring (waiting up to ``timeout`` for

@@ -84,6 +84,11 @@ WARM_CHECK_S = 1.0
 READ_AHEAD_SLICE_BYTES = 32 << 20
 # Opening a registration (a CUDA context) beats for at most this long.
 SLOW_OPEN_S = 60.0
+# A chunk read for longer than this stops the heartbeat: a disk that hangs then shows as
+# a hung worker, which the supervisor restarts, ending the loads sent to it (the client
+# releases their blocks once the process is gone), not a worker beating on while every
+# load waits behind the stuck one.
+STUCK_READ_S = 60.0
 _UNIFORM = ("load_id", "reg_gen", "npages", "worker_pid", "worker_start")
 
 
@@ -103,6 +108,7 @@ class _Registered:
     staging: list[np.ndarray]
     chunk_pages: int
     stream: torch.cuda.Stream | None  # this worker's own, on a CUDA device
+    owner: tuple[float, float] | None  # the registering engine's pid and start time
 
     @property
     def in_place(self) -> bool:
@@ -153,14 +159,17 @@ class _ReaderPool:
                 if job is None:
                     return
                 fut, pages, rows = job
-                if not fut.set_running_or_notify_cancel():
-                    continue
-                try:
-                    if reader is None:
-                        reader = self._open()
-                    fut.set_result(reader.read_planned(pages, rows))
-                except BaseException as exc:  # handed to the waiting thread
-                    fut.set_exception(exc)
+                # Held no longer than the job: rows may be views of a registration's
+                # KV, whose mapping goes only once no view of it is left.
+                job = None
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        if reader is None:
+                            reader = self._open()
+                        fut.set_result(reader.read_planned(pages, rows))
+                    except BaseException as exc:  # handed to the waiting thread
+                        fut.set_exception(exc)
+                fut = pages = rows = None
         finally:
             if reader is not None:
                 reader.close()
@@ -230,8 +239,16 @@ class Restore:
             self.life.idle(min(timeout, 0.01))  # reports wait: take no new load
             return
         if not self._take(timeout):
-            self._warm()
-            self._read_ahead()
+            try:
+                self._warm()
+                self._read_ahead()
+            except ENVIRONMENT_FAULTS:
+                raise
+            except Exception as exc:
+                # Work ahead of loads, not theirs: a fault here must not stop the worker
+                # (a load meeting the same fault fails alone). No more read-ahead.
+                self._rare.warning("idle", "idle work failed, read-ahead given up: %r", exc)
+                self._ahead = deque()
 
     def _warm(self) -> None:
         """Idle: open the engine's registration, and the index readers, before the first
@@ -244,6 +261,11 @@ class Restore:
         if now < self._warm_at:
             return
         self._warm_at = now + WARM_CHECK_S
+        if self.reg is not None and self.reg.owner is not None and process_gone(*self.reg.owner):
+            # Its engine is gone: the KV segment, unlinked, lives on only while mapped
+            # here, and a restarted engine needs as much /dev/shm again for its own.
+            log.info("registration %d: its engine is gone; its KV unmapped", self.reg.reg_gen)
+            self._close_registration()
         desc = registry.read_registry(self.cfg.store_dir, self.rank)
         if desc is None:
             return
@@ -253,8 +275,8 @@ class Restore:
         # Looked at once: a registration that fails is a load's error, and a dead engine
         # does not come back (its segment is not worth mapping).
         self._warmed = reg_gen
-        owner = desc.get("owner_pid"), desc.get("owner_start")
-        if not all(isinstance(x, int | float) for x in owner) or process_gone(*owner):
+        owner = registry.registration_owner(desc)
+        if owner is None or process_gone(*owner):
             return
         if self._registration(reg_gen) is not None:
             self._store()
@@ -316,6 +338,11 @@ class Restore:
             load_id = int(recs["load_id"][0])
             if malformed is not None:
                 self.life.drop(malformed, f"load {load_id} ({len(recs)} records)")
+                # Every load among the records is answered: one whose framing broke can
+                # run into the next, and an unanswered load holds its blocks.
+                for other in dict.fromkeys(recs["load_id"][1:].tolist()):
+                    if other != load_id:
+                        self._answer(int(other), _Outcome(LoadStatus.MALFORMED))
                 outcome = _Outcome(LoadStatus.MALFORMED)
             elif (int(recs["worker_pid"][0]), float(recs["worker_start"][0])) != self.me:
                 # Meant for a predecessor: its client may have reported it failed when that
@@ -435,7 +462,15 @@ class Restore:
             return _Outcome(LoadStatus.PARTIAL)
         keys = [join_key(h, lo) for h, lo in zip(recs["key_hi"], recs["key_lo"], strict=True)]
         plan = reader.plan(keys)
-        outcome = self._read_and_write(reg, plan, blocks.tolist())
+        # A page of another size than the engine's is not its page (a staging row would
+        # also keep an earlier page's bytes past it): the load ends before it.
+        fits = next((i for i, p in enumerate(plan) if p.size != reg.views.page_bytes),
+                    len(plan))
+        if fits < len(plan):
+            self._rare.warning("size", "page %s holds %d bytes, not the engine's %d; "
+                               "the load ends there", plan[fits].key, plan[fits].size,
+                               reg.views.page_bytes)
+        outcome = self._read_and_write(reg, plan[:fits], blocks.tolist())
         if outcome.pages == len(keys):
             outcome.status = LoadStatus.OK
         return outcome
@@ -475,7 +510,9 @@ class Restore:
                     lifecycle.checkpoint("restore.written")
                 free.append(buf)
                 if result.pages < len(plan[start : start + size]):
-                    bad = result.bad[0] if result.bad else None
+                    # The page it stopped at; pages opened ahead of it may be reported too.
+                    stop = plan[start + result.pages].key
+                    bad = next((b for b in result.bad if b.key == stop), None)
                     if bad is None:
                         return _Outcome(LoadStatus.PARTIAL, written)
                     return _Outcome(LoadStatus.CORRUPT, written, written, bad)
@@ -491,12 +528,15 @@ class Restore:
                     self._wait(fut, quiet=True)
 
     def _wait(self, fut: Future, quiet: bool = False) -> ReadResult:
-        """The chunk's result, beating while a slow disk keeps it coming."""
+        """The chunk's result, beating while a slow disk keeps it coming, for up to
+        ``STUCK_READ_S``."""
+        until = time.monotonic() + STUCK_READ_S
         while True:
             try:
                 return fut.result(timeout=lifecycle.PROGRESS_BEAT_S)
             except TimeoutError:
-                self.life.progress()
+                if time.monotonic() < until:
+                    self.life.progress()
             except Exception:
                 if quiet:
                     return ReadResult(0, ())
@@ -519,7 +559,8 @@ def _open_registration(desc: dict, reg_gen: int) -> _Registered:
     except BaseException:
         opened.close()
         raise
-    return _Registered(reg_gen, opened, views, staging, chunk, stream)
+    return _Registered(reg_gen, opened, views, staging, chunk, stream,
+                       registry.registration_owner(desc))
 
 
 def _kvmem() -> tuple:
