@@ -24,7 +24,7 @@ from sparkcache.vllm import settings as settings_mod
 from sparkcache.vllm.metadata import SparkCacheMetadata
 from sparkcache.vllm.scheduler_side import SchedulerSide
 from sparkcache.vllm.stats import Reporter, SparkCachePromMetrics, SparkCacheStats
-from sparkcache.vllm.worker_side import WorkerSide
+from sparkcache.vllm.worker_side import Unserved, WorkerSide
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,8 @@ class SparkCacheConnector(KVConnectorBase_V1):
         self._stats_at = 0.0
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        # Jobs for this rank while its worker side is not running (``Unserved``).
+        self._unserved = Unserved() if role != KVConnectorRole.SCHEDULER else None
         transfer = vllm_config.kv_transfer_config
         if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
             # A cache is best effort: a page that fails verification or vanished must be
@@ -182,12 +184,18 @@ class SparkCacheConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self._worker is None or not self.has_connector_metadata():
+        if not self.has_connector_metadata():
             return
         try:
             meta = self._get_connector_metadata()
             assert isinstance(meta, SparkCacheMetadata)
-            self._worker.start(meta)
+            if self._worker is not None:
+                self._worker.start(meta)
+            elif self._unserved is not None and (meta.loads or meta.saves):
+                self._unserved.take(meta)
+                self._log.warning("unserved", "SparkCache: this rank's worker side is not "
+                                  "running; %d loads and saves answered without the cache",
+                                  self._unserved.jobs)
         except Exception:
             self._fault("start_load_kv")
 
@@ -202,22 +210,24 @@ class SparkCacheConnector(KVConnectorBase_V1):
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._worker is None:
-            return None, None
         try:
-            return self._worker.get_finished(finished_req_ids)
+            if self._worker is not None:
+                return self._worker.get_finished(finished_req_ids)
+            if self._unserved is not None:
+                return self._unserved.get_finished(finished_req_ids)
         except Exception:
             self._fault("get_finished")
-            return None, None
+        return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        if self._worker is None:
-            return set()
         try:
-            return self._worker.load_errors()
+            if self._worker is not None:
+                return self._worker.load_errors()
+            if self._unserved is not None:
+                return self._unserved.load_errors()
         except Exception:
             self._fault("get_block_ids_with_load_errors")
-            return set()
+        return set()
 
     def shutdown(self) -> None:
         for side in (self._scheduler, self._worker):

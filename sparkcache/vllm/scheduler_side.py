@@ -6,14 +6,16 @@ request (its tokens and what vLLM's own prefix hash covers)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from sparkcache import kvmem
+from sparkcache import kvmem, registry
 from sparkcache.config import AccessMode
 from sparkcache.identity import Namespace
 from sparkcache.prefix_lookup import ALIVE_RECHECK_S, PrefixLookup
+from sparkcache.protocol import process_gone
 from sparkcache.vllm.metadata import PageJob, SparkCacheMetadata
 from sparkcache.vllm.request_keys import RequestKeys
 from sparkcache.vllm.settings import Settings
@@ -21,11 +23,28 @@ from sparkcache.vllm.settings import Settings
 log = logging.getLogger(__name__)
 
 
+# How long an answer of get_num_new_matched_tokens is given again, unchanged, when vLLM asks
+# about the same request with the same tokens computed: it asks every step while the
+# request waits for free blocks, and each lookup would take another lease and count
+# another hit. Well inside the lease the first answer took (``lookup_lease_seconds``).
+ANSWER_REUSE_S = 1.0
+# How often an incomplete or stale set of registrations is read again.
+REGISTRY_RECHECK_S = 1.0
+
+
 @dataclass
 class _Request:
     keys: RequestKeys
     load: tuple[int, int] | None = None  # pages [start, end) found by the last lookup
     loading: bool = False  # an async load was handed to the workers and has not ended
+    loading_blocks: tuple[int, ...] = ()  # the blocks of that load
+    # A load of it failed (a block came back a load error): it gets no other, or a store
+    # that answers lookups but cannot load (a rank whose worker side is down, a page
+    # that keeps failing) would have vLLM reschedule it into the same load forever.
+    load_failed: bool = False
+    # The last answer: (tokens computed when asked, the answer), and until when it holds.
+    answer: tuple[int, tuple[int, bool]] | None = None
+    answer_until: float = 0.0
 
 
 class SchedulerSide:
@@ -45,6 +64,7 @@ class SchedulerSide:
         # finished request): the connector's stats skip the sums otherwise.
         self.counted = False
         self._ns: Namespace | None = None
+        self._ns_retry_at = 0.0
         self._reqs: dict[str, _Request] = {}
         self._meta = SparkCacheMetadata()
 
@@ -55,11 +75,20 @@ class SchedulerSide:
         page layout); None until then."""
         if self._ns is not None:
             return self._ns
+        now = time.monotonic()
+        if now < self._ns_retry_at:
+            return None
+        self._ns_retry_at = now + REGISTRY_RECHECK_S
         found = []
         for rank in range(self.settings.tp_size):
-            reg = kvmem.read_registry(self.settings.cfg.store_dir, rank)
-            ns = (reg or {}).get("namespace")
+            reg = kvmem.read_registry(self.settings.cfg.store_dir, rank) or {}
+            ns = reg.get("namespace")
             if not ns:
+                return None
+            owner = registry.registration_owner(reg)
+            if owner is None or process_gone(*owner):
+                # Left by an engine that is gone: this one's worker side has not
+                # registered (or could not), and loads sent to it would wait for nothing.
                 return None
             found.append({k: v for k, v in ns.items() if k != "rank"})
         first = found[0]
@@ -88,6 +117,20 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int, bool]:
+        state = self._reqs.get(request.request_id)
+        now = time.monotonic()
+        if (state is not None and state.answer is not None
+                and state.answer[0] == num_computed_tokens and now < state.answer_until):
+            return state.answer[1]  # asked again: the lease of the first answer holds
+        answer = self._match(request, num_computed_tokens)
+        state = self._reqs.get(request.request_id)
+        if state is not None:
+            state.answer = (num_computed_tokens, answer)
+            state.answer_until = now + min(ANSWER_REUSE_S,
+                                           self.settings.cfg.lookup_lease_seconds / 2)
+        return answer
+
+    def _match(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         self.counted = True
         prompt = int(request.num_prompt_tokens)
         # At least one prompt token is left to compute: vLLM needs a forward to sample.
@@ -97,6 +140,9 @@ class SchedulerSide:
             return 0, False
         start = -(-num_computed_tokens // self.block)  # pages vLLM has (or part of)
         state = self._reqs[request.request_id]
+        if state.load_failed:
+            self.counters["load_failed_before"] += 1
+            return 0, False
         # The answer expected: the pages the keys' memo took from the conversation's
         # previous turn, which saved them when it finished.
         pages = self.lookup.lookup(keys, beyond=start, hint=state.keys.memo_pages)
@@ -112,13 +158,16 @@ class SchedulerSide:
         if state is None or state.load is None or not num_external_tokens:
             return
         start, end = state.load
-        state.load = None
+        state.load = state.answer = None  # a later lookup asks the store again
+        # vLLM now waits for this load's report, whatever follows.
+        state.loading = True
         block_ids = list(blocks.get_block_ids()[0])
         if len(block_ids) < end:
+            # Sent all the same: the worker side finds the job invalid and reports it
+            # ended at once, the blocks there are load errors, which vLLM computes.
             log.warning("request %s: %d blocks for a load of pages up to %d; not loaded",
                         request.request_id, len(block_ids), end)
-            return
-        state.loading = True
+        state.loading_blocks = tuple(block_ids[start:end])
         self._meta.loads.append(
             PageJob(request.request_id, state.keys.keys[start:end], block_ids[start:end]))
 
@@ -127,10 +176,14 @@ class SchedulerSide:
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
+        invalid = getattr(connector_output, "invalid_block_ids", None) or ()
         for req_id in connector_output.finished_recving or ():
             state = self._reqs.get(req_id)
             if state is not None:
                 state.loading = False
+                if invalid and not invalid.isdisjoint(state.loading_blocks):
+                    state.load_failed = True
+                state.loading_blocks = ()
 
     # ------------------------------------------------------------------ saves
 
@@ -146,11 +199,18 @@ class SchedulerSide:
             return False, None
         if self.settings.cfg.access_mode is not AccessMode.READ_WRITE:
             return False, None
-        computed = min(int(request.num_computed_tokens), len(block_ids) * self.block)
+        # Not the tokens of a step still in flight (async scheduling): on a GPU its
+        # kernels may not have written them when capture copies the blocks.
+        done = int(request.num_computed_tokens) - int(getattr(request, "num_in_flight_tokens", 0))
+        computed = min(done, len(block_ids) * self.block)
+        if computed < self.block:
+            return False, None  # no full page: nothing to hash or save
         if state is not None:
             self._reqs[request.request_id] = state  # _keys reuses what it hashed
-        keys = self._keys(request, computed)
-        self._reqs.pop(request.request_id, None)
+        try:
+            keys = self._keys(request, computed)
+        finally:
+            self._reqs.pop(request.request_id, None)
         if not keys:
             return False, None
         self._meta.saves.append(PageJob(request.request_id, keys, list(block_ids[: len(keys)])))
@@ -164,7 +224,8 @@ class SchedulerSide:
                        if k in ("lookups", "hit_tokens", "saves")})
         for reason, n in self.lookup.misses.items():
             out[f"skipped:lookup_{reason}"] += n
-        for reason in ("lookup_skipped", "namespace_mismatch", "aborted_while_loading"):
+        for reason in ("lookup_skipped", "namespace_mismatch", "aborted_while_loading",
+                       "load_failed_before"):
             if self.counters[reason]:
                 out[f"skipped:{reason}"] = self.counters[reason]
         return out

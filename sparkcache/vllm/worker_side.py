@@ -123,13 +123,31 @@ class WorkerSide:
     # ------------------------------------------------------------------ per step
 
     def start(self, meta: SparkCacheMetadata) -> None:
-        """Carry out one step's saves and loads (start_load_kv)."""
+        """Carry out one step's saves and loads (start_load_kv). vLLM waits for every job
+        it hands over (a load's request waits for its report, a save holds its blocks), so
+        one that faults is still ended here: a load with its blocks load errors, a save
+        unsaved, unless it was already handed on (then its completion ends it)."""
         if meta.saves or meta.loads:
             self.counted = True
         for job in meta.saves:
-            self._save(job)
+            try:
+                self._save(job)
+            except Exception:
+                self._job_fault("save", job)
+                if job.req_id not in self._saving:
+                    self._sent.add(job.req_id)
         for job in meta.loads:
-            self._load(job)
+            try:
+                self._load(job)
+            except Exception:
+                self._job_fault("load", job)
+                if job.req_id not in self._inflight:
+                    self._end_load(job, None, 0)
+
+    def _job_fault(self, kind: str, job: PageJob) -> None:
+        self.counters[f"{kind}_fault"] += 1
+        log.warning("SparkCache: the %s of request %s failed; ended without the cache",
+                    kind, job.req_id, exc_info=True)
 
     def _valid(self, job: PageJob) -> bool:
         ids = job.block_ids[: len(job.keys)]
@@ -158,7 +176,11 @@ class WorkerSide:
         if pages is None:
             self.counters["skipped_staging_full"] += 1
             return
-        self.staging.copy_in(job.block_ids[: len(job.keys)], pages)
+        try:
+            self.staging.copy_in(job.block_ids[: len(job.keys)], pages)
+        except BaseException:
+            self.staging.give_back(pages)
+            raise
         if self.client.publish_keys(job.req_id, job.keys, pages):
             self._staged[job.req_id] = pages
             self.counters["saved_pages"] += len(job.keys)
@@ -196,7 +218,11 @@ class WorkerSide:
             job, pages, started = entry
             got = min(result.tokens // self.settings.block_size, len(job.keys))
             if pages is not None and got and self.staging is not None:
-                self.staging.copy_out(pages[:got], job.block_ids[:got])
+                try:
+                    self.staging.copy_out(pages[:got], job.block_ids[:got])
+                except Exception:
+                    self._job_fault("load", job)
+                    got = 0  # whatever reached the blocks is recomputed
             self.counters["load_seconds"] += time.perf_counter() - started
             self._end_load(job, pages, got)
         return bool(results)
@@ -251,7 +277,8 @@ class WorkerSide:
             "loaded_tokens": c["loaded_pages"] * self.settings.block_size,
             "load_seconds": c["load_seconds"], "load_errors": c["load_errors"],
             "saved_pages": c["saved_pages"]}
-        for reason in ("bad_job", "skipped_staging_full", "load_staging_full"):
+        for reason in ("bad_job", "skipped_staging_full", "load_staging_full", "save_fault",
+                       "load_fault"):
             if c[reason]:
                 out[f"skipped:{reason}"] = c[reason]
         for reason, n in self.client.counters.skipped.items():
@@ -273,3 +300,37 @@ class WorkerSide:
             # Unlinks the name; vLLM's tensors keep the mapping for as long as they live.
             self.shared_kv.close()
             self.shared_kv = None
+
+
+class Unserved:
+    """The jobs of a rank whose worker side is not running (it could not start, or could
+    not register the KV caches) while the scheduler side, another process, hands out
+    loads and saves. vLLM waits for each, so each is answered as the cache being absent:
+    a load received at the next ``get_finished`` with all its blocks load errors (vLLM
+    computes them), a save sent, unsaved, once vLLM reports its request finished."""
+
+    def __init__(self) -> None:
+        self.jobs = 0  # answered so, for the log
+        self._recved: set[str] = set()
+        self._errors: set[int] = set()
+        self._sent: set[str] = set()
+        self._finished: set[str] = set()
+
+    def take(self, meta: SparkCacheMetadata) -> None:
+        for job in meta.loads:
+            self._recved.add(job.req_id)
+            self._errors.update(job.block_ids[: len(job.keys)])
+        self._sent.update(job.req_id for job in meta.saves)
+        self.jobs += len(meta.loads) + len(meta.saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._finished |= finished_req_ids & self._sent  # as WorkerSide.get_finished
+        sending = self._sent & self._finished
+        self._sent -= sending
+        self._finished -= sending
+        recving, self._recved = self._recved, set()
+        return sending or None, recving or None
+
+    def load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors

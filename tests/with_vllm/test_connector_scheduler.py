@@ -233,6 +233,101 @@ def test_no_supervisor_every_request_completes(tmp_path: Path, instance: str) ->
         assert side.lookup.misses  # counted, not raised
 
 
+def test_a_rank_that_could_not_register_answers_every_load_and_save(
+        supervisor: Path, instance: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker side that failed to register the KV caches, while the scheduler side (its
+    own process in vLLM) finds registrations a run before left: loads are answered with
+    every block a load error (recomputed), saves unsaved, and every request completes
+    and frees its blocks, the aborted one too, instead of waiting on a worker that will
+    never report."""
+    from vllm.v1.request import RequestStatus
+
+    from sparkcache import staging
+
+    prefix = list(range(10, 10 + 5 * BLOCK))
+    with rig(supervisor, instance) as r:  # the run before: its registry stays behind
+        run_turn(r, "A", [*prefix, 7])
+        wait_stored(r, 5)
+    monkeypatch.setattr(kvmem, "can_adopt", lambda: False)
+
+    def no_room(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(staging.StagingPool, "__init__", no_room)
+    with rig(supervisor, instance) as r:
+        assert r.workers[0]._worker is None  # disabled: the registration failed
+        free = r.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+        for rid in ("B", "D"):
+            r.sched.add_request(request(rid, [*prefix, 2, 3], max_tokens=2))
+        r.sched.add_request(request("C", list(range(900, 900 + 3 * BLOCK + 1)), max_tokens=2))
+        r.step()
+        assert {"B", "D"} <= set(r.loads)  # the stale registry made them hits
+        r.sched.finish_requests(["D"], RequestStatus.FINISHED_ABORTED)
+        r.run_until_idle(timeout=20)
+        assert {"B", "D"} <= r.finished_recving and "C" in r.finished_sending
+        assert set(r.loads["B"][:5]) <= r.load_errors  # computed, not taken as loaded
+        assert r.sched.kv_cache_manager.block_pool.get_num_free_blocks() == free
+
+
+def test_scheduler_side_answers_what_vllm_relies_on(supervisor: Path, instance: str) -> None:
+    """Called directly, as vLLM calls it: asked again about a request in the same state
+    (vLLM re-asks every step while the request waits for blocks), the same answer, with no
+    new lookup or lease; a finished request's save leaves out the tokens of a step still in
+    flight (async scheduling: not written yet on a GPU); a load with fewer blocks than its
+    pages still goes to the worker, which reports those blocks load errors; and a
+    registration whose engine is gone is no namespace (its worker side is not serving)."""
+    import psutil
+
+    from sparkcache import registry
+    from sparkcache.vllm import scheduler_side
+
+    prefix = list(range(800, 800 + 5 * BLOCK))
+    with rig(supervisor, instance) as r:
+        run_turn(r, "A", [*prefix, 1])
+        wait_stored(r, 5)
+        side = r.sched.get_kv_connector()._scheduler
+        lookups = side.lookup.lookups
+        asked = request("B", [*prefix, 2, 3])
+        first = side.get_num_new_matched_tokens(asked, 0)
+        assert first == (5 * BLOCK, True)
+        assert side.get_num_new_matched_tokens(asked, 0) == first
+        assert side.lookup.lookups == lookups + 1  # one lookup, one lease
+        side._reqs["B"].answer_until = 0.0  # the answer's time is up: the store again
+        assert side.get_num_new_matched_tokens(asked, 0) == first
+        assert side.lookup.lookups == lookups + 2
+
+        class TwoBlocks:  # fewer blocks than the load's five pages
+            def get_block_ids(self) -> tuple[list[int], ...]:
+                return ([3, 4],)
+
+        side.update_state_after_alloc(asked, TwoBlocks(), 5 * BLOCK)
+        meta = side.build_connector_meta(None)
+        worker = r.workers[0]
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        assert worker.get_finished(set()) == (None, {"B"})
+        assert worker.get_block_ids_with_load_errors() == {3, 4}
+        worker.clear_connector_metadata()
+
+        finished = request("C", [*prefix, 4, 5])
+        finished.num_computed_tokens = len(prefix) + 2
+        finished.num_in_flight_tokens = 2 * BLOCK + 2  # the last two pages not written yet
+        assert side.request_finished(finished, list(range(20, 26)))[0]
+        assert len(side.build_connector_meta(None).saves[0].keys) == 3
+
+        desc = registry.read_registry(supervisor, 0)
+        gone = psutil.Popen(["true"])
+        gone.wait()
+        stale = {**desc, "owner_pid": gone.pid, "owner_start": time.time() - 1}
+        stale.pop("reg_gen"), stale.pop("block_dim")
+        registry.write_registry(supervisor, 0, desc["reg_gen"], desc["block_dim"], stale)
+        fresh = scheduler_side.SchedulerSide(side.settings)
+        try:
+            assert fresh.namespace() is None
+        finally:
+            fresh.close()
+
+
 def test_at_the_hard_cap_every_request_completes(tmp_path: Path, instance: str) -> None:
     """A store far over its cap: saves are refused and counted, lookups go on, nothing
     is held forever and nothing raises."""
