@@ -17,6 +17,14 @@ popping that id, so the ring's semaphore orders the slot's bytes and its state. 
 state is therefore written by one process at a time and needs no lock; whoever needs
 counts by owner derives them from it when read (they are never stored twice).
 
+A slot's state is also read where no record covers it (commit finding the slots an
+earlier record covers, or whose writer died; a new capture finding free slots). On arm64
+another core may see a hand-over's stores in any order, so such a reader could see the
+new owner beside the pid, generation or since of the hand-over before, and take a slot
+no record covers. So ``hand_over`` stores the owner last behind a ``fence``, and ``held``
+reads it first, then fences, then the rest: a reader that sees an owner sees the fields
+of that hand-over (or a later one).
+
 A holder that dies leaves its slots owned by its role, not by a pid: the next process of
 that role recovers them (a new capture frees the slots capture held, a new commit commits
 the slots commit holds; see docs/pipeline.md). Nothing else, the supervisor included,
@@ -26,6 +34,7 @@ changes a slot's owner.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -50,6 +59,21 @@ class SlotOwnershipError(RuntimeError):
 
 
 _START: tuple[int, float] = (0, 0.0)  # (pid, its start time), cached per process
+_FENCES = threading.local()
+
+
+def fence() -> None:
+    """A full memory barrier for the calling thread, which Python has no statement for:
+    the release and re-acquisition of a lock this thread holds. CPython's lock is a POSIX
+    semaphore on Linux (glibc, as its mutex otherwise): the post (a release) orders every
+    access before it before itself, the wait (an acquire) that follows it on the same
+    word orders every access after it after itself."""
+    lock = getattr(_FENCES, "lock", None)
+    if lock is None:
+        lock = _FENCES.lock = threading.Lock()
+        lock.acquire()
+    lock.release()
+    lock.acquire()
 
 
 def _own_start() -> float:
@@ -106,23 +130,26 @@ class SlotArena:
             raise SlotOwnershipError(
                 f"slot {index} of {self.name} is owned by {int(st['owner'])}, not {from_owner}"
             )
+        # The writer first: one killed before its generation store leaves the slot's
+        # old generation under its own (dead) pid, which its successor may take back.
+        st["pid"] = os.getpid()
+        st["pid_start"] = _own_start()
         if from_owner == FREE:
             st["generation"] += 1
         st["used"] = used if to_owner != FREE else 0
-        st["pid"] = os.getpid()
-        st["pid_start"] = _own_start()
         st["since"] = time.monotonic()
+        fence()  # the owner last (see the module notes)
         st["owner"] = to_owner
 
-    def writer_dead(self, index: int) -> bool:
-        """True if the process that made slot ``index``'s last hand-over is known dead (its
-        pid gone, or reused by a process started at another time), or there was none (the
-        arena's creator wrote the slot before any other process attached). Its writes to
-        the slot are then complete: a reader may use them without a covering semaphore
-        operation."""
+    def held(self, index: int, owner: int) -> np.void | None:
+        """Slot ``index``'s state if ``owner`` holds it, else None, read where no record
+        covers it: the owner first, then (after a fence) a copy of the rest, which is
+        then that of the hand-over that made ``owner`` the holder, or of a later one."""
         st = self.state[index]
-        pid = int(st["pid"])
-        return pid == 0 or not creator_alive(pid, float(st["pid_start"]))
+        if int(st["owner"]) != owner:
+            return None
+        fence()
+        return st.copy()
 
     def free_slots(self) -> list[int]:
         return [i for i in range(self.slots) if int(self.state[i]["owner"]) == FREE]
@@ -136,3 +163,13 @@ class SlotArena:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def writer_dead(state: np.void) -> bool:
+    """True if the process that made the hand-over of a slot's ``state`` (as
+    ``SlotArena.held`` read it) is known dead (its pid gone, or reused by a process
+    started at another time), or there was none (the arena's creator wrote the slot
+    before any other process attached). Its writes to the slot are then complete: a
+    reader may use them without a covering semaphore operation."""
+    pid = int(state["pid"])
+    return pid == 0 or not creator_alive(pid, float(state["pid_start"]))

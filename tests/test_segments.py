@@ -105,6 +105,13 @@ def test_arena_hands_slots_over(instance):
         with SlotArena.attach(arena.name) as seen:
             assert seen.slot_array(0)[:4].tobytes() == b"\x01\x02\x03\x04"
             assert int(seen.state[0]["used"]) == 4 and int(seen.state[0]["owner"]) == COMMIT
+            # Read with no record covering it: the owner, then a copy of the rest.
+            assert seen.held(0, CAPTURE) is None and seen.held(1, COMMIT) is None
+            held = seen.held(0, COMMIT)
+            assert (int(held["generation"]), int(held["pid"])) == (1, os.getpid())
+            arena.hand_over(1, FREE, CAPTURE)
+            arena.hand_over(1, CAPTURE, FREE)
+            assert int(seen.held(1, FREE)["generation"]) == 1
         arena.hand_over(0, COMMIT, FREE)
         assert arena.free_slots() == [0, 1, 2] and int(arena.state[0]["used"]) == 0
         with pytest.raises(IndexError, match="expected 0-2"):

@@ -313,3 +313,31 @@ def test_a_durability_report_that_overtakes_its_completion_is_not_awaited_again(
         assert [c.status for c in released] == ["captured"]
         assert client.pending == 0 and client.awaiting_durable == 0
         assert client.counters.durable == 1
+
+
+def test_a_lease_whose_commit_fails_fails_one_publication(
+        tmp_path: Path, instance: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Capture leases the stored prefix of a publication in a write transaction; one whose
+    COMMIT fails (OutcomeUnknown, a StoreError: the disk full for a moment) fails that
+    publication alone, where it used to end capture for good (exit 4, FATAL)."""
+    from sparkcache.store.index import OutcomeUnknown
+
+    with rig(tmp_path / "store", instance, **SETTINGS) as r:
+        (s1, t1), (s2, t2) = sequences(2, r.cfg.page_tokens, seed=6).items()
+        real = r.capture.store.lease_prefix
+        calls = []
+
+        def lease_once_unknown(keys, seconds):
+            calls.append(keys)
+            if len(calls) == 1:
+                raise OutcomeUnknown("COMMIT failed: database or disk is full")
+            return real(keys, seconds)
+
+        monkeypatch.setattr(r.capture.store, "lease_prefix", lease_once_unknown)
+        assert r.engine.publish(s1, t1, tries=1)
+        r.step(3)
+        assert r.engine.client.counters.capture_failed["failed"] == 1
+        assert r.capture.life.item_errors == 1
+        assert r.engine.publish(s2, t2, tries=1)
+        r.step(3)
+        assert s2 in r.engine.acknowledged

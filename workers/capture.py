@@ -26,11 +26,13 @@ import torch
 from posix_ipc import SignalError
 
 from shm import FREE, RingClosed, RingEmpty, RingFull
+from shm.arena import writer_dead
 from shm.layouts import join_key
 from sparkcache import kvmem, registry, segments
 from sparkcache.protocol import CaptureStatus, process_gone
 from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT
 from sparkcache.store import PageStore
+from sparkcache.store.index import OutcomeUnknown
 from workers import lifecycle, slotfmt
 from workers.announce import SlotAnnouncer
 from workers.batches import split_batches
@@ -94,8 +96,8 @@ class Capture:
         # Other FREE slots come with their freed record (commit repeats it while the slot
         # stays FREE): reading them before that could overwrite bytes commit still reads.
         mine = os.getpid()
-        self.free = {i for i in self.arena.free_slots()
-                     if self.arena.writer_dead(i) or int(self.arena.state[i]["pid"]) == mine}
+        self.free = {i for i, st in self._free_states()
+                     if writer_dead(st) or int(st["pid"]) == mine}
         # Fault the slots in behind READY (tmpfs allocates a page on first touch), so the
         # first publications need not pay for it inside their deadline.
         self.prefault = Prefaulter(self.arena, lambda n: setattr(life, "prefaulted_bytes", n))
@@ -213,14 +215,23 @@ class Capture:
             if int(st["owner"]) == FREE and int(st["generation"]) == generation:
                 self.free.add(slot)
 
+    def _free_states(self) -> list[tuple[int, np.void]]:
+        """The FREE slots and their states, read where no record covers them
+        (``SlotArena.held``: the pid is that of the hand-over that freed the slot)."""
+        return [(i, st) for i in range(self.arena.slots)
+                if (st := self.arena.held(i, FREE)) is not None]
+
     def _take_slot(self, deadline: float) -> int | None:
         timeout = 0.0
         while True:
+            # Hand-overs the full filled ring refused go out meanwhile: commit frees only
+            # the slots it was told of.
+            self.filled_records.flush()
             self._take_freed(timeout)
             if not self.free:
                 # A slot can be FREE without a record when commit died between handing it
                 # back and pushing the record: its writer is dead, so it may be taken.
-                self.free.update(i for i in self.arena.free_slots() if self.arena.writer_dead(i))
+                self.free.update(i for i, st in self._free_states() if writer_dead(st))
             if self.free:
                 return self.free.pop()
             left = deadline - time.monotonic()
@@ -244,7 +255,15 @@ class Capture:
         n = len(keys)
         # Leased, not only looked up: under pressure the root holding these pages could
         # otherwise be evicted before commit, which then has no bytes for them.
-        stored = self.store.lease_prefix(keys, self.cfg.lookup_lease_seconds)
+        try:
+            stored = self.store.lease_prefix(keys, self.cfg.lookup_lease_seconds)
+        except OutcomeUnknown:
+            # The lease's COMMIT failed (the disk full for a moment, say): a StoreError,
+            # which would end capture for good, while only this publication fails, unless
+            # the store itself is gone.
+            self.store.check_usable()
+            self.life.item_error("lease")
+            return CaptureStatus.FAILED, 0
         if slotfmt.needed(n, n - stored, reg.views.run_bytes) > self.arena.slot_bytes:
             return CaptureStatus.TOO_LARGE, 0
         slot = self._take_slot(deadline)

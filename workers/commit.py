@@ -34,6 +34,7 @@ import numpy as np
 from posix_ipc import SignalError
 
 from shm import FREE, RingClosed, RingEmpty, RingFull
+from shm.arena import writer_dead
 from shm.layouts import join_key
 from shm.segment import creator_alive
 from sparkcache import segments
@@ -131,9 +132,9 @@ class Commit:
             if not 0 <= slot < self.arena.slots:
                 self.life.drop("slot", f"filled record for slot {slot}")
                 continue
-            st = self.arena.state[slot]
             # A stale record (the slot was committed and taken again since) is skipped.
-            if int(st["owner"]) == OWNER_COMMIT and int(st["generation"]) == generation:
+            st = self.arena.held(slot, OWNER_COMMIT)
+            if st is not None and int(st["generation"]) == generation:
                 holder = (int(st["pid"]), float(st["pid_start"]))
                 self._covered[holder] = max(self._covered.get(holder, 0.0), float(st["since"]))
                 self._commit_readable()
@@ -145,12 +146,14 @@ class Commit:
         (``since`` is CLOCK_MONOTONIC, one clock for every process of the host.)"""
         readable = []
         for i in range(self.arena.slots):
-            st = self.arena.state[i]
-            if int(st["owner"]) != OWNER_COMMIT:
+            # Read where no record covers it: the since and pid of the hand-over that made
+            # commit the holder, never of the one before (SlotArena.held).
+            st = self.arena.held(i, OWNER_COMMIT)
+            if st is None:
                 continue
             since = float(st["since"])
             covered = self._covered.get((int(st["pid"]), float(st["pid_start"])))
-            if (covered is not None and since <= covered) or self.arena.writer_dead(i):
+            if (covered is not None and since <= covered) or writer_dead(st):
                 readable.append((since, i))
         for _, slot in sorted(readable):
             self._commit_slot(slot)
