@@ -33,8 +33,9 @@ from sparkcache.filesystems import MEMORY_FILESYSTEMS, filesystem_of
 from sparkcache.metrics.carry import Carry
 from sparkcache.metrics.reading import Source, WorkerInfo
 from sparkcache.metrics.server import MetricsServer, MetricsServerError
+from sparkcache.ratelog import RateLimitedLog
 from sparkcache.runtime import RUNTIME_FILE, RUNTIME_SETTINGS
-from sparkcache.store import UnsafeStoreDir, layout
+from sparkcache.store import StoreError, UnsafeStoreDir, layout
 from sparkcache.supervisor_states import (
     Action,
     Observation,
@@ -67,6 +68,10 @@ STARTING_WATCH_S = 0.1  # ... while one is starting, so READY shows soon
 # How often a worker that has not begun to drain is sent SIGTERM again (_stop_role). The
 # handler only sets a flag, and every blocking wait in a worker resumes after it.
 RESEND_TERM_S = 1.0
+# A worker that has not begun to drain this long after the first SIGTERM ignores it (a
+# native library masking it, say) and is killed: it beats on, so the heartbeat limit
+# would never end the stop. A worker forked moments ago shows DRAINING well within it.
+IGNORED_TERM_S = 15.0
 
 __all__ = ["Policy", "Supervisor", "SupervisorError", "Worker", "default_cpus"]
 
@@ -130,6 +135,8 @@ class Supervisor:
         self._lock_fd: int | None = None
         self._wake_r, self._wake_w = os.pipe()
         self.metrics: MetricsServer | None = None
+        self._runtime_stale = False  # runtime.json could not be written: try again
+        self._rare = RateLimitedLog(log)
 
     # ------------------------------------------------------------------ start-up
 
@@ -395,9 +402,25 @@ class Supervisor:
         changed = False
         for w in self.workers:
             old = self._shown(w.view)
-            changed |= self._shown(self._tick(w).view) != old
-        if changed:
-            self.write_runtime()
+            try:
+                self._tick(w)
+            except Exception as exc:
+                # A restart that could not be spawned (fork refused by a pids limit, no
+                # memory): as a process that died at once, backed off and tried again,
+                # not the end of every other worker.
+                log.error("%s could not be started: %r", w.name, exc)
+                self._tick(w, Observation(exit_code=1, stopping=self.stop))
+            changed |= self._shown(w.view) != old
+        if changed or self._runtime_stale:
+            try:
+                self.write_runtime()
+                self._runtime_stale = False
+            except (OSError, StoreError) as exc:
+                # The tools' view of the instance, not the instance: a full or read-only
+                # store filesystem must not stop the workers.
+                self._runtime_stale = True
+                self._rare.warning("runtime", "could not write %s: %s; the workers go on",
+                                   RUNTIME_FILE, exc)
 
     # ------------------------------------------------------------------ runtime file
 
@@ -438,9 +461,10 @@ class Supervisor:
     def _stop_role(self, role: Role) -> None:
         workers = [w for w in self.workers if w.role is role and w.proc is not None]
         asked: dict[int, float] = {}  # pid -> when SIGTERM was last sent
+        first = time.monotonic()
         for w in workers:
             self._ask_to_stop(w)
-            asked[w.proc.pid] = time.monotonic()
+            asked[w.proc.pid] = first
         beats: dict[int, tuple[float | None, float]] = {}  # pid -> (heartbeat, seen at)
         while True:
             left = [w for w in workers if w.proc.is_alive()]
@@ -465,6 +489,12 @@ class Supervisor:
                 # beat, for ever. Until its slot shows the drain, ask again.
                 draining = rec is not None and rec.pid == w.proc.pid and (
                     rec.state >= State.DRAINING)
+                if not draining and now - first >= IGNORED_TERM_S:
+                    log.warning("%s has not begun to drain %.0fs after SIGTERM; killed",
+                                w.name, now - first)
+                    w.proc.kill()
+                    w.proc.join(5)
+                    continue
                 if (not draining
                         and now - asked[w.proc.pid] >= RESEND_TERM_S):
                     log.info("%s has not started draining; SIGTERM sent again", w.name)

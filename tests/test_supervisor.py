@@ -134,6 +134,38 @@ def test_a_worker_that_lost_its_sigterm_is_asked_again_not_killed(
         proc.join()
 
 
+def _ignore_sigterm(ready: EventType) -> None:
+    """A worker whose SIGTERM is ignored (a native library masking it) and which serves on."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.set()
+    while True:
+        time.sleep(0.01)
+
+
+def test_a_worker_that_ignores_sigterm_is_killed_not_waited_for_ever(
+        tmp_path: Path, instance: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It would beat on, so the heartbeat limit would never end the stop."""
+    from sparkcache import supervisor as supervisor_mod
+
+    monkeypatch.setattr(supervisor_mod, "IGNORED_TERM_S", 1.0)
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_ignore_sigterm, args=(ready,))
+    proc.start()
+    try:
+        assert ready.wait(30)
+        sup = Supervisor(make_cfg(tmp_path, instance),
+                         policy=Policy(heartbeat_timeout_s=60.0))
+        restore = next(w for w in sup.workers if w.role is Role.RESTORE)
+        restore.proc = proc
+        sup._stop_role(Role.RESTORE)
+        assert proc.exitcode == -signal.SIGKILL
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+
+
 def test_sigkilled_supervisor_is_swept_by_the_next(tmp_path: Path, instance: str) -> None:
     store = tmp_path / "store"
     sup = start_supervisor(store, instance)
@@ -450,3 +482,39 @@ def test_environment_fault_is_fatal_at_once_not_a_crash_loop(
     assert len(lines) == 1 and "symlink" in lines[0], err[-3000:]
     assert "Traceback" not in err
     assert "FATAL: its environment is unusable" in err
+
+
+def test_a_restart_that_cannot_be_spawned_or_recorded_stops_nothing(
+        tmp_path: Path, instance: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watch loop, driven without processes: a restart whose spawn fails (fork refused
+    by a pids limit) counts as a start that failed, backed off and tried again, and a
+    runtime.json that cannot be written (the store's filesystem full) is tried again at
+    the next look; neither escapes the loop, which used to drain every worker and exit."""
+    import dataclasses
+    import errno
+
+    from sparkcache.supervisor_states import WorkerState
+
+    sup = Supervisor(make_cfg(tmp_path / "store", instance))
+    spawns: list[str] = []
+
+    def refused(w) -> None:
+        spawns.append(w.name)
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    def full() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sup, "_spawn", refused)
+    monkeypatch.setattr(sup, "write_runtime", full)
+    sup._watch_once()  # every worker STOPPED: each spawned, and refused
+    assert len(spawns) == len(sup.workers)
+    assert all(w.state is WorkerState.BACKOFF and w.view.failed_starts == 1
+               for w in sup.workers)
+    assert sup._runtime_stale
+    monkeypatch.setattr(sup, "write_runtime", lambda: None)
+    for w in sup.workers:
+        w.view = dataclasses.replace(w.view, restart_at=0.0)
+    sup._watch_once()  # due again: refused again, counted again; the file written
+    assert all(w.view.failed_starts == 2 for w in sup.workers)
+    assert not sup._runtime_stale
