@@ -44,7 +44,7 @@ from sparkcache.store import CommitFailed, PageData, PageStore, Root
 from sparkcache.store.fileops import FileOps
 from workers import lifecycle, slotfmt
 from workers.announce import SlotAnnouncer
-from workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, WorkerSpec
+from workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, Role, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +108,17 @@ class Commit:
         # redo after them would replace with the older turn.
         self._commit_readable()
         self.life.serve(self._step, POLL_S)
-        # Drain: capture has stopped before commit is asked to (the supervisor stops the
-        # roles in order), so every record it pushed is in the ring by now.
-        while self._pop(0):
-            self.life.beat()  # progress: the supervisor kills only a drain that stalls
+        # Drain. The supervisor stops capture before commit, so every record capture
+        # pushed is in the ring by now; unless the signal came to both at once (Ctrl-C,
+        # or a service manager signalling every process of the unit): then capture may
+        # still hand slots over, whose publications would be lost with the arena, so
+        # commit takes records until capture is gone. The beats are progress: the
+        # supervisor kills only a drain that stalls.
+        while True:
+            capture = self.life.peer_running(Role.CAPTURE)
+            if not self._pop(POLL_S if capture else 0) and not capture:
+                break
+            self.life.beat()
         self._commit_readable()
 
     def _step(self, timeout: float) -> None:

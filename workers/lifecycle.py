@@ -24,7 +24,7 @@ import posix_ipc
 import psutil
 import setproctitle
 
-from shm import SegmentError, StatsBlock
+from shm import SegmentError, StatsBlock, TornRead
 from shm.layouts import DROP_REASONS, DURATION_BUCKETS_S, OUTCOMES, WORKER_STATS
 from shm.segment import process_start
 from sparkcache import segments
@@ -259,6 +259,20 @@ class Lifecycle:
         while stall and Path(stall).exists() and not self.stop:
             self.beat()
             self.idle(0.1)
+
+    def peer_running(self, role: Role) -> bool:
+        """Whether the process in ``role``'s stats slot of this rank is still alive (its
+        pid and start time, asked of the kernel); False if the slot was never written.
+        A record caught mid-write counts as running: asked again, it answers."""
+        from sparkcache.protocol import process_gone  # it imports this module
+
+        if self._stats is None:
+            return False
+        try:
+            rec = self._stats.read(int(role))
+        except TornRead:
+            return True
+        return rec is not None and not process_gone(int(rec.pid), float(rec.pid_start))
 
     def beat(self) -> None:
         if self._stats is None:
