@@ -35,7 +35,7 @@ import itertools
 import logging
 import os
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +71,8 @@ HEALTH_CACHE_S = 0.05
 # durable ring was full.
 DURABLE_TIMEOUT_S = 120.0
 SETTLED_KEPT = 65536
+# Publications released by their deadline whose late completion is still taken.
+EXPIRED_KEPT = 1024
 # Loads handed to the restore worker and not yet reported; fewer than the loaded ring
 # holds, so the worker's reports never wait for room while the engine polls.
 MAX_LOADS = 256
@@ -262,6 +264,10 @@ class SparkCacheClient:
         # Publications whose durability report overtook their completion (two rings):
         # settled already, their completion must not await it again.
         self._durable_early: set[int] = set()
+        # Publications released by their deadline, for a capture that finished the copy
+        # after it: its commit's durability report is still taken (bounded: a capture
+        # that never answers leaves nothing to wait for).
+        self._expired: OrderedDict[int, str | int] = OrderedDict()
         self._expire_at = 0.0  # when poll_completions next looks for lost reports
         # Reports not yet taken by poll_durable; an engine that never asks keeps only the
         # newest (its counters still count every one).
@@ -477,7 +483,12 @@ class SparkCacheClient:
         for pub_id, status, copied in self._drain(conn.completion):
             entry = self._pending.pop(pub_id, None)
             if entry is None:
-                continue  # released by its deadline already, or not ours
+                late = self._expired.pop(pub_id, None)
+                if late is not None and status == CaptureStatus.CAPTURED:
+                    # Copied after its deadline released the blocks (capture checked it
+                    # just before): committed all the same, so its report is awaited.
+                    self._awaiting[pub_id] = (late, now)
+                continue  # else released by its deadline already, or not ours
             what = status_name(CaptureStatus, status)
             self._released.append(Completion(entry.seq_id, entry.blocks, what, copied))
             early = pub_id in self._durable_early
@@ -489,14 +500,18 @@ class SparkCacheClient:
             else:
                 self.counters.capture_failed[what] += 1
         for pub_id, status, _ in self._drain(conn.durable):
-            # The durable report can overtake the completion (two rings): look in both.
+            # The durable report can overtake the completion (two rings): look in both,
+            # and among those released by their deadline.
             entry = self._awaiting.pop(pub_id, None)
             if entry is None:
                 pending = self._pending.get(pub_id)
-                if pending is None:
+                if pending is not None:
+                    entry = (pending.seq_id, now)
+                    self._durable_early.add(pub_id)
+                elif pub_id in self._expired:
+                    entry = (self._expired.pop(pub_id), now)
+                else:
                     continue
-                entry = (pending.seq_id, now)
-                self._durable_early.add(pub_id)
             self._settle(entry[0], status_name(DurableStatus, status))
 
     @staticmethod
@@ -536,6 +551,9 @@ class SparkCacheClient:
             self._durable_early.discard(pub_id)
             self._released.append(Completion(entry.seq_id, entry.blocks, "expired"))
             self.counters.released_by_deadline += 1
+            self._expired[pub_id] = entry.seq_id
+            if len(self._expired) > EXPIRED_KEPT:
+                self._expired.popitem(last=False)
         if now >= self._expire_at:
             # A caller that never asks for durability (vLLM's connector) must not keep
             # the reports that never came either.

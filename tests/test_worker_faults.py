@@ -341,3 +341,23 @@ def test_a_lease_whose_commit_fails_fails_one_publication(
         assert r.engine.publish(s2, t2, tries=1)
         r.step(3)
         assert s2 in r.engine.acknowledged
+
+
+def test_a_publication_copied_just_before_its_deadline_is_still_acknowledged(
+        tmp_path: Path, instance: str) -> None:
+    """Capture checked the deadline just before it passed, the client released the blocks
+    by it just after: the late completion and commit's report are still taken, so the
+    stored root is acknowledged durable instead of its report being dropped."""
+    with rig(tmp_path / "store", instance, **SETTINGS) as r:
+        client = r.engine.client
+        (sid, tokens), = sequences(1, r.cfg.page_tokens, seed=8).items()
+        assert r.engine.publish(sid, tokens, tries=1)
+        for entry in client._pending.values():
+            entry.deadline = 0.0  # the client's clock passed it first
+        assert [c.status for c in client.poll_completions()] == ["expired"]
+        r.capture._step(0)  # capture's own check: the deadline it was given still holds
+        for _ in range(3):
+            r.commit._step(0)
+        client.poll_completions()
+        assert client.counters.durable == 1 and client.awaiting_durable == 0
+        assert [(d.seq_id, d.durable) for d in client.poll_durable()] == [(sid, True)]
