@@ -151,8 +151,9 @@ class SlotArena:
         fence()
         return st.copy()
 
-    def free_slots(self) -> list[int]:
-        return [i for i in range(self.slots) if int(self.state[i]["owner"]) == FREE]
+    def held_by(self, owner: int) -> list[tuple[int, np.void]]:
+        """The slots ``owner`` holds, each with its state as ``held`` reads it."""
+        return [(i, st) for i in range(self.slots) if (st := self.held(i, owner)) is not None]
 
     def close(self) -> None:
         del self.state

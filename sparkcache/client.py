@@ -548,9 +548,11 @@ class SparkCacheClient:
         now = time.monotonic()
         for pub_id in [p for p, e in self._pending.items() if e.deadline <= now]:
             entry = self._pending.pop(pub_id)
-            self._durable_early.discard(pub_id)
             self._released.append(Completion(entry.seq_id, entry.blocks, "expired"))
             self.counters.released_by_deadline += 1
+            if pub_id in self._durable_early:
+                self._durable_early.discard(pub_id)  # settled already
+                continue
             self._expired[pub_id] = entry.seq_id
             if len(self._expired) > EXPIRED_KEPT:
                 self._expired.popitem(last=False)
@@ -574,8 +576,13 @@ class SparkCacheClient:
         """Captured publications whose durability report has not come within
         DURABLE_TIMEOUT_S (commit died with it, or its ring was full) settle as
         ``no_answer``."""
-        for pub_id in [p for p, (_, t) in self._awaiting.items() if now - t > DURABLE_TIMEOUT_S]:
-            self._settle(self._awaiting.pop(pub_id)[0], "no_answer")
+        # Entries are in the order they were captured: the overdue ones come first.
+        while self._awaiting:
+            pub_id, (seq_id, since) = next(iter(self._awaiting.items()))
+            if now - since <= DURABLE_TIMEOUT_S:
+                break
+            del self._awaiting[pub_id]
+            self._settle(seq_id, "no_answer")
 
     @property
     def pending(self) -> int:

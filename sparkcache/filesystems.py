@@ -12,7 +12,6 @@ problem while nothing is stored yet.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import psutil
@@ -28,8 +27,6 @@ NETWORK_FILESYSTEMS = frozenset({
 # bytes count against the machine's memory.
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
 
-_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
-
 
 def filesystem_of(path: Path) -> str | None:
     """The type of the filesystem holding ``path``, as the kernel names it (``ext4``,
@@ -41,9 +38,8 @@ def filesystem_of(path: Path) -> str | None:
         mounts = psutil.disk_partitions(all=True)
     except (OSError, RuntimeError):
         return None
-    for mount in mounts:
-        # The mount table escapes spaces and the like as octal (\040).
-        point = _OCTAL_ESCAPE.sub(lambda m: chr(int(m[1], 8)), mount.mountpoint)
+    for mount in mounts:  # mount points decoded (\040: a space) by getmntent
+        point = mount.mountpoint
         inside = real == point or real.startswith(point.rstrip("/") + "/")
         # Longest mount point wins; among equals the last listed, which is the one on top.
         if inside and len(point) >= found_len:

@@ -70,8 +70,10 @@ STARTING_WATCH_S = 0.1  # ... while one is starting, so READY shows soon
 RESEND_TERM_S = 1.0
 # A worker that has not begun to drain this long after the first SIGTERM ignores it (a
 # native library masking it, say) and is killed: it beats on, so the heartbeat limit
-# would never end the stop. A worker forked moments ago shows DRAINING well within it.
-IGNORED_TERM_S = 15.0
+# would never end the stop. A worker shows DRAINING once its current step returns, and
+# the longest steps that beat last a minute (a restore worker making a CUDA context,
+# SLOW_OPEN_S; a chunk read, STUCK_READ_S): this is well past them.
+IGNORED_TERM_S = 90.0
 
 __all__ = ["Policy", "Supervisor", "SupervisorError", "Worker", "default_cpus"]
 
@@ -219,7 +221,7 @@ class Supervisor:
                 p.nice(MAINTENANCE_NICE)
                 with contextlib.suppress(psutil.Error, AttributeError):
                     p.ionice(psutil.IOPRIO_CLASS_BE, MAINTENANCE_IOPRIO)
-        except psutil.Error as exc:
+        except (psutil.Error, OSError, ValueError) as exc:
             log.warning("%s: could not pin or renice: %s", w.name, exc)
         log.info("%s started: pid %d, cores %s", w.name, proc.pid, w.cpus)
 
@@ -405,6 +407,8 @@ class Supervisor:
             try:
                 self._tick(w)
             except Exception as exc:
+                if w.proc is not None:
+                    raise  # not a spawn that failed: a process runs, and nothing knows why
                 # A restart that could not be spawned (fork refused by a pids limit, no
                 # memory): as a process that died at once, backed off and tried again,
                 # not the end of every other worker.
@@ -525,7 +529,8 @@ class Supervisor:
         capture, commit, maintenance: what capture hands over while it drains is still
         committed), each drained until it exits; a worker is killed only once its
         heartbeat has not advanced for the heartbeat limit (it beats while it makes
-        progress). Then unlink every segment, remove the runtime file, release the lock.
+        progress), or it has not begun to drain IGNORED_TERM_S after the first SIGTERM.
+        Then unlink every segment, remove the runtime file, release the lock.
         Idempotent."""
         self.stop = True
         for role in (Role.RESTORE, Role.CAPTURE, Role.COMMIT, Role.MAINTENANCE):

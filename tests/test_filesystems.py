@@ -23,8 +23,7 @@ def mounted(monkeypatch: pytest.MonkeyPatch, *mounts: tuple[str, str]) -> None:
 def test_the_longest_mount_point_holding_the_path_names_its_filesystem(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     share = tmp_path / "my share"
-    mounted(monkeypatch, ("/", "ext4"), (str(tmp_path).replace(" ", "\\040"), "xfs"),
-            (str(share).replace(" ", "\\040"), "tmpfs"),  # octal, as the kernel lists it
+    mounted(monkeypatch, ("/", "ext4"), (str(tmp_path), "xfs"), (str(share), "tmpfs"),
             (str(share), "nfs4"),  # mounted over it: the last listed is the one on top
             (str(tmp_path / "my"), "cifs"))  # a prefix of the name, not of the path
     assert filesystem_of(share / "store") == "nfs4"  # not made yet: where it would be

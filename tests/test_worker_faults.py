@@ -361,3 +361,25 @@ def test_a_publication_copied_just_before_its_deadline_is_still_acknowledged(
         client.poll_completions()
         assert client.counters.durable == 1 and client.awaiting_durable == 0
         assert [(d.seq_id, d.durable) for d in client.poll_durable()] == [(sid, True)]
+
+
+def test_a_peer_whose_record_stays_torn_is_taken_for_gone(
+        tmp_path: Path, instance: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Commit drains until capture is gone (Lifecycle.peer_running). A capture killed in
+    the middle of a stats write leaves its record torn for good: read torn for longer than
+    TORN_PEER_S, it is taken for gone, so commit's drain ends."""
+    from shm import stats as stats_mod
+    from workers import lifecycle
+    from workers.lifecycle import Role
+
+    monkeypatch.setattr(lifecycle, "TORN_PEER_S", 0.2)
+    with rig(tmp_path / "store", instance, **SETTINGS) as r:
+        life = r.commit.life
+        assert life.peer_running(Role.CAPTURE)  # this process wrote it: alive
+        block = life._stats
+        stats_mod._HEAD.pack_into(block._mm, block._at(int(Role.CAPTURE)), 7, 0)  # odd
+        assert life.peer_running(Role.CAPTURE)  # mid-write, maybe: asked again
+        time.sleep(0.3)
+        assert not life.peer_running(Role.CAPTURE)
+        r.capture.life.beat()  # a whole record again
+        assert life.peer_running(Role.CAPTURE)

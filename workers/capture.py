@@ -96,7 +96,7 @@ class Capture:
         # Other FREE slots come with their freed record (commit repeats it while the slot
         # stays FREE): reading them before that could overwrite bytes commit still reads.
         mine = os.getpid()
-        self.free = {i for i, st in self._free_states()
+        self.free = {i for i, st in self.arena.held_by(FREE)
                      if writer_dead(st) or int(st["pid"]) == mine}
         # Fault the slots in behind READY (tmpfs allocates a page on first touch), so the
         # first publications need not pay for it inside their deadline.
@@ -215,12 +215,6 @@ class Capture:
             if int(st["owner"]) == FREE and int(st["generation"]) == generation:
                 self.free.add(slot)
 
-    def _free_states(self) -> list[tuple[int, np.void]]:
-        """The FREE slots and their states, read where no record covers them
-        (``SlotArena.held``: the pid is that of the hand-over that freed the slot)."""
-        return [(i, st) for i in range(self.arena.slots)
-                if (st := self.arena.held(i, FREE)) is not None]
-
     def _take_slot(self, deadline: float) -> int | None:
         timeout = 0.0
         while True:
@@ -231,7 +225,7 @@ class Capture:
             if not self.free:
                 # A slot can be FREE without a record when commit died between handing it
                 # back and pushing the record: its writer is dead, so it may be taken.
-                self.free.update(i for i, st in self._free_states() if writer_dead(st))
+                self.free.update(i for i, st in self.arena.held_by(FREE) if writer_dead(st))
             if self.free:
                 return self.free.pop()
             left = deadline - time.monotonic()

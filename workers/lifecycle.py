@@ -60,6 +60,9 @@ _KILL_AT = os.environ.get(KILL_AT_ENV) if os.environ.get(KILL_FILE_ENV) else Non
 _LIFE: Lifecycle | None = None
 # How often a step in progress beats: well inside the supervisor's heartbeat limit (>= 1 s).
 PROGRESS_BEAT_S = 0.5
+# How long a peer's stats record may read torn before its writer is taken for killed
+# mid-write (a live writer finishes a write in microseconds).
+TORN_PEER_S = 1.0
 
 
 def checkpoint(step: str) -> None:
@@ -199,6 +202,7 @@ class Lifecycle:
         self.item_errors = 0
         self.drops = dict.fromkeys(DROP_REASONS, 0)
         self._stats: StatsBlock | None = None
+        self._torn_since: dict[Role, float] = {}  # peer_running: when a torn read began
         self._wake_fd = -1  # readable once a stop signal has arrived (signal wakeup fd)
         self._rare = RateLimitedLog(log)
         self.prefaulted_bytes = 0  # set by capture's prefault thread (an int store)
@@ -263,7 +267,9 @@ class Lifecycle:
     def peer_running(self, role: Role) -> bool:
         """Whether the process in ``role``'s stats slot of this rank is still alive (its
         pid and start time, asked of the kernel); False if the slot was never written.
-        A record caught mid-write counts as running: asked again, it answers."""
+        A record caught mid-write counts as running, asked again, for up to
+        ``TORN_PEER_S``: one torn for longer was left so by a process killed in the
+        middle of a write."""
         from sparkcache.protocol import process_gone  # it imports this module
 
         if self._stats is None:
@@ -271,7 +277,10 @@ class Lifecycle:
         try:
             rec = self._stats.read(int(role))
         except TornRead:
-            return True
+            now = time.monotonic()
+            since = self._torn_since.setdefault(role, now)
+            return now - since < TORN_PEER_S
+        self._torn_since.pop(role, None)
         return rec is not None and not process_gone(int(rec.pid), float(rec.pid_start))
 
     def beat(self) -> None:

@@ -118,16 +118,16 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int, bool]:
         state = self._reqs.get(request.request_id)
-        now = time.monotonic()
         if (state is not None and state.answer is not None
-                and state.answer[0] == num_computed_tokens and now < state.answer_until):
+                and state.answer[0] == num_computed_tokens
+                and time.monotonic() < state.answer_until):
             return state.answer[1]  # asked again: the lease of the first answer holds
         answer = self._match(request, num_computed_tokens)
         state = self._reqs.get(request.request_id)
         if state is not None:
             state.answer = (num_computed_tokens, answer)
-            state.answer_until = now + min(ANSWER_REUSE_S,
-                                           self.settings.cfg.lookup_lease_seconds / 2)
+            state.answer_until = time.monotonic() + min(
+                ANSWER_REUSE_S, self.settings.cfg.lookup_lease_seconds / 2)
         return answer
 
     def _match(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -176,20 +176,31 @@ class SchedulerSide:
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
-        invalid = getattr(connector_output, "invalid_block_ids", None) or ()
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            # Matched against every load still running, not only those ending now: with
+            # several ranks vLLM passes on each rank's errors in the step it reports
+            # them, and the load ends only once the last rank has.
+            for state in self._reqs.values():
+                if state.loading and not invalid.isdisjoint(state.loading_blocks):
+                    state.load_failed = True
         for req_id in connector_output.finished_recving or ():
             state = self._reqs.get(req_id)
             if state is not None:
                 state.loading = False
-                if invalid and not invalid.isdisjoint(state.loading_blocks):
-                    state.load_failed = True
                 state.loading_blocks = ()
 
     # ------------------------------------------------------------------ saves
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
         self.counted = True
-        state = self._reqs.pop(request.request_id, None)
+        try:
+            return self._save(request, block_ids)
+        finally:
+            self._reqs.pop(request.request_id, None)  # the request is over
+
+    def _save(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
+        state = self._reqs.get(request.request_id)
         if state is not None and state.loading:
             # Aborted while its load runs. vLLM itself holds the blocks of a request
             # waiting for remote KV until a worker reports the load ended
@@ -205,12 +216,7 @@ class SchedulerSide:
         computed = min(done, len(block_ids) * self.block)
         if computed < self.block:
             return False, None  # no full page: nothing to hash or save
-        if state is not None:
-            self._reqs[request.request_id] = state  # _keys reuses what it hashed
-        try:
-            keys = self._keys(request, computed)
-        finally:
-            self._reqs.pop(request.request_id, None)
+        keys = self._keys(request, computed)  # from what was hashed for its lookup
         if not keys:
             return False, None
         self._meta.saves.append(PageJob(request.request_id, keys, list(block_ids[: len(keys)])))

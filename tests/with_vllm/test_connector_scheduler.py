@@ -269,17 +269,23 @@ def test_a_rank_that_could_not_register_answers_every_load_and_save(
         assert r.sched.kv_cache_manager.block_pool.get_num_free_blocks() == free
 
 
-def test_scheduler_side_answers_what_vllm_relies_on(supervisor: Path, instance: str) -> None:
+def test_scheduler_side_answers_what_vllm_relies_on(
+        supervisor: Path, instance: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Called directly, as vLLM calls it: asked again about a request in the same state
     (vLLM re-asks every step while the request waits for blocks), the same answer, with no
     new lookup or lease; a finished request's save leaves out the tokens of a step still in
     flight (async scheduling: not written yet on a GPU); a load with fewer blocks than its
     pages still goes to the worker, which reports those blocks load errors; and a
-    registration whose engine is gone is no namespace (its worker side is not serving)."""
+    registration whose engine is gone is no namespace (its worker side is not serving).
+    And a request whose load came back with a load error, reported a step before the
+    load ended (another rank's), gets no other load."""
     import psutil
+    from vllm.v1.outputs import KVConnectorOutput
 
     from sparkcache import registry
     from sparkcache.vllm import scheduler_side
+
+    monkeypatch.setattr(scheduler_side, "ANSWER_REUSE_S", 3600.0)  # a slow lookup's time
 
     prefix = list(range(800, 800 + 5 * BLOCK))
     with rig(supervisor, instance) as r:
@@ -308,6 +314,19 @@ def test_scheduler_side_answers_what_vllm_relies_on(supervisor: Path, instance: 
         assert worker.get_finished(set()) == (None, {"B"})
         assert worker.get_block_ids_with_load_errors() == {3, 4}
         worker.clear_connector_metadata()
+
+        class FiveBlocks:
+            def get_block_ids(self) -> tuple[list[int], ...]:
+                return (list(range(10, 15)),)
+
+        again = request("E", [*prefix, 6, 7])
+        assert side.get_num_new_matched_tokens(again, 0) == first
+        side.update_state_after_alloc(again, FiveBlocks(), 5 * BLOCK)
+        side.build_connector_meta(None)
+        side.update_connector_output(KVConnectorOutput(invalid_block_ids={12}))  # rank 1
+        side.update_connector_output(KVConnectorOutput(finished_recving={"E"}))  # rank 0 too
+        assert side.get_num_new_matched_tokens(again, 0) == (0, False)
+        side._reqs.pop("E")
 
         finished = request("C", [*prefix, 4, 5])
         finished.num_computed_tokens = len(prefix) + 2
