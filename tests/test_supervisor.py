@@ -110,28 +110,36 @@ def _drain_on_the_second_sigterm(ready: EventType) -> None:
         time.sleep(0.01)
 
 
-def test_a_worker_that_lost_its_sigterm_is_asked_again_not_killed(
-        tmp_path: Path, instance: str) -> None:
-    """The flake this fixes: a start-up failure stopped a restore worker forked a few ms
-    earlier, the worker never saw the SIGTERM and served (and beat) for ever."""
+def _stop_forked_restore(tmp_path: Path, instance: str, target, heartbeat_s: float
+                         ) -> tuple[int | None, float]:
+    """Stop, as the supervisor stops the restore role, a forked stand-in for its worker
+    running ``target(ready)``: its exit code and how long the stop took."""
     ctx = mp.get_context("fork")
     ready = ctx.Event()
-    proc = ctx.Process(target=_drain_on_the_second_sigterm, args=(ready,))
+    proc = ctx.Process(target=target, args=(ready,))
     proc.start()
     try:
         assert ready.wait(30)
         sup = Supervisor(make_cfg(tmp_path, instance),
-                         policy=Policy(heartbeat_timeout_s=60.0))
+                         policy=Policy(heartbeat_timeout_s=heartbeat_s))
         restore = next(w for w in sup.workers if w.role is Role.RESTORE)
         restore.proc = proc
         t0 = time.monotonic()
         sup._stop_role(Role.RESTORE)
-        assert proc.exitcode == 0  # drained and exited by itself, not killed
-        assert time.monotonic() - t0 < 30
+        return proc.exitcode, time.monotonic() - t0
     finally:
         if proc.is_alive():
             proc.kill()
         proc.join()
+
+
+def test_a_worker_that_lost_its_sigterm_is_asked_again_not_killed(
+        tmp_path: Path, instance: str) -> None:
+    """The flake this fixes: a start-up failure stopped a restore worker forked a few ms
+    earlier, the worker never saw the SIGTERM and served (and beat) for ever."""
+    code, took = _stop_forked_restore(tmp_path, instance, _drain_on_the_second_sigterm, 60.0)
+    assert code == 0  # drained and exited by itself, not killed
+    assert took < 30
 
 
 def _ignore_sigterm(ready: EventType) -> None:
@@ -148,24 +156,9 @@ def test_a_worker_that_ignores_sigterm_is_killed_not_waited_for_ever(
     from sparkcache import supervisor as supervisor_mod
 
     monkeypatch.setattr(supervisor_mod, "IGNORED_TERM_S", 1.0)
-    ctx = mp.get_context("fork")
-    ready = ctx.Event()
-    proc = ctx.Process(target=_ignore_sigterm, args=(ready,))
-    proc.start()
-    try:
-        assert ready.wait(30)
-        sup = Supervisor(make_cfg(tmp_path, instance),
-                         policy=Policy(heartbeat_timeout_s=3600.0))  # never the limit
-        restore = next(w for w in sup.workers if w.role is Role.RESTORE)
-        restore.proc = proc
-        t0 = time.monotonic()
-        sup._stop_role(Role.RESTORE)
-        assert proc.exitcode == -signal.SIGKILL
-        assert time.monotonic() - t0 < 600  # IGNORED_TERM_S, not the heartbeat limit
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join()
+    code, took = _stop_forked_restore(tmp_path, instance, _ignore_sigterm, 3600.0)
+    assert code == -signal.SIGKILL
+    assert took < 600  # IGNORED_TERM_S, not the heartbeat limit (3600 s)
 
 
 def test_sigkilled_supervisor_is_swept_by_the_next(tmp_path: Path, instance: str) -> None:
