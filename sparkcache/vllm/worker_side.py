@@ -35,6 +35,18 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 1.0
 
 
+def _take_reports(sent: set[str], finished: set[str], recved: set[str]
+                  ) -> tuple[set[str] | None, set[str] | None]:
+    """``get_finished``'s answer, taken out of the sets it comes from: the saves done
+    whose request vLLM has reported finished, and every load ended."""
+    sending = sent & finished
+    sent -= sending
+    finished -= sending
+    recving = set(recved)
+    recved.clear()
+    return sending or None, recving or None
+
+
 def block_dims(shape: tuple[int, ...], num_blocks: int, block_size: int) -> tuple[int, int]:
     """(block dimension, block-size dimension) of one layer's KV tensor: vLLM 0.33's
     ``[blocks, kv heads, block size, K+V head size]``, or the older
@@ -263,11 +275,7 @@ class WorkerSide:
                 if req_id in self._saving:
                     self._saving.discard(req_id)
                     self._sent.add(req_id)
-        sending = self._sent & self._finished
-        self._sent -= sending
-        self._finished -= sending
-        recving, self._recved = self._recved, set()
-        return sending or None, recving or None
+        return _take_reports(self._sent, self._finished, self._recved)
 
     def totals(self) -> dict[str, float]:
         """Everything counted so far, under the names of ``stats.METRICS`` (skips as
@@ -325,11 +333,7 @@ class Unserved:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finished |= finished_req_ids & self._sent  # as WorkerSide.get_finished
-        sending = self._sent & self._finished
-        self._sent -= sending
-        self._finished -= sending
-        recving, self._recved = self._recved, set()
-        return sending or None, recving or None
+        return _take_reports(self._sent, self._finished, self._recved)
 
     def load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
