@@ -505,6 +505,8 @@ class SparkCacheClient:
             entry = self._awaiting.pop(pub_id, None)
             if entry is None:
                 pending = self._pending.get(pub_id)
+                if pending is not None and pub_id in self._durable_early:
+                    continue  # a restarted commit's redo, reported again
                 if pending is not None:
                     entry = (pending.seq_id, now)
                     self._durable_early.add(pub_id)

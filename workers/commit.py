@@ -213,15 +213,20 @@ class Commit:
         self.life.report.update(lock_wait_s=counters.lock_wait_s,
                                 lock_wait_max_s=counters.lock_wait_max_s)
         lifecycle.checkpoint("commit.committed")
-        self.arena.hand_over(slot, OWNER_COMMIT, FREE)
-        lifecycle.checkpoint("commit.slot_freed")
-        self.freed_records.add(slot)
+        # The acknowledgement goes before the slot is freed: a commit killed between the
+        # two leaves the slot held, so its successor redoes it and acknowledges again
+        # (the client settles a publication once, and ignores the second). Freed first, a
+        # kill between lost the acknowledgement for good.
         if pub_id is not None:
             try:
                 self.durable.try_push((pub_id, int(status), 0))
             except RingFull:
                 # The engine's bookkeeping of that publication times out instead.
                 log.warning("durable ring full; acknowledgement of %d dropped", pub_id)
+        lifecycle.checkpoint("commit.acknowledged")
+        self.arena.hand_over(slot, OWNER_COMMIT, FREE)
+        lifecycle.checkpoint("commit.slot_freed")
+        self.freed_records.add(slot)
 
 
 def _body(life: Lifecycle) -> None:
