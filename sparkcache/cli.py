@@ -169,6 +169,12 @@ def supervise(
     startretries: int = typer.Option(
         3, "--startretries", help="Failed starts in a row before a worker is FATAL."
     ),
+    ready_timeout: float = typer.Option(
+        supervisor.Policy.ready_timeout_s, "--ready-timeout", min=1.0,
+        help="Seconds a starting worker may take to report READY before it is killed "
+        "(commit redoes held slots and maintenance reconciles the store first: raise it "
+        "for a store of millions of objects on a slow disk).",
+    ),
 ) -> None:
     """Create the segments, start, pin and watch the workers of every rank until
     SIGTERM/SIGINT; then drain, stop them and unlink every segment."""
@@ -181,7 +187,8 @@ def supervise(
         typer.echo(f"sparkcache: --avoid={avoid!r} is invalid: expected PID[,PID]", err=True)
         raise typer.Exit(2) from None
     policy = supervisor.Policy(
-        startsecs, startretries, heartbeat_timeout_s=cfg.heartbeat_timeout_s
+        startsecs, startretries, ready_timeout_s=ready_timeout,
+        heartbeat_timeout_s=cfg.heartbeat_timeout_s,
     )
     sup = supervisor.Supervisor(cfg, avoid=pids, policy=policy)
     try:

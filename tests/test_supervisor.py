@@ -329,6 +329,28 @@ def test_restart_is_running_only_once_ready(tmp_path: Path, instance: str) -> No
     assert instance_entries(instance) == []
 
 
+def test_ready_timeout_bounds_the_start(tmp_path: Path, instance: str) -> None:
+    """A worker that never reports READY fails the start after --ready-timeout, naming it,
+    and leaves nothing running or in /dev/shm."""
+    store, stall = tmp_path / "store", tmp_path / "stall"
+    stall.touch()  # commit stays STARTING
+    env = {FAULT_ROLE_ENV: "commit", STALL_FILE_ENV: str(stall)}
+    started = time.monotonic()
+    # Long enough for the other workers to start on a loaded 2-core host (they took up
+    # to 9 s beside other tests), well short of the default 60 s.
+    sup = start_supervisor(store, instance, "--ready-timeout", "15", env=env, wait_ready=False)
+    try:
+        _, err = sup.communicate(timeout=60)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.communicate(timeout=10)
+    assert sup.returncode == 1, err[-3000:]
+    assert "sparkcache: sparkcache::commit[r0] not ready in 15s" in err, err[-3000:]
+    assert time.monotonic() - started < 50
+    assert instance_entries(instance) == []
+
+
 # ------------------------------------------------------------------ refusals at start-up
 
 def _refused(store: Path, instance: str, *extra: str) -> str:
