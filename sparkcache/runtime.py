@@ -37,10 +37,13 @@ def write(store_dir: Path, data: dict[str, Any]) -> None:
 
 
 def read(store_dir: Path) -> dict[str, Any] | None:
+    """``runtime.json`` as written, or None when there is none a supervisor could have
+    written (absent, unreadable, not JSON, or JSON but not an object)."""
     try:
-        return json.loads(layout.read_file(store_dir / RUNTIME_FILE))
+        data = json.loads(layout.read_file(store_dir / RUNTIME_FILE))
     except (OSError, ValueError):
         return None
+    return data if isinstance(data, dict) else None
 
 
 def read_live(store_dir: Path) -> tuple[dict[str, Any] | None, bool]:

@@ -14,12 +14,16 @@ from typing import Any
 from sparkcache import config
 from sparkcache.config import Config
 from sparkcache.instance import NoSupervisor
-from sparkcache.sizing import Figure, SizingError, SizingInputs, advise
+from sparkcache.sizing import Figure, SizingError, SizingInputs, advise, size
 from sparkcache.sizing_measure import Measured, MeasureError, measure
 
 # Flags that are sizes (bytes, or bytes per second): parsed like the size settings.
 SIZE_FLAGS = ("net_growth_bytes_per_s", "reclaim_bytes_per_s", "largest_publication_bytes",
               "working_set_bytes", "mean_root_bytes")
+
+
+# The longest --window: a day measures all there is to measure.
+MAX_WINDOW_S = 86400.0
 
 
 class FlagError(ValueError):
@@ -63,6 +67,15 @@ def _settings(cfg: Config) -> dict[str, float]:
         "capture_slot_bytes")}
 
 
+def _growth(measured: float, what: str) -> Figure:
+    """The growth measured, or 0 when the store shrank over the window (rows collected
+    before their files are unlinked, a root superseded by a smaller one): less than no
+    growth is no growth, not a figure out of range."""
+    if measured >= 0:
+        return Figure(measured, what)
+    return Figure(0.0, f"{what}: it shrank by {size(-measured)}/s, taken as no growth")
+
+
 def inputs_from(flags: dict[str, Figure], settings: dict[str, float], where: str,
                 target: Figure, m: Measured | None) -> tuple[SizingInputs, str]:
     """The figures to advise on, flags first, then measured, then configuration; and a
@@ -78,7 +91,7 @@ def inputs_from(flags: dict[str, Figure], settings: dict[str, float], where: str
         what = f"measured on rank {r.rank} over {r.window_s:.1f}s"
         head = (f"measured {len(m.ranks)} rank(s) of supervisor pid {m.supervisor_pid} over "
                 f"{r.window_s:.1f}s; advice for rank {r.rank}, the fastest growing")
-        measured["net_growth_bytes_per_s"] = Figure(r.net_growth_bytes_per_s, what)
+        measured["net_growth_bytes_per_s"] = _growth(r.net_growth_bytes_per_s, what)
         if r.in_episode and r.reclaim_bytes_per_s > 0:
             measured["reclaim_bytes_per_s"] = Figure(r.reclaim_bytes_per_s,
                                                      what + ", in a pressure episode")
@@ -126,9 +139,9 @@ def _finite(value: Any) -> Any:
 
 def main(cfg: Config, *, json_out: bool, window_s: float, target_interval_s: float,
          given: dict[str, str | None]) -> int:
-    if not window_s > 0:
-        print(f"sparkcache: --window={window_s}: expected seconds above 0, such as 10",
-              file=sys.stderr)
+    if not 0 < window_s <= MAX_WINDOW_S:  # nan and inf too: time.sleep cannot wait them
+        print(f"sparkcache: --window={window_s}: expected seconds above 0 and at most "
+              f"{MAX_WINDOW_S:g}, such as 10", file=sys.stderr)
         return 2
     try:
         flags = parse_flags(given)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from shm import SegmentError
 from sparkcache.instance import Instance
 from sparkcache.store import StoreError, index
 from sparkcache.store.layout import RankLayout
@@ -104,8 +105,13 @@ def root_sizes(store_dir: Path, ranks: int) -> tuple[int | None, float | None]:
 def measure(store_dir: Path, window_s: float, fallback: object,
             sleep: Callable[[float], None] = time.sleep) -> Measured:
     """Measure the running instance on ``store_dir`` over ``window_s`` seconds.
-    NoSupervisor when none runs; MeasureError when a rank cannot be measured."""
-    with Instance.open(store_dir) as inst:
+    NoSupervisor when none runs; MeasureError when a rank cannot be measured or the
+    supervisor's segments cannot be read (a supervisor stopping has unlinked them)."""
+    try:
+        opened = Instance.open(store_dir)
+    except SegmentError as exc:
+        raise MeasureError(f"cannot read the running instance's segments: {exc}") from None
+    with opened as inst:
         first = _records(inst)
         sleep(window_s)
         if not inst.refresh():

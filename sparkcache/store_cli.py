@@ -7,7 +7,9 @@ process exit code: 0 healthy / consistent, 1 otherwise.
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -137,11 +139,24 @@ def _supervisor_lines(sup: dict) -> list[str]:
 _COMMIT_SLOT, _MAINTENANCE_SLOT = 1, 2
 
 
-def _reports(instance: str, rank: int) -> dict:
+def _not_current(sup: dict, rank: int, record: tuple) -> str:
+    """Why ``record`` (maintenance's slot of ``rank``) is not its current process's own
+    report, or "": the slot keeps a dead process's last record, which must not read as
+    the backlog now (the metrics serve no gauge from it either)."""
+    for w in sup.get("workers", []):
+        if w["rank"] == rank and w["role"] == "maintenance":
+            if w["pid"] is not None and int(w["pid"]) == int(record.pid):
+                return ""
+            exit_code = "" if w["last_exit"] is None else f", last exit code {w['last_exit']}"
+            return f"no report from its current process: state {w['state']}{exit_code}"
+    return ""  # not listed: nothing to judge it by
+
+
+def _reports(sup: dict, rank: int) -> dict:
     """Rank ``rank``'s maintenance backlog and its commits' wait for the index lock, from
     the running supervisor's stats block (docs/maintenance.md), or why there is none."""
     try:
-        with StatsBlock.attach(segments.name(instance, rank, segments.STATS),
+        with StatsBlock.attach(segments.name(sup["instance"], rank, segments.STATS),
                                WORKER_STATS) as stats:
             m = stats.read(_MAINTENANCE_SLOT)
             c = stats.read(_COMMIT_SLOT)
@@ -149,6 +164,8 @@ def _reports(instance: str, rank: int) -> dict:
         return {"rank": rank, "error": str(exc)}
     if m is None:
         return {"rank": rank, "error": "maintenance has not reported yet"}
+    if why := _not_current(sup, rank, m):
+        return {"rank": rank, "error": why}
     out = {"rank": rank, "above_low_bytes": m.backlog}
     out.update({name: getattr(m, name) for name in (
         "used_bytes", "over_max_bytes", "episode_since", "selected_roots", "selected_bytes",
@@ -207,10 +224,12 @@ def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) 
             ranks = [_rank_status(store_dir, r, max_bytes) for r in list_ranks(store_dir)]
         except (OSError, StoreError) as exc:
             ranks, error = [], str(exc)
+        if not ranks and error is None:
+            error = f"no ranks in {store_dir}: nothing was ever stored there"
     fatal = [w["name"] for w in sup.get("workers", []) if w["state"] == "FATAL"]
     if fatal and error is None:
         error = f"FATAL: {', '.join(fatal)}"
-    reports = ([_reports(sup["instance"], r) for r in range(int(sup["ranks"]))]
+    reports = ([_reports(sup, r) for r in range(int(sup["ranks"]))]
                if sup["state"] == "running" else [])
     entries = sum(r.entries for r in ranks)
     used = sum(r.used_bytes for r in ranks)
@@ -261,7 +280,11 @@ def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) 
         now = time.time()
         for report in reports:
             print(_report_line(report, now))
-        if fatal:
+        # healthy=no always says why: a rank that cannot be read, the store dir, FATAL.
+        for r in ranks:
+            if r.error is not None:
+                print(f"sparkcache: rank {r.rank}: {r.error}")
+        if error is not None:
             print(f"sparkcache: {error}")
     return 0 if healthy else 1
 
@@ -272,7 +295,15 @@ def fsck_command(
     repair: bool,
     grace_seconds: float = DEFAULT_FSCK_GRACE_SECONDS,
 ) -> int:
-    """Print every invariant violation (or JSON); 0 when the store is consistent."""
+    """Print every invariant violation (or JSON); 0 when the store is consistent, 2 for
+    a grace that is no age."""
+    # Below 0, --repair would sweep what a running commit is writing; nan and inf would
+    # never find an orphan or temp file old enough to report.
+    if not 0 <= grace_seconds < math.inf:
+        print(f"sparkcache: --grace-seconds={grace_seconds}: expected seconds of at least 0 "
+              f"(default {DEFAULT_FSCK_GRACE_SECONDS:g}; a commit may be writing younger "
+              "files)", file=sys.stderr)
+        return 2
     report = fsck(store_dir, grace_seconds=grace_seconds, repair=repair)
     if json_out:
         print(json.dumps(report.as_json()))

@@ -12,12 +12,14 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from pipeline_util import make_cfg, pipeline, wait_committed
 
+from sparkcache import runtime, sizing_cli
 from sparkcache.instance import Instance
 from sparkcache.sizing import Figure, SizingError, SizingInputs, advise
-from sparkcache.sizing_measure import measure
+from sparkcache.sizing_measure import Measured, RankRates, measure
 from sparkcache.store_cli import _rank_status
 from sparkcache.synthetic import sequences
 
@@ -181,3 +183,52 @@ def test_rates_measured_on_a_running_instance(tmp_path: Path, instance: str) -> 
         assert "no episode measured" in src["reclaim_bytes_per_s"]
         assert data["inputs"]["max_bytes"]["value"] == GiB
         assert data["measured"]["ranks"][0]["rank"] == 0
+
+
+def _measured(growth: float) -> Measured:
+    rank = RankRates(rank=0, window_s=10.0, net_growth_bytes_per_s=growth,
+                     reclaim_bytes_per_s=0.0, in_episode=False, duty=0.0,
+                     used_bytes=GiB, entries=3)
+    return Measured(supervisor_pid=1, window_s=10.0, ranks=[rank], largest_root_bytes=MiB,
+                    mean_root_bytes=float(MiB), settings={})
+
+
+def test_a_store_that_shrank_over_the_window_is_advised_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Measured growth can be below 0 (rows collected before their files are unlinked,
+    a root superseded by a smaller one): that is no growth, not a bad flag (exit 2)."""
+    monkeypatch.setattr(sizing_cli, "measure", lambda *_: _measured(-5 * MiB))
+    cfg = make_cfg(tmp_path, "tunused")
+    assert sizing_cli.main(cfg, json_out=True, window_s=1.0, target_interval_s=600,
+                           given={}) == 0, capsys.readouterr().err
+    data = json.loads(capsys.readouterr().out)
+    growth = data["inputs"]["net_growth_bytes_per_s"]
+    assert growth["value"] == 0 and "measured on rank 0" in growth["source"]
+    assert "shrank by 5.0MiB/s" in growth["source"]
+    assert data["measured"]["ranks"][0]["net_growth_bytes_per_s"] == -5 * MiB
+
+
+def test_a_supervisor_whose_segments_cannot_be_read_is_one_line(
+    tmp_path: Path, instance: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700)
+    me = psutil.Process()
+    runtime.write(store, {"instance": instance, "ranks": 1, "pid": me.pid,
+                          "started": me.create_time(), "cpus": [0], "workers": []})
+    cfg = make_cfg(store, instance)
+    assert sizing_cli.main(cfg, json_out=False, window_s=0.1, target_interval_s=600,
+                           given={}) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sparkcache: cannot read the running instance's segments: "), err
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("window", [math.inf, 1e300])
+def test_a_window_that_cannot_be_waited_is_refused(tmp_path: Path, window: float,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = make_cfg(tmp_path, "tunused")
+    assert sizing_cli.main(cfg, json_out=False, window_s=window, target_interval_s=600,
+                           given={}) == 2
+    assert "--window" in capsys.readouterr().err

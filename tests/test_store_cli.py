@@ -289,3 +289,81 @@ def test_status_reads_live_figures_from_a_running_instance(tmp_path: Path,
 
 def store_cli_rank(store: Path) -> RankStatus:
     return _rank_status(store, 0, GiB)
+
+
+@pytest.mark.parametrize("damage", ["absent", "unsafe", "corrupt_rank", "no_ranks"])
+def test_status_says_why_it_is_unhealthy(
+    store_dir: Path, damage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """healthy=no always comes with the reason on the text output too, not only in --json:
+    a store dir that is missing or not safe, a rank whose index cannot be read, no ranks."""
+    if damage == "absent":
+        store_dir = store_dir.parent / "nope"
+        why = "No such file or directory"
+    elif damage == "unsafe":
+        store_dir.chmod(0o777)
+        why = "writable by group or others"
+    elif damage == "corrupt_rank":
+        index = store_dir / "rank-1" / "index.sqlite"
+        for f in index.parent.glob("index.sqlite-*"):
+            f.unlink()
+        index.write_bytes(b"garbage" * 1000)
+        why = "rank 1: index"
+    else:
+        store_dir = store_dir.parent / "empty"
+        store_dir.mkdir(mode=0o700)
+        why = "no ranks"
+    assert status(store_dir, json_out=False) == 1
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith("healthy=no")
+    assert why in out, out
+
+
+def test_status_of_a_runtime_file_that_is_no_object(
+    store_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A runtime.json that parses but is not an object is no supervisor's: not a
+    traceback."""
+    (store_dir / "runtime.json").write_text("[1, 2]")
+    assert status(store_dir, json_out=False) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "sparkcache: supervisor not running"
+
+
+def test_status_shows_no_backlog_of_a_dead_maintenance_process(
+    store_dir: Path, instance: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The slot still holds the last record of a maintenance process that died: its
+    backlog and episode are not shown as if current (the metrics do the same)."""
+    cfg = make_cfg(store_dir, instance)
+    segs = RankSegments.create(cfg, 0, 4)
+    try:
+        values = dict.fromkeys(WORKER_STATS.dtype.names, 0)
+        values.update(pid=4242, state=2, used_bytes=3 * GiB, backlog=GiB,
+                      episode_since=time.time() - 7)
+        segs.stats.write(2, WORKER_STATS.named(**values))
+        me = psutil.Process()
+        runtime.write(store_dir, {
+            "instance": instance, "ranks": 1, "pid": me.pid, "started": me.create_time(),
+            "cpus": [0], "workers": [
+                {"name": "sparkcache::maintenance[r0]", "rank": 0, "role": "maintenance",
+                 "pid": None, "state": "BACKOFF", "restarts": 1, "last_exit": -9,
+                 "cpus": [0], "backoffs": []}]})
+        status(store_dir, json_out=False)
+        line = capsys.readouterr().out.splitlines()[-1]
+        assert line.split()[:3] == ["maintenance[r0]", "no", "report"], line
+        assert "used=" not in line and "state BACKOFF" in line, line
+        status(store_dir, json_out=True)
+        (report,) = json.loads(capsys.readouterr().out)["maintenance"]
+        assert "used_bytes" not in report and "error" in report
+    finally:
+        segs.close()
+
+
+@pytest.mark.parametrize("grace", ["-1", "nan", "inf"])
+def test_fsck_refuses_a_grace_that_is_no_age(store_dir: Path, grace: str) -> None:
+    """A negative grace spares nothing a commit is writing (--repair would sweep it); nan
+    and inf would never flag anything. Refused naming the flag and what is allowed."""
+    result = CliRunner().invoke(app, ["fsck", "--store-dir", str(store_dir), "--repair",
+                                      "--grace-seconds", grace])
+    assert result.exit_code == 2, result.output
+    assert f"--grace-seconds={float(grace)}: expected seconds of at least 0" in result.output

@@ -5,6 +5,7 @@ line and exit 1. Also the pure parts: sorting and the used-bytes bar."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -17,8 +18,8 @@ import pytest
 from pipeline_util import SETTINGS, pipeline, runtime, wait_committed, wait_for
 
 from sparkcache.synthetic import sequences
-from sparkcache.top.gather import ProcessFigures, WorkerRow, sort_workers
-from sparkcache.top.render import bar
+from sparkcache.top.gather import Frame, ProcessFigures, WorkerRow, sort_workers
+from sparkcache.top.render import bar, header
 from workers.lifecycle import FAULT_ROLE_ENV, STALL_FILE_ENV
 
 ROLES = ("capture", "commit", "maintenance", "restore")
@@ -172,3 +173,21 @@ def test_used_bytes_bar() -> None:
     assert bar(10 * gib, 40 * gib, cells=10) == "[##........] 10.0G/40.0G 25%"
     assert bar(50 * gib, 40 * gib, cells=10) == "[##########] 50.0G/40.0G 125%"
     assert bar(None, 40 * gib, cells=4) == "[????] -/40.0G"
+
+
+@pytest.mark.parametrize("interval", ["inf", "nan", "1e300"])
+def test_top_refuses_an_interval_it_cannot_wait(tmp_path: Path, interval: str) -> None:
+    """time.sleep and select cannot wait inf or 1e300 seconds: a traceback once a
+    supervisor runs, unless refused first."""
+    out = top(tmp_path, "--once", "--interval", interval)
+    assert out.returncode == 2, out
+    assert f"--interval={float(interval)}: expected seconds above 0" in out.stderr
+
+
+def test_header_names_an_ipv6_endpoint_as_a_url() -> None:
+    frame = Frame(at=0.0, store_dir="/s", instance="i", supervisor_pid=1,
+                  metrics={"host": "::1", "port": 9464}, healthy=True, health="ok",
+                  sort="rank", workers=[], ranks=[])
+    assert "metrics http://[::1]:9464/metrics" in header(frame).plain
+    frame = dataclasses.replace(frame, metrics={"host": "127.0.0.1", "port": 9464})
+    assert "metrics http://127.0.0.1:9464/metrics" in header(frame).plain

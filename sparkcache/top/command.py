@@ -20,6 +20,8 @@ from sparkcache.top.render import KEYS, render, to_json
 
 # Without a terminal (a pipe, a file) rich would wrap the tables at 80 columns.
 PIPE_WIDTH = 200
+# The longest --interval: time.sleep and select refuse what cannot be a timeout.
+MAX_INTERVAL_S = 3600.0
 
 
 def _open(store_dir: Path) -> Instance:
@@ -84,9 +86,9 @@ class _Viewer:
 
 def main(store_dir: Path, fallback: Any, *, once_: bool, json_out: bool, interval: float,
          sort: str) -> int:
-    if not interval > 0:
-        print(f"sparkcache: --interval={interval}: expected seconds above 0, such as 2",
-              file=sys.stderr)
+    if not 0 < interval <= MAX_INTERVAL_S:  # nan and inf too: sleep cannot wait them
+        print(f"sparkcache: --interval={interval}: expected seconds above 0 and at most "
+              f"{MAX_INTERVAL_S:g}, such as 2", file=sys.stderr)
         return 2
     if sort not in SORTS:
         print(f"sparkcache: --sort={sort!r}: expected one of {', '.join(SORTS)}",

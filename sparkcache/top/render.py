@@ -123,10 +123,16 @@ def _rank_table(frame: Frame) -> Table:
     return t
 
 
+def metrics_url(address: dict) -> str:
+    """``http://host:port`` of runtime.json's ``metrics``; an IPv6 host in brackets, or
+    the port would read as part of it."""
+    host = str(address["host"])
+    return f"http://{f'[{host}]' if ':' in host else host}:{address['port']}"
+
+
 def header(frame: Frame, interval: float | None = None) -> Text:
     when = time.strftime("%H:%M:%S", time.localtime(frame.at))
-    metrics = ("off" if not frame.metrics
-               else f"http://{frame.metrics['host']}:{frame.metrics['port']}/metrics")
+    metrics = "off" if not frame.metrics else f"{metrics_url(frame.metrics)}/metrics"
     up = sum(w.up for w in frame.workers)
     text = Text()
     text.append(f"sparkcache top - {when}  instance {frame.instance}  supervisor pid "
