@@ -18,6 +18,7 @@ from sparkcache import segments
 from sparkcache.config import KiB
 from sparkcache.store.fsck import fsck
 from sparkcache.store.objects import record_span
+from sparkcache.store.store import PUNCH_DELAY_S
 from sparkcache.store.testing import make_root
 from workers.lifecycle import Role
 
@@ -154,3 +155,57 @@ def test_a_slice_far_over_its_budget_is_logged_with_its_longest_step(
     warned = [m for m in caplog.messages if "against its budget of 20 ms" in m]
     assert len(warned) == 1, caplog.messages
     assert "longest step: 1 " in warned[0] and "unit(s) in " in warned[0]
+
+
+def test_a_slice_that_only_punches_counts_against_the_caps(
+        tmp_path: Path, instance: str) -> None:
+    """Collected records of a pack still named are punched after a delay, in a slice of
+    their own when nothing else is waiting: that slice is work like any other, so the
+    duty and I/O caps and the slice statistics see it."""
+    clock = FakeClock(tick=1e-4)
+    with rig(tmp_path / "store", instance, clock=clock, **SETTINGS) as r:
+        m = r.maintenance
+        shared = [os.urandom(16).hex() for _ in range(2)]
+        old = os.urandom(16).hex()
+        own = [os.urandom(16).hex() for _ in range(6)]
+        r.commit.store.commit(make_root(old, shared + own, PAGE))  # one pack of 8
+        other = [*shared, os.urandom(16).hex()]
+        r.commit.store.commit(make_root(os.urandom(16).hex(), other, PAGE))  # keeps it named
+        m.store.remove_roots([old])
+        drive(r, clock, 20)
+        assert m.store.usage().collectable_objects == 0 and not m.store.unlinking.objects
+        assert m.store._deferred  # the six records wait for their punch
+        for name in m.store._deferred:
+            m.store._deferred[name] -= PUNCH_DELAY_S  # due now
+        spans = len(m.pacing.duty._spans)
+        assert m.slice()
+        assert not m.store._deferred
+        assert len(m.pacing.duty._spans) == spans + 1
+
+
+def test_an_orphan_the_start_up_reconcile_spared_for_its_age_is_swept_later(
+        tmp_path: Path, instance: str) -> None:
+    """A crash between collection's delete and its unlink (or the two halves of a large
+    file, whose first cut renews its time) leaves an orphan as young as the file: the
+    start-up reconcile spares it with the in-flight commits' files. Once that grace is
+    over the worker sweeps every fan-out directory again, one a slice."""
+    clock = FakeClock(tick=1e-4)
+    with rig(tmp_path / "store", instance, clock=clock, **SETTINGS) as r:
+        m = r.maintenance
+        put(r, 4)
+        key = os.urandom(16).hex()
+        orphan = m.store.layout.objects_dir / key[:2] / f"{key}.{os.urandom(8).hex()}"
+        orphan.write_bytes(bytes(8192))  # its row deleted, then the crash
+        m.store.reconcile()  # what run() does first
+        assert orphan.exists()  # as young as an in-flight commit's file: spared
+        os.utime(orphan, (time.time() - 3600,) * 2)  # ... and then it is not
+        drive(r, clock, 20)
+        assert orphan.exists()  # not before the grace is over
+        clock.now += 60
+        for _ in range(5000):
+            if not orphan.exists():
+                break
+            clock.now += m.step()
+        assert not orphan.exists()
+        assert m.life.report["slice_max_s"] <= 0.02
+    assert fsck(tmp_path / "store", grace_seconds=0).ok

@@ -328,3 +328,26 @@ def test_an_index_of_version_1_is_upgraded_by_its_first_writer(tmp_path: Path) -
     conn.close()
     assert_clean(store_dir)
     assert os.path.exists(layout.index_path)
+
+
+def test_collecting_a_quarantined_first_record_keeps_the_pack_its_siblings_are_in(
+        store: PageStore) -> None:
+    """A pack is named after its first record, with the pack's generation; quarantining
+    that record leaves its row naming no pack, so the row looks like an object file of
+    that very name. Collecting the row must not remove the pack while other rows (here
+    unreferenced ones, which a commit may still rely on) name it."""
+    page_keys = sorted(keys(4))  # the pack's key first in the garbage index's order too
+    old = rid()
+    store.commit(make_root(old, page_keys, SIZE))
+    pack, offset = object_file(store.layout.objects_dir, store._rconn, page_keys[0])
+    data = bytearray(pack.read_bytes())
+    data[offset + HEADER_SIZE + 7] ^= 0x04
+    pack.write_bytes(data)
+    assert restored(store, page_keys) == []  # the first record quarantined
+    store.remove_roots([old])
+    assert store.collect(1).objects == 1  # the quarantined row alone
+    assert pack.exists()  # the other three rows still name it
+    # A commit of the same pages relies on the three rows it finds live.
+    assert store.commit(make_root(rid(), page_keys, SIZE)).pages_written == 1
+    assert restored(store, page_keys) == [page_bytes(k, SIZE) for k in page_keys]
+    assert_clean(store.layout.store_dir)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 
 from posix_ipc import SignalError
@@ -38,6 +39,7 @@ from sparkcache.protocol import RequestKind
 from sparkcache.ratelog import RateLimitedLog
 from sparkcache.store import CollectResult, EvictResult, PageStore
 from sparkcache.store.eviction import EvictionPlan
+from sparkcache.store.store import DEFAULT_GRACE_SECONDS
 from workers import lifecycle
 from workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, State, WorkerSpec
 
@@ -56,6 +58,13 @@ POOL_READ_S = 1.0
 _MAX_POS = segments.RINGS["publish"][1]
 # Clocks of two processes: an access stamped this far in the future is still believed.
 _FUTURE_SLACK_S = 60.0
+# The start-up reconcile spares files no row names while they are younger than its grace
+# (an in-flight commit's), and so also the orphans a crash left young: a file collected
+# soon after it was written, or one cut short (collect.shrunk) just before. Once the grace
+# is over every fan-out directory is swept again, one a slice (``SWEEP``), so that they
+# do not stay until the next restart.
+RESWEEP_AFTER_S = DEFAULT_GRACE_SECONDS
+SWEEP = "sweep"  # a unit of a slice's work: one fan-out directory swept
 # Cumulative counters of the stats record (WORKER_STATS names).
 _TOTALS = ("evicted_roots", "cut_roots", "skipped_roots", "reclaimed_bytes",
            "collected_objects", "collected_bytes", "io_bytes")
@@ -103,6 +112,8 @@ class Maintenance:
         self.totals = dict.fromkeys(_TOTALS, 0)
         self.slice_last_s = self.slice_max_s = 0.0
         self._quarantines: list[tuple[str, str]] = []
+        self._resweep = deque(f"{i:02x}" for i in range(256))
+        self._resweep_at = clock() + RESWEEP_AFTER_S
 
     def close(self) -> None:
         self.store.close()
@@ -145,9 +156,17 @@ class Maintenance:
         usage = self.store.usage()
         self._watch(usage.used_bytes, meter.started)
         need = self.pressure.need(usage.used_bytes, usage.collectable_bytes)
+        if self._resweep and meter.started >= self._resweep_at:
+            begun = meter.now()
+            self.store.sweep([self._resweep.popleft()])
+            meter.spend(SWEEP, 1, 0, meter.now() - begun)
         collected = CollectResult(0, 0)
-        if usage.collectable_objects or self.store.unlinking.objects:
-            collected = self.store.collect(COLLECT_ROWS, meter)
+        # Deferred punches fall due with nothing else left to collect (after an episode):
+        # they are collection's work too, or their blocks stay in packs until the next.
+        if (usage.collectable_objects or self.store.unlinking.objects
+                or self.store.punches_due):
+            rows = COLLECT_ROWS if usage.collectable_objects else 0
+            collected = self.store.collect(rows, meter)
         evicted = EvictResult()
         if need > 0:
             evicted = self.store.evict(meter, self.plan, need, self._take_requests)
@@ -158,7 +177,9 @@ class Maintenance:
         for key, generation in self._quarantines:
             self.store.verify_and_quarantine(key, generation, "failed verification in a restore")
         self._quarantines = []
-        if not (collected.objects or collected.shrunk or evicted.pages or requests):
+        # Any unit of work counts (a punch too, which no result above reports): a slice
+        # that did some is paced and measured like any other.
+        if meter.fresh and not requests:
             return False
         end = self.clock()
         io = collected.bytes + written_bytes() - wrote

@@ -16,6 +16,7 @@ import os
 import sqlite3
 import stat
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sparkcache.store import index
@@ -79,12 +80,14 @@ def _prefix_range(fan: str) -> tuple[str, str]:
 
 
 def sweep_files(
-    conn: sqlite3.Connection, ops: FileOps, objects_fd: int, grace_seconds: float
+    conn: sqlite3.Connection, ops: FileOps, objects_fd: int, grace_seconds: float,
+    fans: Iterable[str] | None = None,
 ) -> SweepResult:
-    """Remove old temp files and files no row names; report live rows with no file."""
+    """Remove old temp files and files no row names; report live rows with no file. In
+    the fan-out directories ``fans`` alone if given, else in every entry of ``objects/``."""
     result = SweepResult()
     missing: list[tuple[str, str]] = []
-    for fan in sorted(os.listdir(objects_fd)):
+    for fan in sorted(os.listdir(objects_fd)) if fans is None else fans:
         if not is_fanout(fan):
             log.warning("unexpected entry objects/%s left in place", fan)
             continue

@@ -897,6 +897,13 @@ class PageStore:
                              sum(r[2] for r in self._unlinking)
                              + sum(e[2] for e in self._shrinking))
 
+    @property
+    def punches_due(self) -> bool:
+        """Whether collected records of a pack wait for a punch whose delay is over:
+        ``collect`` does them, even with nothing else to collect."""
+        now = self._clock()
+        return any(now - since >= PUNCH_DELAY_S for since in self._deferred.values())
+
     def _delete_garbage(
         self, n: int, budget: Budget | None = None
     ) -> list[tuple[str, str, int, str | None, int]]:
@@ -921,8 +928,9 @@ class PageStore:
         while self._unlinking:
             row = self._unlinking[0]
             size = row[2]
-            # A file goes (UNLINK) unless this is a record of a pack other rows still name.
-            kind = RECORD if row[3] is not None and self._pack_named(row[3], row[1]) else UNLINK
+            # A file goes (UNLINK) unless this is a record of a pack other rows still name
+            # (or a record quarantined out of it, under the pack's name: ``_unlink``).
+            kind = RECORD if self._pack_named(row[3] or row[0], row[1]) else UNLINK
             if not (budget.fresh or budget.affordable(kind, 1)):
                 break
             start = budget.now()
@@ -938,10 +946,11 @@ class PageStore:
         """Remove a collected object: its file into the pool while it has room, else
         unlinked; or its record freed in its pack (``_release_record``)."""
         self._hook("collect.unlink")
-        if file_key is not None:
-            self._release_record(file_key, generation)
-        else:
-            self._remove_file(key, generation)
+        # A row naming no pack may still share its file's name with a pack other rows
+        # name: a record quarantined out of a pack names none, and a pack is named after
+        # its first record with the pack's generation. So an object file goes, as a
+        # pack does, only if no row names a pack of that name.
+        self._release_record(file_key or key, generation)
 
     def _remove_file(self, key: str, generation: str) -> None:
         """A collected file no row names (an object's, or a pack's): into the pool while
@@ -996,11 +1005,27 @@ class PageStore:
         """
         recovery.check_readable(self._wconn, str(self.layout.index_path))
         dead, fixed = recovery.repair_rows(self._wconn)
-        swept = recovery.sweep_files(self._wconn, self._ops, self._objects_fd, grace_seconds)
+        result = self._sweep(None, grace_seconds, dead, fixed)
+        log.info("reconcile %s: %s", self.layout.rank_dir, result)
+        return result
+
+    def sweep(self, fans: Sequence[str],
+              grace_seconds: float = DEFAULT_GRACE_SECONDS) -> ReconcileResult:
+        """``reconcile``'s sweep of the fan-out directories ``fans`` alone, without its
+        row repair (which reads every row): what the maintenance worker runs, a directory
+        a slice, once its start-up reconcile's grace is over, for the orphans that one
+        spared for their age (a crash between collection's delete and unlink of a file
+        written or cut short less than the grace before)."""
+        return self._sweep(fans, grace_seconds, 0, 0)
+
+    def _sweep(self, fans: Sequence[str] | None, grace_seconds: float, dead: int,
+               fixed: int) -> ReconcileResult:
+        swept = recovery.sweep_files(self._wconn, self._ops, self._objects_fd, grace_seconds,
+                                     fans)
         for key, generation in swept.missing:
             self.counters.missing_files += 1
             log.warning("object %s.%s has no file: quarantined", key, generation)
-        result = ReconcileResult(
+        return ReconcileResult(
             temp_files_removed=swept.temp_files_removed,
             orphan_files_removed=swept.orphan_files_removed,
             dead_rows_removed=dead,
@@ -1008,8 +1033,6 @@ class PageStore:
             objects_missing=len(swept.missing),
             pack_ranges_freed=swept.pack_ranges_freed,
         )
-        log.info("reconcile %s: %s", self.layout.rank_dir, result)
-        return result
 
     # ------------------------------------------------------------------ accounting
 
