@@ -304,6 +304,16 @@ def fsck_command(
               f"(default {DEFAULT_FSCK_GRACE_SECONDS:g}; a commit may be writing younger "
               "files)", file=sys.stderr)
         return 2
+    # A running commit renames a file into place before its index transaction names it:
+    # the grace is all that keeps a repair from removing it, so a live supervisor keeps
+    # the default one (a check alone removes nothing).
+    rt, running = runtime.read_live(store_dir)
+    if repair and running and grace_seconds < DEFAULT_FSCK_GRACE_SECONDS:
+        print(f"sparkcache: a supervisor (pid {rt['pid']}) is running on {store_dir}: "
+              f"--repair with --grace-seconds={grace_seconds:g} could remove files its "
+              f"commit is writing; keep the default ({DEFAULT_FSCK_GRACE_SECONDS:g}) or "
+              "stop the supervisor first", file=sys.stderr)
+        return 2
     report = fsck(store_dir, grace_seconds=grace_seconds, repair=repair)
     if json_out:
         print(json.dumps(report.as_json()))

@@ -367,3 +367,18 @@ def test_fsck_refuses_a_grace_that_is_no_age(store_dir: Path, grace: str) -> Non
                                       "--grace-seconds", grace])
     assert result.exit_code == 2, result.output
     assert f"--grace-seconds={float(grace)}: expected seconds of at least 0" in result.output
+
+
+def test_fsck_repair_beside_a_running_supervisor_keeps_the_default_grace(
+        store_dir: Path) -> None:
+    """A running commit's file is renamed into place before a row names it: a repair with
+    a shorter grace could remove it, so with a live supervisor it is refused, naming it;
+    the check alone, and a repair with the default grace, still run."""
+    me = psutil.Process()
+    _runtime_file(store_dir, me.pid, me.create_time())
+    args = ["fsck", "--store-dir", str(store_dir)]
+    result = CliRunner().invoke(app, [*args, "--repair", "--grace-seconds", "0"])
+    assert result.exit_code == 2, result.output
+    assert f"a supervisor (pid {me.pid}) is running on {store_dir}" in result.output
+    assert CliRunner().invoke(app, [*args, "--grace-seconds", "0"]).exit_code == 0
+    assert CliRunner().invoke(app, [*args, "--repair"]).exit_code == 0
