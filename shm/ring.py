@@ -67,7 +67,15 @@ import posix_ipc
 import psutil
 
 from shm.records import RecordLayout
-from shm.segment import PAYLOAD_OFFSET, Segment, SegmentError, SegmentSpec, open_semaphore
+from shm.segment import (
+    PAYLOAD_OFFSET,
+    SEGMENT_MODE,
+    SHM_DIR,
+    Segment,
+    SegmentError,
+    SegmentSpec,
+    open_semaphore,
+)
 
 log = logging.getLogger(__name__)
 
@@ -235,8 +243,12 @@ class Ring:
             table[1::_ENTRY_WORDS] = _NO_SEQ
             del table
             for sem_name in _sem_names(name):
-                posix_ipc.Semaphore(sem_name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
+                posix_ipc.Semaphore(sem_name, posix_ipc.O_CREX, mode=SEGMENT_MODE, initial_value=0)
                 created.append(sem_name)
+                # sem_open applies the umask, as shm_open does (Segment.create): under one
+                # that takes the owner's bits, every end's open_semaphore refused it.
+                # Just created in sticky /dev/shm: nobody else can have replaced it.
+                os.chmod(SHM_DIR / ("sem." + sem_name.lstrip("/")), SEGMENT_MODE)
             return cls(_RingMapping(seg, layout))
         except BaseException:
             for sem_name in created:

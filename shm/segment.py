@@ -229,23 +229,36 @@ class Segment:
         try:
             os.fchmod(mem.fd, SEGMENT_MODE)  # shm_open applies the umask; be explicit
             if reserve:
-                os.posix_fallocate(mem.fd, 0, total)
+                # The header's page only, for now: the header is written before the rest
+                # is allocated. ``sweep`` takes a segment without one for one whose
+                # creator died, once UNWRITTEN_GRACE_S is past, and allocating an engine's
+                # KV cache (tens of GiB) can take longer than that: a supervisor starting
+                # meanwhile unlinked the live engine's segment.
+                os.posix_fallocate(mem.fd, 0, PAYLOAD_OFFSET)
             mm = mmap.mmap(mem.fd, total)
         except BaseException:
             mem.close_fd()
             posix_ipc.unlink_shared_memory(name)
             raise
-        mem.close_fd()
         seg = cls(name, mm, owner=True)
-        h = seg.header[0]
-        h["header_version"] = HEADER_VERSION
-        h["layout_version"] = spec.layout_version
-        h["kind"] = spec.kind.encode()
-        h["fingerprint"] = spec.fingerprint
-        h["total_size"] = total
-        h["creator_pid"] = os.getpid()
-        h["creator_start"] = process_start(os.getpid())
-        h["magic"] = MAGIC  # last: a header with magic is complete
+        try:
+            h = seg.header[0]
+            h["header_version"] = HEADER_VERSION
+            h["layout_version"] = spec.layout_version
+            h["kind"] = spec.kind.encode()
+            h["fingerprint"] = spec.fingerprint
+            h["total_size"] = total
+            h["creator_pid"] = os.getpid()
+            h["creator_start"] = process_start(os.getpid())
+            h["magic"] = MAGIC  # last: a header with magic is complete
+            del h
+            if reserve:
+                os.posix_fallocate(mem.fd, 0, total)  # ENOSPC here, not SIGBUS later
+        except BaseException:
+            seg.close()  # unlinks
+            raise
+        finally:
+            mem.close_fd()
         return seg
 
     @classmethod
@@ -350,7 +363,14 @@ def read_creator(path: Path) -> tuple[int, float] | None:
     h = np.frombuffer(raw, HEADER, count=1)[0]
     if bytes(h["magic"]) != MAGIC.rstrip(b"\0"):
         return None
-    return int(h["creator_pid"]), float(h["creator_start"])
+    pid = int(h["creator_pid"])
+    # Nothing orders the creator's stores for this read: on arm64 the magic, written last,
+    # may show before the pid it follows. A new segment's pages are zeros, so a pid not
+    # visible yet reads 0, which creator_alive calls dead: it counts as no header yet
+    # (sweep then waits UNWRITTEN_GRACE_S), or a live engine's segment was unlinked.
+    if pid <= 0:
+        return None
+    return pid, float(h["creator_start"])
 
 
 def creator_alive(pid: int, start: float) -> bool:

@@ -17,18 +17,46 @@ from typing import Any
 import numpy as np
 import torch
 
-from shm.segment import Segment, SegmentSpec, segment_name
+from shm.segment import (
+    SHM_DIR,
+    Segment,
+    SegmentSpec,
+    creator_alive,
+    read_creator,
+    segment_name,
+    unlink_quietly,
+)
 from sparkcache.registry import (  # noqa: F401  (where callers have found them)
     read_registry,
     registry_path,
     write_registry,
 )
-from sparkcache.segments import engine_segment_role
+from sparkcache.segments import engine_segment_role, is_engine_segment
 
 KV_SPEC = SegmentSpec("kvcache", 1)
 _ALIGN = 4096
 # Payload address range -> segment name, for every SharedKVCaches alive in this process.
 _LIVE: dict[tuple[int, int], str] = {}
+
+
+def unlink_dead_engines(instance: str, rank: int) -> list[str]:
+    """Unlink the KV segments of ``rank`` left by engine processes that died without
+    unlinking them (SIGKILLed: the OOM killer, say), and return their names. Only a
+    supervisor's start swept them, so while one ran each engine restart left its
+    predecessor's KV cache (tens of GiB) in /dev/shm, and the new one's ``adopt`` could
+    then find no room. A segment whose creator lives, or whose header is not written
+    yet (``shm.segment.sweep`` waits for those), or that is not a plain file of this
+    user's, is left alone; a worker that still maps one keeps its mapping."""
+    prefix = segment_name(instance, rank, "kv")[1:]  # engine_segment_role(pid): kv<pid>
+    removed = []
+    for path in sorted(SHM_DIR.glob(prefix + "*")):
+        if not is_engine_segment(path.name):
+            continue
+        creator = read_creator(path)
+        dead = creator is not None and not creator_alive(*creator)
+        if dead and unlink_quietly("/" + path.name):
+            removed.append("/" + path.name)
+    return removed
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -56,6 +84,7 @@ class SharedKVCaches:
         for size in sizes:
             offsets.append(total)
             total += (size + _ALIGN - 1) // _ALIGN * _ALIGN
+        unlink_dead_engines(instance, rank)  # a dead predecessor's, before ours takes room
         seg = Segment.create(segment_name(instance, rank, engine_segment_role(os.getpid())),
                              KV_SPEC, total)
         base = seg.array(np.uint8, 0, total)
@@ -87,6 +116,7 @@ class SharedKVCaches:
         for st in storages.values():
             offsets.append(total)
             total += (st.nbytes() + _ALIGN - 1) // _ALIGN * _ALIGN
+        unlink_dead_engines(instance, rank)  # a dead predecessor's KV takes the room
         seg = Segment.create(segment_name(instance, rank, engine_segment_role(os.getpid())),
                              KV_SPEC, total, reserve=True)
         base = seg.array(np.uint8, 0, total)
@@ -172,7 +202,15 @@ def open_tensors(desc: dict[str, Any]) -> OpenedTensors:
                 # Map every page now (one read per page): the first capture would
                 # otherwise pay a fault per 4 KiB inside its deadline.
                 int(seg.array(np.uint8, 0)[::4096].sum())
-            raw = seg.array(np.uint8, d["offset"], d["storage_bytes"])
+            offset, nbytes = int(d["offset"]), int(d["storage_bytes"])
+            if offset < 0 or nbytes < 0:
+                # Segment.array counts from the payload, and numpy only from the mapping's
+                # start: a negative offset reached the segment's header, which capture
+                # then stored as KV bytes and a restore overwrote (a count of -1 is
+                # numpy's "the rest").
+                raise ValueError(f"KV tensor at offset {offset} of {nbytes} bytes in "
+                                 f"{d['segment']}: expected both at least 0")
+            raw = seg.array(np.uint8, offset, nbytes)
             flat = torch.from_numpy(raw).view(_dtype(d["dtype"]))
             tensors.append(flat.as_strided(d["shape"], d["stride"], d["storage_offset"]))
     except BaseException:

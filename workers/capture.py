@@ -144,7 +144,7 @@ class Capture:
                 except ENVIRONMENT_FAULTS:
                     raise
                 except Exception:
-                    self.life.item_error(f"publication {pub_id}")
+                    self.life.item_error("publication", pub_id)
                     status = CaptureStatus.FAILED
                 self.life.timed(time.perf_counter() - t0)
             self.life.outcome(int(status))
@@ -172,13 +172,13 @@ class Capture:
         except Exception:
             # The engine's registration, not capture's environment: this publication
             # fails, and the next registration may be fine.
-            self.life.item_error(f"registration {reg_gen}")
+            self.life.item_error("registration", reg_gen)
             return None
         try:
             views = kvmem.BlockViews(opened.tensors, int(desc["block_dim"]))
         except Exception:
             opened.close()
-            self.life.item_error(f"registration {reg_gen}")
+            self.life.item_error("registration", reg_gen)
             return None
         self.reg = _Registered(reg_gen, opened, views, registry.registration_owner(desc))
         return self.reg
@@ -195,6 +195,9 @@ class Capture:
             log.info("registration %d: its engine is gone; its KV unmapped", self.reg.reg_gen)
             self.reg.opened.close()
             self.reg = None
+            # And unlinked: an engine SIGKILLed never unlinked it, and unmapped alone it
+            # held its /dev/shm (the whole KV cache) until the next engine's start.
+            kvmem.unlink_dead_engines(self.cfg.instance, self.rank)
 
     def _take_freed(self, timeout: float) -> None:
         """Move the slots of the freed records in the ring (waiting up to ``timeout`` for
@@ -270,7 +273,7 @@ class Capture:
         except ENVIRONMENT_FAULTS:
             raise
         except Exception:
-            self.life.item_error(f"the copy of publication {int(recs['pub_id'][0])}")
+            self.life.item_error("the copy of publication", int(recs["pub_id"][0]))
             status = CaptureStatus.FAILED
         if status != CaptureStatus.CAPTURED:
             self.arena.hand_over(slot, OWNER_CAPTURE, FREE)

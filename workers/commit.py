@@ -205,7 +205,7 @@ class Commit:
             raise
         except Exception:
             self.life.failed += 1
-            self.life.item_error(f"slot {slot}")
+            self.life.item_error("slot", slot)
             self.store.check_usable()
         self.life.timed(time.perf_counter() - started)
         self.life.outcome(int(status))

@@ -323,12 +323,15 @@ class Lifecycle:
         self._rare.warning(reason, "%s: dropped %s (%s)", title(self.spec.role, self.spec.rank),
                            what, reason)
 
-    def item_error(self, what: str) -> None:
-        """Count and log (with its traceback, at most once a minute) an unexpected error
-        while handling one item; the caller goes on with the next item. Call from an
-        ``except`` block."""
+    def item_error(self, kind: str, item: object = None) -> None:
+        """Count and log (with its traceback, at most once a minute per ``kind``) an
+        unexpected error while handling one item (``item``: its id, for the line); the
+        caller goes on with the next item. Call from an ``except`` block. The rate limit
+        keeps an entry per kind: keyed by item, it grew by one per failing item for as
+        long as the worker ran, and logged each with its traceback."""
         self.item_errors += 1
-        self._rare.warning(f"error:{what}", "%s: error while handling %s; going on",
+        what = kind if item is None else f"{kind} {item}"
+        self._rare.warning(f"error:{kind}", "%s: error while handling %s; going on",
                            title(self.spec.role, self.spec.rank), what, exc_info=True)
 
     def progress(self) -> None:

@@ -356,7 +356,7 @@ class Restore:
                 except ENVIRONMENT_FAULTS:
                     raise
                 except Exception:
-                    self.life.item_error(f"load {load_id}")
+                    self.life.item_error("load", load_id)
                     self._check_usable()
                     outcome = _Outcome(LoadStatus.FAILED)
                 self.life.copy_seconds += time.perf_counter() - t0
@@ -419,7 +419,7 @@ class Restore:
         except Exception:
             # The engine's registration, not this worker's environment: this load fails,
             # and the next registration may be fine.
-            self.life.item_error(f"registration {reg_gen}")
+            self.life.item_error("registration", reg_gen)
             return None
         return self.reg
 
