@@ -13,6 +13,7 @@ import sys
 import time
 
 from sparkcache import config
+from sparkcache.instance import NoSupervisor, running
 from sparkcache.synthetic import MODEL_ID, SyntheticEngine, sequences
 
 
@@ -27,7 +28,13 @@ def main() -> int:
     except config.ConfigError as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2
-    engine = SyntheticEngine.create(cfg, model_id=args.model_id)
+    try:
+        # Without one every publication is skipped, and retried for seconds each.
+        running(cfg.store_dir)
+        engine = SyntheticEngine.create(cfg, model_id=args.model_id)
+    except (NoSupervisor, ValueError) as e:  # ValueError: a --model-id it refuses
+        print(f"demo: {e}", file=sys.stderr)
+        return 2
     try:
         seqs = sequences(args.sequences, cfg.page_tokens)
         t0 = time.monotonic()

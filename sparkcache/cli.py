@@ -183,8 +183,11 @@ def supervise(
     )
     try:
         pids = [int(p) for p in avoid.split(",") if p.strip()]
+        if any(pid <= 0 for pid in pids):
+            raise ValueError  # psutil refuses them with a ValueError of its own
     except ValueError:
-        typer.echo(f"sparkcache: --avoid={avoid!r} is invalid: expected PID[,PID]", err=True)
+        typer.echo(f"sparkcache: --avoid={avoid!r} is invalid: expected PID[,PID] "
+                   "(process ids, each above 0)", err=True)
         raise typer.Exit(2) from None
     policy = supervisor.Policy(
         startsecs, startretries, ready_timeout_s=ready_timeout,
@@ -244,7 +247,7 @@ def soak(
     """Idle probes, a soak of long conversations at the store's cap, the probes again:
     lane by lane (docs/soak.md)."""
     from sparkcache.soak import report
-    from sparkcache.soak.run import run
+    from sparkcache.soak.run import check, run
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s soak %(levelname)s %(message)s")
     if plot_file is not None and not report.plot_available():
@@ -270,12 +273,21 @@ def soak(
     given = {k: v for k, v in given.items() if v is not None}
     params = (soak_params.SoakParams.quick(**given) if quick
               else soak_params.SoakParams(**given))
+    work_path = Path(work_dir) if work_dir else None
     try:
-        params.check()
+        check(params, work_path)
+        # Written after every lane ran: a path that cannot be written would lose minutes
+        # of results to a traceback.
+        if csv_dir is not None and Path(csv_dir).exists() and not Path(csv_dir).is_dir():
+            raise soak_params.SoakParamError(f"--csv-dir={csv_dir!r}: expected a directory "
+                                             "(this path is a file)")
+        if plot_file is not None and not Path(plot_file).parent.is_dir():
+            raise soak_params.SoakParamError(f"--plot={plot_file!r}: expected a file in an "
+                                             "existing directory")
     except soak_params.SoakParamError as e:
         typer.echo(f"sparkcache: {e}", err=True)
         raise typer.Exit(2) from None
-    results = _run_with_progress(run, params, Path(work_dir) if work_dir else None)
+    results = _run_with_progress(run, params, work_path)
     if csv_dir is not None:
         report.write_csvs(results, Path(csv_dir))
     if plot_file is not None:

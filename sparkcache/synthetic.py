@@ -70,12 +70,16 @@ class SyntheticEngine:
             tensors = kv.tensors
         else:
             tensors = [torch.zeros(s, dtype=torch.float16, device=device) for s in shapes]
-        client = SparkCacheClient(cfg, rank, model_id=model_id)
-        if not client.register_kv_caches(tensors):
-            client.close()
+        try:
+            client = SparkCacheClient(cfg, rank, model_id=model_id)
+            if not client.register_kv_caches(tensors):
+                client.close()
+                raise RuntimeError("the client refused the KV caches (see the log)")
+        except BaseException:
+            # The segment is this process's: unlinked here, or left in /dev/shm.
             if kv is not None:
                 kv.close()
-            raise RuntimeError("the client refused the KV caches (see the log)")
+            raise
         return cls(client, tensors, kv, blocks)
 
     def keys(self, tokens: list[int], extra: KeyExtras | None = None) -> tuple[str, ...]:

@@ -38,3 +38,13 @@ def test_bad_values_exit_2_with_one_line_each(tmp_path):
     assert len(lines) == 2
     assert "SPARKCACHE_ACCESS_MODE (--access-mode)='sometimes'" in lines[0]
     assert "SPARKCACHE_LEASE_SECONDS (--lease-seconds)='-5'" in lines[1]
+
+
+def test_supervise_refuses_pids_that_cannot_be_processes(tmp_path):
+    for avoid in ("-5", "0", "12,-1"):
+        result = CliRunner().invoke(
+            app, ["supervise", f"--avoid={avoid}"],
+            env={"SPARKCACHE_STORE_DIR": str(tmp_path), "SPARKCACHE_INSTANCE": "tavoid"},
+        )
+        assert result.exit_code == 2, (avoid, result.output, result.exception)
+        assert f"--avoid='{avoid}' is invalid: expected PID[,PID]" in result.output

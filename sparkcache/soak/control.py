@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -58,8 +59,12 @@ class ControlEngine:
         self._busy = False
         assert self._proc.stdout is not None
         # Bounded: a control that hangs as it starts must not hang the soak with it.
-        started = select.select([self._proc.stdout], [], [], START_TIMEOUT_S)[0]
-        line = self._proc.stdout.readline() if started else ""
+        try:
+            started = select.select([self._proc.stdout], [], [], START_TIMEOUT_S)[0]
+            line = self._proc.stdout.readline() if started else ""
+        except BaseException:  # Ctrl-C, SIGTERM: the caller holds no handle to close
+            self.close()
+            raise
         if line.strip() != "ready":
             self.close()
             raise RuntimeError(f"the soak's control engine did not start (see {log_path}): "
@@ -94,6 +99,15 @@ class ControlEngine:
         self._log.close()
 
 
+def kv_blocks(params: SoakParams) -> int:
+    """KV blocks of the control's engine: one probe's, and a spare."""
+    return -(-(params.probe_tokens + params.probe_decode_tokens) // params.page_tokens) + 1
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _serve(params: SoakParams) -> None:
     import torch
 
@@ -102,12 +116,15 @@ def _serve(params: SoakParams) -> None:
     from sparkcache.soak.model import ToyModel
     from sparkcache.soak.workload import run_probe
 
+    # A SIGTERM to the soak's process group (kill, timeout) ends this process through
+    # the finally below, as Ctrl-C does: by default it would die at once and leave its
+    # KV cache's segment in /dev/shm.
+    signal.signal(signal.SIGTERM, _terminated)
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {params.engine_core})
-    page = params.page_tokens
-    blocks = -(-(params.probe_tokens + params.probe_decode_tokens) // page) + 1
     # Named after the soak's process, as its lanes' instances are (lanes.run_lane).
-    engine = SoakEngine(f"soak{os.getppid()}ctl", page, blocks, ToyModel())
+    engine = SoakEngine(f"soak{os.getppid()}ctl", params.page_tokens, kv_blocks(params),
+                        ToyModel())
     engine.backend = NullBackend()
     try:
         run_probe(engine, params, engine.namespace, "warmup", 0)

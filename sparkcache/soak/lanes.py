@@ -198,15 +198,20 @@ def run_lane(name: str, params: SoakParams, model: ToyModel, workdir: Path,
         result.figures["aged_bytes"] = aged
         return result
     finally:
-        if service is not None:
-            service.stop()
-        if inline is not None:
-            inline.close()
-        engine.close()
-        left = instance_entries(instance)
-        if left:
-            log.warning("lane %s left shared memory: %s", name, left)
-        remover.remove(store_dir)
+        try:
+            if service is not None:
+                service.stop()
+            if inline is not None:
+                inline.close()
+        finally:
+            # Even when a second Ctrl-C cuts the wait for the supervisor short: the KV
+            # cache's segment is this process's alone to unlink (hundreds of MiB of
+            # /dev/shm), and the supervisor, signalled already, ends by itself.
+            engine.close()
+            left = instance_entries(instance)
+            if left:
+                log.warning("lane %s left shared memory: %s", name, left)
+            remover.remove(store_dir)
 
 
 def _host_took_core(lane: Lane, probe: ProbeResult) -> bool:

@@ -95,6 +95,12 @@ class SoakParams:
         if unknown or not self.lanes:
             raise SoakParamError(f"--lanes {','.join(self.lanes)!r}: expected a comma-"
                                  f"separated list of {', '.join(LANES)}")
+        # Results, stores and shared-memory instances are per lane name: a lane named
+        # twice would find its first run's store still there (or being removed).
+        twice = sorted({name for name in self.lanes if self.lanes.count(name) > 1})
+        if twice:
+            raise SoakParamError(f"--lanes {','.join(self.lanes)!r}: expected each lane "
+                                 f"once ({', '.join(twice)} named twice)")
         positive = ("duration_s", "lease_seconds", "lookup_lease_seconds", "conversations",
                     "context_min", "tail_tokens",
                     "turn_decode_tokens", "page_tokens", "max_bytes", "low_watermark_bytes",
@@ -102,6 +108,8 @@ class SoakParams:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SoakParamError(f"{flag(name)}={getattr(self, name)!r}: expected > 0")
+        if self.seed < 0:  # numpy's seed sequences take no negative entropy
+            raise SoakParamError(f"--seed={self.seed!r}: expected 0 or more")
         if self.context_max < self.context_min + self.tail_tokens:
             raise SoakParamError(
                 f"{flag('context_max')}={self.context_max}: expected at least "

@@ -6,17 +6,24 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from sparkcache import config, segments
+from sparkcache.config import MiB
+from sparkcache.soak import control as control_mod
+from sparkcache.soak import engine as engine_mod
 from sparkcache.soak.control import ControlEngine
-from sparkcache.soak.lanes import LaneResult, run_lane
+from sparkcache.soak.lanes import LaneResult, kv_blocks, run_lane, slot_bytes
 from sparkcache.soak.model import ToyModel
-from sparkcache.soak.params import SoakParams
+from sparkcache.soak.params import LANES, SoakParamError, SoakParams
 from sparkcache.soak.remover import StoreRemover
+from sparkcache.soak.service import settings
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +33,8 @@ Progress = Callable[[str, str, float], None]  # (lane, what it is doing, share d
 def run(params: SoakParams, progress: Progress, work_dir: Path | None = None
         ) -> dict[str, LaneResult]:
     """Run every lane of ``params``; their results by lane name. Raises SoakParamError
-    for bad parameters before anything starts."""
-    params.check()
+    for bad parameters before anything starts (``check``)."""
+    check(params, work_dir)
     all_cores = sorted(os.sched_getaffinity(0))
     old_threads = torch.get_num_threads()
     # A one-core engine: vLLM's worker drives its device from one thread.
@@ -35,10 +42,17 @@ def run(params: SoakParams, progress: Progress, work_dir: Path | None = None
     os.sched_setaffinity(0, {params.engine_core})
     root = Path(tempfile.mkdtemp(prefix="sparkcache-soak-", dir=work_dir))
     results: dict[str, LaneResult] = {}
-    finished = False
+    failed = False
     control: ControlEngine | None = None
     remover = StoreRemover()
+    main = threading.current_thread() is threading.main_thread()
+    old_term = signal.getsignal(signal.SIGTERM)
     try:
+        # A SIGTERM (kill, timeout, a CI job cancelled) ends the soak as Ctrl-C does,
+        # through the finally blocks that stop its supervisors and engines and remove its
+        # stores: Python's default ends the process at once and leaves them all behind.
+        if main:
+            signal.signal(signal.SIGTERM, _terminated)
         model = ToyModel()
         control = ControlEngine(params, root / "control.log")
         for name in params.lanes:
@@ -47,15 +61,78 @@ def run(params: SoakParams, progress: Progress, work_dir: Path | None = None
                                      lambda what, share, n=name: progress(n, what, share),
                                      remover, control)
             progress(name, "done", 1.0)
-        finished = True
+    except Exception:
+        failed = True  # not on Ctrl-C or SIGTERM: nothing to read in the logs then
+        raise
     finally:
         remover.wait()
         if control is not None:
             control.close()
         os.sched_setaffinity(0, all_cores)
         torch.set_num_threads(old_threads)
-        _clean(root, keep_logs=not finished)
+        _clean(root, keep_logs=failed)
+        if main:
+            signal.signal(signal.SIGTERM, old_term or signal.SIG_DFL)
     return results
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def check(params: SoakParams, work_dir: Path | None = None) -> None:
+    """Raise SoakParamError, naming the flag and what is allowed, for anything that
+    would stop the soak once it has started: ``params`` (``SoakParams.check``),
+    ``work_dir``, settings the lanes' supervisors refuse, a /dev/shm too small."""
+    params.check()
+    if work_dir is not None and not work_dir.is_dir():
+        raise SoakParamError(f"--work-dir={str(work_dir)!r}: expected an existing directory")
+    base = Path(tempfile.gettempdir()) if work_dir is None else work_dir
+    supervised = 0  # /dev/shm a lane's supervisor takes, at most
+    for name in params.lanes:
+        lane = LANES[name]
+        if lane.placement not in ("isolated", "unpinned"):
+            continue
+        cpus = params.worker_cores if lane.placement == "isolated" else None
+        env = settings(params, base / "sparkcache-soak-check", f"soak{os.getpid()}",
+                       lane.access_mode, cpus, slot_bytes(params))
+        try:
+            cfg = config.load(env=env)
+        except config.ConfigError as e:
+            p = e.problems[0]
+            given = _FLAGS.get(p.field_name, "--" + p.field_name.replace("_", "-"))
+            raise SoakParamError(f"{given}: the lanes' supervisors refuse "
+                                 f"{config.env_name(p.field_name)}={p.value}: expected "
+                                 f"{p.allowed}") from None
+        supervised = max(supervised, sum(segments.shm_needed(cfg).values()))
+    _check_shm(params, supervised)
+
+
+# Supervisor settings a soak derives from a flag of another name.
+_FLAGS = {"store_dir": "--work-dir", "capture_slot_bytes": "--context-max"}
+
+
+def _check_shm(params: SoakParams, supervised: int, shm_dir: Path = segments.SHM_DIR
+               ) -> None:
+    """/dev/shm must hold a lane's engine KV cache, the control engine's and the lane's
+    supervisor's segments at once: tmpfs allocates on first touch, so a smaller one (a
+    container's default is 64 MiB) is found out by a SIGBUS that kills the soak and
+    leaves its segment there."""
+    st = os.statvfs(shm_dir)
+    if st.f_blocks == 0:
+        return  # a tmpfs mounted without a size limit reports no blocks at all
+    free = st.f_bavail * st.f_frsize
+    page = engine_mod.page_bytes(params.page_tokens)
+    kv = (kv_blocks(params) + control_mod.kv_blocks(params)) * page
+    if kv + supervised <= free:
+        return
+    raise SoakParamError(
+        f"{shm_dir} has {free / MiB:.1f}MiB free; the soak needs {(kv + supervised) / MiB:.1f}"
+        f"MiB there: {kv / MiB:.1f}MiB of KV cache ({kv_blocks(params)} blocks for "
+        f"--conversations {params.conversations} of up to --context-max "
+        f"{params.context_max} tokens) and {supervised / MiB:.1f}MiB of a supervisor's "
+        "segments (two capture slots of a whole conversation); lower --conversations or "
+        f"--context-max, or give {shm_dir} more room (docker run --shm-size)")
 
 
 def _clean(root: Path, keep_logs: bool) -> None:

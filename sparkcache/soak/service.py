@@ -81,19 +81,26 @@ class Service:
                 stdout=out, stderr=subprocess.STDOUT,
                 cwd=os.getcwd(),
             )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        runtime = cfg.store_dir / RUNTIME_FILE
-        while not runtime.exists():
-            if proc.poll() is not None:
-                raise RuntimeError(f"the supervisor exited with code {proc.returncode} "
-                                   f"at start-up; its log: {log_file}")
-            if time.monotonic() > deadline:
-                proc.kill()
-                proc.wait()
-                raise RuntimeError(f"the supervisor was not ready in {START_TIMEOUT_S:g}s; "
-                                   f"its log: {log_file}")
-            time.sleep(0.05)
-        return cls(cfg, proc, log_file)
+        try:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            runtime = cfg.store_dir / RUNTIME_FILE
+            while not runtime.exists():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the supervisor exited with code {proc.returncode} "
+                                       f"at start-up; its log: {log_file}")
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    proc.wait()
+                    raise RuntimeError(f"the supervisor was not ready in "
+                                       f"{START_TIMEOUT_S:g}s; its log: {log_file}")
+                time.sleep(0.05)
+            return cls(cfg, proc, log_file)
+        except BaseException:
+            # Interrupted (Ctrl-C, SIGTERM) or failed before the caller holds a Service
+            # to stop: stop the supervisor here, or it outlives the soak with its workers
+            # and segments.
+            _stop(proc)
+            raise
 
     def sample(self) -> StatsSample | None:
         try:
@@ -116,11 +123,17 @@ class Service:
     def stop(self) -> int:
         """SIGTERM (drain, stop the workers, unlink every segment); its exit code."""
         self._stats.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            log.warning("the supervisor did not stop in %gs; killing it", STOP_TIMEOUT_S)
-            self.proc.kill()
-            return self.proc.wait()
+        return _stop(self.proc)
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    """SIGTERM ``proc`` (a supervisor) unless it ended; its exit code, killed past
+    STOP_TIMEOUT_S."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        log.warning("the supervisor did not stop in %gs; killing it", STOP_TIMEOUT_S)
+        proc.kill()
+        return proc.wait()
