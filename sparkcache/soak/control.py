@@ -104,7 +104,8 @@ def kv_blocks(params: SoakParams) -> int:
     return -(-(params.probe_tokens + params.probe_decode_tokens) // params.page_tokens) + 1
 
 
-def _terminated(signum: int, frame: object) -> None:
+def exit_on_signal(signum: int, frame: object) -> None:
+    """A signal handler that unwinds as Ctrl-C does (finally blocks run), exit 128+N."""
     raise SystemExit(128 + signum)
 
 
@@ -119,7 +120,7 @@ def _serve(params: SoakParams) -> None:
     # A SIGTERM to the soak's process group (kill, timeout) ends this process through
     # the finally below, as Ctrl-C does: by default it would die at once and leave its
     # KV cache's segment in /dev/shm.
-    signal.signal(signal.SIGTERM, _terminated)
+    signal.signal(signal.SIGTERM, exit_on_signal)
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {params.engine_core})
     # Named after the soak's process, as its lanes' instances are (lanes.run_lane).

@@ -18,7 +18,7 @@ from sparkcache import config, segments
 from sparkcache.config import MiB
 from sparkcache.soak import control as control_mod
 from sparkcache.soak import engine as engine_mod
-from sparkcache.soak.control import ControlEngine
+from sparkcache.soak.control import ControlEngine, exit_on_signal
 from sparkcache.soak.lanes import LaneResult, kv_blocks, run_lane, slot_bytes
 from sparkcache.soak.model import ToyModel
 from sparkcache.soak.params import LANES, SoakParamError, SoakParams
@@ -52,7 +52,7 @@ def run(params: SoakParams, progress: Progress, work_dir: Path | None = None
         # through the finally blocks that stop its supervisors and engines and remove its
         # stores: Python's default ends the process at once and leaves them all behind.
         if main:
-            signal.signal(signal.SIGTERM, _terminated)
+            signal.signal(signal.SIGTERM, exit_on_signal)
         model = ToyModel()
         control = ControlEngine(params, root / "control.log")
         for name in params.lanes:
@@ -74,10 +74,6 @@ def run(params: SoakParams, progress: Progress, work_dir: Path | None = None
         if main:
             signal.signal(signal.SIGTERM, old_term or signal.SIG_DFL)
     return results
-
-
-def _terminated(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
 
 
 def check(params: SoakParams, work_dir: Path | None = None) -> None:
