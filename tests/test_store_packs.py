@@ -13,11 +13,13 @@ from __future__ import annotations
 import os
 import secrets
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
 from eviction_util import FakeClock
 
+from sparkcache.maintenance_policy import CostModel, SliceBudget, SliceMeter
 from sparkcache.store import PageStore, StoreError, index
 from sparkcache.store.fileops import FileOps
 from sparkcache.store.fsck import fsck
@@ -169,6 +171,39 @@ def test_collecting_part_of_a_pack_frees_its_records_and_the_last_removes_it(
     store.remove_roots([b])
     assert store.collect(100).objects == 4
     assert files(store) == []  # the last record of each pack removed its file
+    assert_clean(store.layout.store_dir)
+
+
+def test_a_long_dead_range_is_punched_a_piece_a_slice_within_its_byte_budget(
+        store: PageStore, clock: FakeClock) -> None:
+    """An evicted root's end can be gigabytes of one pack: a slice frees at most the bytes
+    it has left, a piece at a time, and the next slice goes on from where the data
+    starts; the store is consistent between any two, and the shared records survive."""
+    shared, own = keys(2), keys(20)
+    a = rid()
+    store.commit(make_root(a, shared + own, SIZE))
+    store.commit(make_root(rid(), shared + keys(1), SIZE))  # keeps pack A named
+    pack_a = object_file(store.layout.objects_dir, store._rconn, shared[0])[0]
+    store.remove_roots([a])
+    assert store.collect(100).objects == 20
+    clock.now += PUNCH_DELAY_S
+    budget_bytes = 10 * 4096 + 100  # 2.5 records: not a whole number of them
+    blocks, slices = data_blocks(pack_a), 0
+    while store._deferred:
+        meter = SliceMeter(SliceBudget(16, budget_bytes, 60.0), CostModel(), time.monotonic)
+        store.collect(0, meter)
+        slices += 1
+        now_blocks = data_blocks(pack_a)
+        assert 0 < blocks - now_blocks <= budget_bytes // 4096
+        assert meter.bytes <= budget_bytes
+        blocks = now_blocks
+        report = fsck(store.layout.store_dir, grace_seconds=0)
+        assert report.ok, report.problems
+        assert report.unpunched_bytes == (blocks - 2 * record_span(SIZE) // 4096) * 4096
+        assert slices < 100
+    assert slices == -(-20 * record_span(SIZE) // (budget_bytes // 4096 * 4096))
+    assert data_blocks(pack_a) == 2 * record_span(SIZE) // 4096  # the shared two
+    assert restored(store, shared) == [page_bytes(k, SIZE) for k in shared]
     assert_clean(store.layout.store_dir)
 
 

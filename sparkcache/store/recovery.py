@@ -180,23 +180,32 @@ def dead_ranges(records: list[tuple[int, int]], size: int) -> list[tuple[int, in
     return ranges
 
 
-def holds_data(fd: int, offset: int, length: int) -> bool:
-    """Whether a whole block inside ``offset .. offset + length`` of ``fd`` still holds
-    data (the partial blocks at the ends of a punched range always do)."""
+def first_data(fd: int, offset: int, length: int) -> int | None:
+    """Where the first whole block inside ``offset .. offset + length`` of ``fd`` that
+    still holds data begins, or None if none does (the partial blocks at the ends of a
+    punched range always do)."""
     start = -(-offset // BLOCK) * BLOCK
     end = (offset + length) // BLOCK * BLOCK
     if start >= end:
-        return False
+        return None
     try:
-        return os.lseek(fd, start, os.SEEK_DATA) < end
+        at = os.lseek(fd, start, os.SEEK_DATA)
     except OSError:  # ENXIO: no data from there to the end
-        return False
+        return None
+    return at // BLOCK * BLOCK if at < end else None
 
 
 def unfreed_ranges(records: list[tuple[int, int]], fd: int) -> list[tuple[int, int]]:
-    """The ``dead_ranges`` of the pack open as ``fd`` that still hold data: collected
-    records not punched yet (collection defers it, and a crash can come first)."""
-    return [r for r in dead_ranges(records, os.fstat(fd).st_size) if holds_data(fd, *r)]
+    """The ``dead_ranges`` of the pack open as ``fd`` that still hold data, each from its
+    first block that does: collected records not punched yet (collection defers it, a
+    crash can come first, and a slice punches a long range a piece at a time)."""
+    out = []
+    for offset, length in dead_ranges(records, os.fstat(fd).st_size):
+        at = first_data(fd, offset, length)
+        if at is not None:
+            start = max(offset, at)
+            out.append((start, offset + length - start))
+    return out
 
 
 def _free_dead_ranges(conn: sqlite3.Connection, ops: FileOps, dir_fd: int, key: str,

@@ -645,8 +645,12 @@ class PageStore:
 
     def _punch_deferred(self, budget: Budget | None, every: bool = False) -> None:
         """Punch the collected records of the packs deferred at least ``PUNCH_DELAY_S``
-        ago (``every``: all of them) that rows still name, a punch a unit of ``budget``'s
-        work; a pack that none names any more goes whole."""
+        ago (``every``: all of them) that rows still name; a pack that none names any more
+        goes whole. With a ``budget``, a punch is a unit of its work and frees at most the
+        bytes the slice has left (a whole block at least): a dead range of a large pack
+        (an evicted root's end, gigabytes of a long conversation) is freed a piece a
+        slice, and the pack keeps its place until none is left; its ranges are read
+        again from the file each time (``recovery.unfreed_ranges``)."""
         now = self._clock()
         for name, since in list(self._deferred.items()):
             if not every and now - since < PUNCH_DELAY_S:
@@ -654,16 +658,23 @@ class PageStore:
             if not self._pack_named(*name):
                 self._release_record(*name)
                 continue
-            ranges = self._unpunched(*name)
-            if (budget is not None and not budget.fresh
-                    and not budget.affordable(UNLINK, max(1, len(ranges)))):
-                return  # the rest at the next slice
+            for offset, length in self._unpunched(*name):
+                end = offset + length
+                while offset < end:
+                    stop = end
+                    if budget is not None:
+                        room = budget.bytes_left()
+                        stop = min(end, (offset + max(room, recovery.BLOCK))
+                                   // recovery.BLOCK * recovery.BLOCK)
+                        if not budget.fresh and (stop - offset > room
+                                                 or not budget.affordable(UNLINK, 1)):
+                            return  # the rest at the next slice
+                    begun = budget.now() if budget is not None else 0.0
+                    self._writer.punch(*name, offset, stop - offset)
+                    if budget is not None:
+                        budget.spend(UNLINK, 1, stop - offset, budget.now() - begun)
+                    offset = stop
             del self._deferred[name]
-            for offset, length in ranges:
-                begun = budget.now() if budget is not None else 0.0
-                self._writer.punch(*name, offset, length)
-                if budget is not None:
-                    budget.spend(UNLINK, 1, length, budget.now() - begun)
 
     def _unpunched(self, file_key: str, generation: str) -> list[tuple[int, int]]:
         """The ranges of a pack that no row's record covers and that still hold data."""
