@@ -9,11 +9,13 @@ each page byte for byte. Settings come from SPARKCACHE_* like every command.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
 from sparkcache import config
 from sparkcache.instance import NoSupervisor, running
+from sparkcache.soak.control import exit_on_signal
 from sparkcache.synthetic import MODEL_ID, SyntheticEngine, sequences
 
 
@@ -23,6 +25,10 @@ def main() -> int:
     ap.add_argument("--model-id", default=MODEL_ID,
                     help="the model identity page keys are namespaced by")
     args = ap.parse_args()
+    # A SIGTERM (kill, timeout, a container stopping) unwinds through the finally below,
+    # as Ctrl-C does: by default the process would die at once and leave its KV cache's
+    # segment in /dev/shm until the next engine or supervisor of the rank.
+    signal.signal(signal.SIGTERM, exit_on_signal)
     try:
         cfg = config.load()
     except config.ConfigError as e:

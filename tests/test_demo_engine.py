@@ -1,16 +1,18 @@
 """scripts/demo_engine.py and the synthetic engine it drives, when there is nothing to
-drive: a line and exit 2, no minutes of retries, no /dev/shm segment left."""
+drive: a line and exit 2, no minutes of retries, no /dev/shm segment left; and when it
+is stopped with SIGTERM mid-run: its KV cache's segment goes with it."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from pipeline_util import make_cfg
+from pipeline_util import make_cfg, start_supervisor, stop_supervisor
 
 from sparkcache.synthetic import SyntheticEngine
 
@@ -35,3 +37,32 @@ def test_a_refused_client_leaves_no_kv_segment(tmp_path, instance):
     cfg = make_cfg(tmp_path / "store", instance)
     with pytest.raises(ValueError, match="model_id"):
         SyntheticEngine.create(cfg, model_id=" ")
+
+
+def test_sigterm_mid_run_leaves_no_kv_segment(tmp_path, instance):
+    store = tmp_path / "store"
+    sup = start_supervisor(store, instance)
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKCACHE_")}
+        env |= {"SPARKCACHE_STORE_DIR": str(store), "SPARKCACHE_INSTANCE": instance}
+        demo = subprocess.Popen([sys.executable, "scripts/demo_engine.py", "--sequences",
+                                 "100000"], cwd=REPO, env=env, stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            mine = f"kv{demo.pid}"
+            deadline = time.monotonic() + 60
+            while not [p for p in os.listdir("/dev/shm") if instance in p and mine in p]:
+                assert demo.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            demo.send_signal(signal.SIGTERM)
+            _, err = demo.communicate(timeout=60)
+        finally:
+            if demo.poll() is None:
+                demo.kill()
+                demo.communicate()
+        assert demo.returncode == 128 + signal.SIGTERM, err[-3000:]
+        assert "Traceback" not in err
+        # Checked while the supervisor runs: stopping it unlinks the rank's segments.
+        assert not [p for p in os.listdir("/dev/shm") if instance in p and mine in p]
+    finally:
+        stop_supervisor(sup)
