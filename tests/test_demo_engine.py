@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from pipeline_util import make_cfg, start_supervisor, stop_supervisor
 
+from shm.segment import instance_entries, segment_name
+from sparkcache.segments import engine_segment_role
 from sparkcache.synthetic import SyntheticEngine
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,9 +51,9 @@ def test_sigterm_mid_run_leaves_no_kv_segment(tmp_path, instance):
                                  "100000"], cwd=REPO, env=env, stderr=subprocess.PIPE,
                                 text=True)
         try:
-            mine = f"kv{demo.pid}"
+            mine = segment_name(instance, 0, engine_segment_role(demo.pid))[1:]
             deadline = time.monotonic() + 60
-            while not [p for p in os.listdir("/dev/shm") if instance in p and mine in p]:
+            while mine not in instance_entries(instance):
                 assert demo.poll() is None and time.monotonic() < deadline
                 time.sleep(0.05)
             demo.send_signal(signal.SIGTERM)
@@ -63,6 +65,6 @@ def test_sigterm_mid_run_leaves_no_kv_segment(tmp_path, instance):
         assert demo.returncode == 128 + signal.SIGTERM, err[-3000:]
         assert "Traceback" not in err
         # Checked while the supervisor runs: stopping it unlinks the rank's segments.
-        assert not [p for p in os.listdir("/dev/shm") if instance in p and mine in p]
+        assert mine not in instance_entries(instance)
     finally:
         stop_supervisor(sup)

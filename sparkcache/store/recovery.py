@@ -201,10 +201,9 @@ def unfreed_ranges(records: list[tuple[int, int]], fd: int) -> list[tuple[int, i
     crash can come first, and a slice punches a long range a piece at a time)."""
     out = []
     for offset, length in dead_ranges(records, os.fstat(fd).st_size):
-        at = first_data(fd, offset, length)
+        at = first_data(fd, offset, length)  # a whole block's start: never before offset
         if at is not None:
-            start = max(offset, at)
-            out.append((start, offset + length - start))
+            out.append((at, offset + length - at))
     return out
 
 
