@@ -168,8 +168,8 @@ class Config:
         metadata=_help(
             "A collected file the pool does not take and larger than this (e.g. 1MiB) "
             "is removed in two units of a maintenance slice, its back half cut off "
-            "first: with online discard, freeing a whole file at once can take longer "
-            "than a slice."
+            "first (in pieces of the slice's bytes where half is more): with online "
+            "discard, freeing a whole file at once can take longer than a slice."
         ),
     )
     read_ahead_bytes: int = field(

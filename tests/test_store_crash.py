@@ -116,9 +116,12 @@ def eviction_child(store_dir: Path, step: str, nth: int, seed: int, conn: Connec
         ids.append(root_id)
     conn.send(("removing", ids))
     plan, costs = EvictionPlan(), CostModel()
-    while (usage := store.usage()).entries or usage.collectable_objects:
+    # As the maintenance worker does: collection goes on while files wait to be removed
+    # (a file cut short takes a slice per piece of its byte budget).
+    while ((usage := store.usage()).entries or usage.collectable_objects
+           or store.unlinking.objects):
         budget = SliceMeter(SliceBudget(2, 2 * SIZE, 10.0), costs, time.monotonic)
-        if usage.collectable_objects:
+        if usage.collectable_objects or store.unlinking.objects:
             store.collect(3, budget)
         store.evict(budget, plan, need=usage.used_bytes)
     conn.send(("done",))

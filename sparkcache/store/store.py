@@ -90,7 +90,8 @@ _QUARANTINE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_
 PUNCH_DELAY_S = 10.0
 # A collected file the pool does not take, if larger than this, is removed in two units
 # of a slice's budget after the one that collected it (``_shrink_waiting``): its back
-# half cut off, then the rest unlinked; a smaller one is unlinked in the unit itself.
+# half cut off, then the rest unlinked (in pieces of a slice's byte budget where half is
+# more); a smaller one is unlinked in the unit itself.
 # On a filesystem mounted with online discard, freeing blocks discards them there and
 # then: on this guest's ext4 (discard, no journal) unlinking a 4 MiB pack took 3.2 ms at
 # p50 on an idle disk against 0.37 ms without discard, and 38-40 ms inside a slice beside
@@ -620,17 +621,31 @@ class PageStore:
         self._remove_file(file_key, generation)
 
     def _shrink_waiting(self, budget: Budget | None) -> int:
-        """Cut the queued files short a step each, as ``budget``'s time allows (all of
-        them without one), unlinking each once a step would empty it; steps taken."""
+        """Cut the queued files short a step each, as ``budget``'s time and bytes allow
+        (all of them without one), unlinking each once a step would empty it; steps taken.
+
+        A step frees the file's back half as queued, or its last piece if that is less.
+        Where that is more than the slice has left, the step waits for the next slice, and
+        a fresh slice cuts off what its byte budget allows (a whole block at least): a
+        collected 2 GiB pack is not freed 1 GiB a unit. Halves are not cut smaller
+        otherwise: freeing a file in many small pieces left the next one written slower
+        to read cold (docs/store.md, "Recycled files")."""
         steps = 0
         while self._shrinking:
             entry = self._shrinking[0]
-            if budget is not None and not (budget.fresh or budget.affordable(UNLINK, 1)):
-                break
-            begun = budget.now() if budget is not None else 0.0
-            left = self._writer.shrink(entry[0], entry[1], entry[3])
+            step = entry[3]
             if budget is not None:
-                budget.spend(UNLINK, 1, 0, budget.now() - begun)
+                room = budget.bytes_left()
+                if min(step, entry[2]) > room:
+                    if not budget.fresh:
+                        break
+                    step = max(room // recovery.BLOCK, 1) * recovery.BLOCK
+                if not (budget.fresh or budget.affordable(UNLINK, 1)):
+                    break
+            begun = budget.now() if budget is not None else 0.0
+            left = self._writer.shrink(entry[0], entry[1], step)
+            if budget is not None:
+                budget.spend(UNLINK, 1, max(0, entry[2] - left), budget.now() - begun)
             steps += 1
             if left:
                 entry[2] = left
@@ -968,6 +983,8 @@ class PageStore:
         it has room; else unlinked now if it holds at most ``HALVE_ABOVE_BYTES``, or
         queued to lose its back half (whole blocks) and then the rest, a unit each
         (``_shrink_waiting``). A file already gone needs nothing."""
+        if any(entry[:2] == [key, generation] for entry in self._shrinking):
+            return  # queued already (released through another row that named it)
         name = object_name(key, generation)
         try:
             fd = open_subdir(fanout(key), self._objects_fd, create=False)
