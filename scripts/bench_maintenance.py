@@ -31,7 +31,9 @@ or not by maintenance beside it), and how many commits wrote more (``rewrites_<s
 The scenarios run in alternating rounds (``--rounds``), so drift in a shared disk's speed
 falls on each alike. Both kinds of maintenance run as the supervisor starts maintenance
 (nice 10, best-effort I/O at its lowest level). From the full runs: the longest slice the
-worker reported (``max_slice_ms``) against its budget (``slice_budget_ms``), its CPU time
+worker reported (``max_slice_ms``) against its budget (``slice_budget_ms``), the longest
+fsync of the index it made between slices to make a slice's collection durable
+(``max_index_sync_ms``; no lock held, no part of a slice), its CPU time
 over the runs' wall time (``maintenance_cpu_share``) against the duty cap (``duty_cap``),
 the bytes it collected per second (``reclaim_bytes_per_s``) against the bytes the writer
 published (``publish_bytes_per_s``), and how long publications were refused at the hard
@@ -167,6 +169,8 @@ class Run:
     files: int = 0
     recycled: int = 0
     written_pages: list[int] = field(default_factory=list)  # of each commit
+    # The longest fsync of the index after a slice that collected (outside slices).
+    index_sync_max_s: float = 0.0
 
     def __add__(self, other: Run) -> Run:
         """Two rounds of one scenario as one."""
@@ -175,7 +179,8 @@ class Run:
                    self.cpu_s + other.cpu_s, max(self.slice_max_s, other.slice_max_s),
                    self.collected + other.collected, self.refused_s + other.refused_s,
                    self.evicted + other.evicted, self.files + other.files,
-                   self.recycled + other.recycled, self.written_pages + other.written_pages)
+                   self.recycled + other.recycled, self.written_pages + other.written_pages,
+                   max(self.index_sync_max_s, other.index_sync_max_s))
 
     def turns_of(self, pages: int) -> list[float]:
         """The commit times of the turns that wrote exactly ``pages`` pages."""
@@ -274,6 +279,7 @@ def scenario(work: Path, name: str, args: argparse.Namespace, page: bytes,
         if name != "baseline":
             report = segs.stats.read(int(Role.MAINTENANCE))
             run.slice_max_s = report.slice_max_s
+            run.index_sync_max_s = report.index_sync_max_s
             run.collected = report.collected_bytes - report0.collected_bytes
             run.refused_s = report.refused_s - report0.refused_s
             run.evicted = report.evicted_roots - report0.evicted_roots
@@ -384,6 +390,7 @@ def main() -> int:
         "commit_lock_wait_max_baseline_s": max(base.lock_waits),
         "max_slice_ms": full.slice_max_s * 1000,
         "slice_budget_ms": settings.maintenance_slice_ms,
+        "max_index_sync_ms": full.index_sync_max_s * 1000,
         "maintenance_cpu_share": full.cpu_s / full.seconds,
         "duty_cap": settings.maintenance_duty,
         "baseline_cpu_share": base.cpu_s / base.seconds,

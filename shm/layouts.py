@@ -152,9 +152,10 @@ OUTCOMES = 8
 # One slot per worker of a rank (see workers.lifecycle.Role), written by that worker.
 WORKER_STATS = RecordLayout(
     "worker_stats",
-    # 6 had no pooled_bytes; 5 no entries, outcomes or durations; 4 no lock wait and no
-    # maintenance backlog; 3 no roots_superseded; 2 no pid_start and no drop_stale
-    7,
+    # 7 had no index_sync; 6 no pooled_bytes; 5 no entries, outcomes or durations; 4 no
+    # lock wait and no maintenance backlog; 3 no roots_superseded; 2 no pid_start and no
+    # drop_stale
+    8,
     np.dtype(
         [
             ("pid", "<u4"),
@@ -190,6 +191,10 @@ WORKER_STATS = RecordLayout(
             ("collectable_bytes", "<u8"),
             ("slice_last_s", "<f8"),  # the last slice's duration
             ("slice_max_s", "<f8"),  # the longest since the worker started
+            # fsyncs of the index after slices that collected, outside them: seconds in
+            # all, and the longest (PageStore.sync_collected)
+            ("index_sync_s", "<f8"),
+            ("index_sync_max_s", "<f8"),
             ("evicted_roots", "<u8"),  # roots removed whole, in all
             ("cut_roots", "<u8"),  # times a root was left cut short by a slice's budget
             ("skipped_roots", "<u8"),  # LRU roots passed over: evicting them frees nothing

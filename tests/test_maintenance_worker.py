@@ -70,6 +70,8 @@ def test_an_episode_evicts_down_to_the_low_watermark_and_stops_there(
         assert rec.collectable_objects == 0 and rec.selected_bytes < 64 * KiB
         assert rec.evicted_roots >= 3 and rec.collected_objects * PAGE == rec.collected_bytes
         assert 0 < rec.slice_last_s <= rec.slice_max_s <= 0.02
+        # Collection's deletes made durable after the slices, outside them.
+        assert 0 < rec.index_sync_max_s <= rec.index_sync_s
         # Collected files pooled up to the watermarks' gap (160 KiB: two of the packs of
         # four block-aligned records that each put wrote), the rest unlinked.
         pooled = 4 * record_span(PAGE)

@@ -18,8 +18,8 @@ import pytest
 from eviction_util import UNLIMITED, FakeClock, evict, meter
 
 from sparkcache.maintenance_policy import CostModel
-from sparkcache.store import PageStore
-from sparkcache.store.eviction import WALK_FACTOR, EvictionPlan
+from sparkcache.store import PageStore, index
+from sparkcache.store.eviction import RECORD, SYNC, TXN, UNLINK, WALK_FACTOR, EvictionPlan
 from sparkcache.store.fileops import FileOps
 from sparkcache.store.fsck import fsck
 from sparkcache.store.testing import make_root, object_file, page_bytes, populate
@@ -336,3 +336,59 @@ def test_collection_of_an_object_whose_file_is_gone_goes_on(
     assert store.collect(10).objects == 3
     assert_clean(store)
 
+
+
+def test_a_slices_deletions_are_durable_before_any_of_their_files_goes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slice's collection commits its deletes without an fsync (no lock held while the
+    disk answers) and removes none of their files; the WAL's fsync, outside any
+    transaction, comes first (``sync_collected``, or the next slice's collection)."""
+    synced: list[int] = []
+    unsynced_txns: list[int] = []
+    real_sync, real_unsynced = index.sync_wal, index.unsynced
+
+    with PageStore(tmp_path / "s", 0, lease_seconds=0, pool_bytes=0) as store:
+
+        def files() -> int:
+            return sum(1 for p in store.layout.objects_dir.rglob("*") if p.is_file())
+
+        def sync_wal(path: Path) -> None:
+            assert not store._wconn.in_transaction
+            synced.append(files())  # every file is still there when it begins
+            real_sync(path)
+
+        def unsynced(conn):
+            unsynced_txns.append(1)
+            return real_unsynced(conn)
+
+        monkeypatch.setattr(index, "sync_wal", sync_wal)
+        monkeypatch.setattr(index, "unsynced", unsynced)
+        costs = CostModel()
+        for kind in (UNLINK, RECORD, TXN, SYNC):  # measured: a slice affords all it has
+            costs.observe(kind, 1, 1e-6)
+        for rounds in (1, 2):
+            ids = [os.urandom(16).hex() for _ in range(3)]
+            for root_id in ids:
+                store.commit(make_root(root_id, [os.urandom(16).hex()], SIZE))
+            store.remove_roots(ids)
+            # Rows deleted (in a transaction without an fsync), no file touched.
+            before = len(unsynced_txns)
+            assert store.collect(16, meter(costs=costs)).objects == 0
+            assert len(unsynced_txns) == before + 1
+            assert (files(), store.usage().collectable_objects) == (3, 0)
+            assert store.unlinking.objects == 3 and synced == [3] * (rounds - 1)
+            assert store._rconn.execute(
+                "SELECT count(*) FROM objects WHERE refcount = 0").fetchone() == (0,)
+            if rounds == 1:
+                assert store.sync_collected() and not store.sync_collected()
+            # Round 2: the next slice's collection syncs first, itself.
+            assert store.collect(16, meter(costs=costs)).objects == 3
+            assert files() == 0 and synced == [3] * rounds
+        # Without a budget (the CLI, tests) the delete is synced at COMMIT, as before.
+        last = os.urandom(16).hex()
+        store.commit(make_root(last, [os.urandom(16).hex()], SIZE))
+        store.remove_roots([last])
+        before = len(unsynced_txns)
+        assert store.collect(16).objects == 1 and files() == 0 and len(synced) == 2
+        assert len(unsynced_txns) == before
+        assert_clean(store)

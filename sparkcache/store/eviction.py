@@ -33,7 +33,8 @@ from typing import Protocol
 PAGE = "page"  # one page reference dropped from a root (index rows)
 UNLINK = "unlink"  # one unreferenced object collected (row deleted, file unlinked)
 RECORD = "record"  # a pack's record collected, its punch deferred (row deleted, one read)
-TXN = "txn"  # beginning and committing one write transaction (the WAL's fsync)
+TXN = "txn"  # beginning and committing one write transaction (and its fsync, if synced)
+SYNC = "sync"  # the WAL fsynced outside a transaction (collection's deletions made durable)
 # Page references dropped per statement batch; between batches the budget is asked again.
 CHUNK_PAGES = 256
 # Planning reads at most this many LRU roots per root a slice may evict, and plans at most

@@ -30,6 +30,7 @@ EVICTION_STEPS = (
     "evict.truncated",  # a step committed that left a root cut short (store/eviction.py)
     "collect.select",  # inside the collection transaction, rows chosen, before DELETE
     "collect.delete",  # rows deleted, before COMMIT
+    "collect.synced",  # a slice's deletions (committed without an fsync) made durable
     "collect.unlink",  # rows gone durably, before unlinking (or pooling) one file, or
     # punching one record out of a pack
     "collect.pooled",  # a collected file moved into the pool (store/pool.py)

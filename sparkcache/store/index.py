@@ -281,6 +281,23 @@ def unsynced(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         conn.execute(f"PRAGMA synchronous={level}")
 
 
+def sync_wal(path: Path) -> None:
+    """fsync the WAL of the index at ``path``: every transaction committed before the
+    call, synced or not (``unsynced``), is durable once it returns. Outside any
+    transaction, so no lock is held while the disk answers. Without a WAL file (its last
+    connection checkpointed it away) the index file itself is synced."""
+    wal = path.with_name(path.name + "-wal")
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(wal, flags)
+    except FileNotFoundError:
+        fd = os.open(path, flags)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def read_txn(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     """A deferred transaction: every read inside sees one snapshot."""

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from sparkcache.identity import require_hex
 from sparkcache.store import eviction, index, recovery
-from sparkcache.store.eviction import RECORD, TXN, UNLINK, Budget, EvictionPlan
+from sparkcache.store.eviction import RECORD, SYNC, TXN, UNLINK, Budget, EvictionPlan
 from sparkcache.store.fileops import FileOps, StepHook, no_hook
 from sparkcache.store.gate import LookupGate
 from sparkcache.store.layout import (
@@ -180,6 +180,9 @@ class PageStore:
         # Rows collection deleted whose records it has yet to remove:
         # (key, generation, bytes, file_key, file_offset).
         self._unlinking: deque[tuple[str, str, int, str | None, int]] = deque()
+        # Rows a slice's collection deleted without an fsync: their records wait for the
+        # index to be synced (``sync_collected``), then join ``_unlinking``.
+        self._unsynced: list[tuple[str, str, int, str | None, int]] = []
         # Collected files the pool did not take, being removed in halves
         # (HALVE_ABOVE_BYTES): [key, generation, bytes left, bytes the first step cuts].
         self._shrinking: deque[list] = deque()
@@ -225,6 +228,7 @@ class PageStore:
         release descriptors and connections."""
         try:
             self.flush_touches()
+            self.sync_collected()
             while self._unlinking:
                 self._unlink(*self._unlinking.popleft())
             self._punch_deferred(None, every=True)
@@ -886,10 +890,14 @@ class PageStore:
 
         With a ``budget``: the files of rows an earlier call deleted and left waiting go
         first; then as many rows as the budget's bytes and time estimate allow are deleted,
-        and their files unlinked one by one while its time lasts. An unlink can take far
-        longer than usual on a busy disk, so files left when the time is up wait for the
-        next call (``unlinking``): their rows are gone, so they are nothing to any reader,
-        and a crash leaves them as orphans that ``reconcile`` removes."""
+        in a transaction that commits without an fsync, and their files wait until
+        ``sync_collected`` has made that durable (the maintenance worker calls it between
+        slices; the next call does otherwise), then are unlinked one by one while a
+        slice's time lasts. An unlink can take far longer than usual on a busy disk, so
+        files left when the time is up wait for the next call (``unlinking``): their rows
+        are gone, so they are nothing to any reader, and a crash leaves them as orphans
+        that ``reconcile`` removes. A power cut before the sync may bring the rows back;
+        their files are all still there."""
         if budget is None:
             rows = self._delete_garbage(n)
             for row in rows:
@@ -897,6 +905,10 @@ class PageStore:
             self._punch_deferred(None)
             shrunk = self._shrink_waiting(None)
             return CollectResult(len(rows), sum(r[2] for r in rows), shrunk)
+        if self._unsynced:
+            begun = budget.now()
+            self.sync_collected()
+            budget.spend(SYNC, 1, 0, budget.now() - begun)
         self._punch_deferred(budget)
         shrunk = self._shrink_waiting(budget)
         done = self._unlink_waiting(budget)
@@ -909,19 +921,30 @@ class PageStore:
         if n <= 0 or (budget.bytes_left() <= 0 and not budget.fresh):
             return done
         begun = budget.now()
-        self._unlinking.extend(self._delete_garbage(n, budget))
+        self._unsynced.extend(self._delete_garbage(n, budget))
         budget.spend(TXN, 1, 0, budget.now() - begun)
-        more = self._unlink_waiting(budget)
-        shrunk += self._shrink_waiting(budget)
-        return CollectResult(done.objects + more.objects, done.bytes + more.bytes, shrunk)
+        return CollectResult(done.objects, done.bytes, shrunk)
+
+    def sync_collected(self) -> bool:
+        """Make the deletions of a slice's collection durable (the index's WAL fsynced,
+        no lock held), so that their files may go: the rows can no longer come back.
+        Whether there were any."""
+        if not self._unsynced:
+            return False
+        index.sync_wal(self.layout.index_path)
+        self._hook("collect.synced")
+        self._unlinking.extend(self._unsynced)
+        self._unsynced.clear()
+        return True
 
     @property
     def unlinking(self) -> CollectResult:
-        """Objects whose rows collection deleted and whose files it has yet to unlink,
-        and files it is still cutting short (their bytes left)."""
-        return CollectResult(len(self._unlinking) + len(self._shrinking),
-                             sum(r[2] for r in self._unlinking)
-                             + sum(e[2] for e in self._shrinking))
+        """Objects whose rows collection deleted and whose files it has yet to unlink
+        (their deletion synced or not yet), and files it is still cutting short (their
+        bytes left)."""
+        waiting = [*self._unsynced, *self._unlinking]
+        return CollectResult(len(waiting) + len(self._shrinking),
+                             sum(r[2] for r in waiting) + sum(e[2] for e in self._shrinking))
 
     @property
     def punches_due(self) -> bool:
@@ -933,8 +956,11 @@ class PageStore:
     def _delete_garbage(
         self, n: int, budget: Budget | None = None
     ) -> list[tuple[str, str, int, str | None, int]]:
-        """Delete up to ``n`` unreferenced rows (fitting ``budget``'s bytes) durably."""
-        with index.write_txn(self._wconn) as conn:
+        """Delete up to ``n`` unreferenced rows (fitting ``budget``'s bytes): durably
+        without a budget; with one, in a transaction without an fsync, which would hold
+        the write lock while commits wait (``sync_collected`` makes it durable)."""
+        with (index.unsynced(self._wconn) if budget is not None else contextlib.nullcontext(),
+              index.write_txn(self._wconn) as conn):
             rows = conn.execute(
                 "SELECT key, generation, bytes, file_key, file_offset FROM objects "
                 "WHERE refcount = 0 LIMIT ?", (n,)
