@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sparkcache.store import layout
+from sparkcache.store import StoreError, layout
 
 
 def registry_path(store_dir: Path, rank: int) -> Path:
@@ -31,9 +31,11 @@ def write_registry(store_dir: Path, rank: int, reg_gen: int, block_dim: int,
 
 
 def read_registry(store_dir: Path, rank: int) -> dict[str, Any] | None:
+    """The descriptor as written; None if there is none, it cannot be read, or the store
+    dir is not safe (a client writes into no other)."""
     try:
-        return json.loads(layout.read_file(registry_path(store_dir, rank)))
-    except (OSError, ValueError):
+        return json.loads(layout.read_file(store_dir, registry_path(store_dir, rank).name))
+    except (OSError, ValueError, StoreError):
         return None
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from sparkcache.store import layout
+from sparkcache.store import StoreError, layout
 
 RUNTIME_FILE = "runtime.json"
 # Settings the supervisor repeats under "settings" (numbers only): what ``status``,
@@ -38,10 +38,11 @@ def write(store_dir: Path, data: dict[str, Any]) -> None:
 
 def read(store_dir: Path) -> dict[str, Any] | None:
     """``runtime.json`` as written, or None when there is none a supervisor could have
-    written (absent, unreadable, not JSON, or JSON but not an object)."""
+    written (absent, unreadable, not JSON, or JSON but not an object, or in a store dir
+    that is not safe, where a supervisor writes nothing)."""
     try:
-        data = json.loads(layout.read_file(store_dir / RUNTIME_FILE))
-    except (OSError, ValueError):
+        data = json.loads(layout.read_file(store_dir, RUNTIME_FILE))
+    except (OSError, ValueError, StoreError):
         return None
     return data if isinstance(data, dict) else None
 

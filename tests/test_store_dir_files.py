@@ -83,3 +83,24 @@ def test_files_are_written_only_into_a_safe_store_dir(
         kvmem.write_registry(store, 0, 7, 1, {})
     assert list(real.iterdir()) == []
     assert sorted(p.name for p in store.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["symlink", "mode", "owner"])
+def test_files_are_read_only_from_a_safe_store_dir(tmp_path: Path, kind: str) -> None:
+    """What a supervisor or a client writes is read back only from a dir they would have
+    written into: in one others can write (or reached through a link) it may be planted."""
+    real, store = tmp_path / "real", tmp_path / "store"
+    real.mkdir(mode=0o700)
+    runtime.write(real, {"pid": 1})
+    kvmem.write_registry(real, 0, 7, 1, {})
+    assert runtime.read(real) == {"pid": 1} and kvmem.read_registry(real, 0) is not None
+    if kind == "symlink":
+        store.symlink_to(real)
+    else:
+        real.rename(store)
+        if kind == "mode":
+            store.chmod(0o777)
+        else:
+            os.chown(store, 65534, -1)
+    assert runtime.read(store) is None
+    assert kvmem.read_registry(store, 0) is None

@@ -181,12 +181,19 @@ def write_file(dir_fd: int, name: str, data: bytes) -> None:
         raise
 
 
-def read_file(path: Path) -> bytes:
-    """The bytes of the plain file ``path``, never through a link (OSError otherwise)."""
-    fd = os.open(path, os.O_RDONLY | FILE_FLAGS)
+def read_file(store_dir: Path, name: str) -> bytes:
+    """The bytes of the plain file ``name`` in the store dir, which must be safe
+    (``open_store_dir``: UnsafeStoreDir otherwise), never through a link (OSError
+    otherwise). What ``write_file`` wrote is only ever read back from such a dir: a file
+    in a dir others can write may have been planted there."""
+    dir_fd = open_store_dir(store_dir, create=False)
+    try:
+        fd = os.open(name, os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, f"{path} is not a plain file")
+            raise OSError(errno.EINVAL, f"{store_dir / name} is not a plain file")
         return f.read()
 
 
