@@ -297,10 +297,30 @@ class Ring:
         self.close()
 
 
+def _maps_segment(pid: int, name: str) -> bool:
+    """Whether process ``pid`` is alive with segment ``name`` mapped. Its pid alone is not
+    enough: an end killed while attached leaves its pid in the ring, and the kernel may
+    have given that pid to an unrelated process since, which would lock the ring's end
+    out until that process exits. Where its mappings cannot be read (another user's
+    process, no procfs), a live pid counts, as it always did."""
+    path = "/dev/shm/" + name.lstrip("/")
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+            # The path is the sixth field; " (deleted)" follows it once unlinked. Exact:
+            # one ring's name may begin another's (load, loaded).
+            return any(line.split(maxsplit=5)[5:] in ([path + "\n"], [path + " (deleted)\n"])
+                       for line in f)
+    except FileNotFoundError:
+        return psutil.pid_exists(pid) and not os.path.exists("/proc/self/maps")
+    except OSError:
+        return psutil.pid_exists(pid)
+
+
 def _claim_end(m: _RingMapping, pid_at: int, role: str) -> bool:
-    """Record this process as the ring's ``role``. True if the previous one died attached."""
+    """Record this process as the ring's ``role``. True if the previous one died attached
+    (or is alive but no longer maps the ring: its pid was reused)."""
     pid = m.u64(pid_at)
-    if pid and psutil.pid_exists(pid):
+    if pid and _maps_segment(pid, m.name):
         m.close()
         raise SegmentError(f"ring {m.name} already has a {role} (pid {pid}); it is single-{role}")
     m.set_u64(pid_at, os.getpid())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import stat
+import subprocess
 from collections import deque
 
 import numpy as np
@@ -25,7 +26,7 @@ from shm import (
     SegmentError,
     segment_name,
 )
-from shm.ring import _CONSUMER_PID
+from shm.ring import _CONSUMER_PID, _PRODUCER_PID
 from shm.segment import instance_entries
 
 LAYOUT = RecordLayout("test-rec", 1, np.dtype([("seq", "<u8"), ("val", "<i4"), ("tag", "<u2")]))
@@ -318,3 +319,28 @@ def test_consumer_attaching_to_a_closed_drained_ring_sees_it_closed(ring):
     with pytest.raises(RingClosed):
         late.pop(timeout=5)
     late.close()
+
+
+@pytest.mark.parametrize("end", ["producer", "consumer"])
+def test_an_end_whose_pid_was_reused_does_not_lock_the_ring(instance: str, end: str) -> None:
+    """An end SIGKILLed while attached leaves its pid in the ring; once the kernel gives
+    that pid to an unrelated live process, a new end still attaches (it was refused until
+    that process exited). A live process that maps the ring still holds its end."""
+    name = segment_name(instance, 0, "ring")
+    with Ring.create(name, LAYOUT, 4) as r, subprocess.Popen(["sleep", "60"]) as other:
+        try:
+            cls, word = (Producer, _PRODUCER_PID) if end == "producer" else (
+                Consumer, _CONSUMER_PID)
+            first = cls(r.name, LAYOUT)
+            with pytest.raises(SegmentError, match=f"already has a {end}"):
+                cls(r.name, LAYOUT)  # this process maps the ring: the end is taken
+            first._m.set_u64(word, other.pid)  # as if killed, its pid now the sleep's
+            first._m.close()
+            second = cls(r.name, LAYOUT)
+            assert second._m.u64(word) == os.getpid()
+            if end == "consumer":
+                second.close()
+            else:
+                second.detach()
+        finally:
+            other.kill()
