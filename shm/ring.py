@@ -64,7 +64,6 @@ from collections import deque
 
 import numpy as np
 import posix_ipc
-import psutil
 
 from shm.records import RecordLayout
 from shm.segment import (
@@ -302,18 +301,18 @@ def _maps_segment(pid: int, name: str) -> bool:
     enough: an end killed while attached leaves its pid in the ring, and the kernel may
     have given that pid to an unrelated process since, which would lock the ring's end
     out until that process exits. Where its mappings cannot be read (another user's
-    process, no procfs), a live pid counts, as it always did."""
-    path = "/dev/shm/" + name.lstrip("/")
+    process), the process exists, and counts, as any live pid always did."""
+    path = str(SHM_DIR / name.lstrip("/"))
     try:
         with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
             # The path is the sixth field; " (deleted)" follows it once unlinked. Exact:
             # one ring's name may begin another's (load, loaded).
             return any(line.split(maxsplit=5)[5:] in ([path + "\n"], [path + " (deleted)\n"])
                        for line in f)
-    except FileNotFoundError:
-        return psutil.pid_exists(pid) and not os.path.exists("/proc/self/maps")
+    except (FileNotFoundError, ProcessLookupError):
+        return False  # no such process
     except OSError:
-        return psutil.pid_exists(pid)
+        return True
 
 
 def _claim_end(m: _RingMapping, pid_at: int, role: str) -> bool:
