@@ -13,9 +13,8 @@ import signal
 import sys
 import time
 
-from sparkcache import config
+from sparkcache import config, exit_signal
 from sparkcache.instance import NoSupervisor, running
-from sparkcache.soak.control import exit_on_signal
 from sparkcache.synthetic import MODEL_ID, SyntheticEngine, sequences
 
 
@@ -25,15 +24,18 @@ def main() -> int:
     ap.add_argument("--model-id", default=MODEL_ID,
                     help="the model identity page keys are namespaced by")
     args = ap.parse_args()
-    # A SIGTERM (kill, timeout, a container stopping) unwinds through the finally below,
-    # as Ctrl-C does: by default the process would die at once and leave its KV cache's
-    # segment in /dev/shm until the next engine or supervisor of the rank.
-    signal.signal(signal.SIGTERM, exit_on_signal)
     try:
         cfg = config.load()
     except config.ConfigError as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2
+    # Made before the handler goes in: this first use of numpy.random imports its Cython
+    # modules, which can lose the handler's exit (sparkcache.exit_signal).
+    seqs = sequences(args.sequences, cfg.page_tokens)
+    # A SIGTERM (kill, timeout, a container stopping) unwinds through the finally below,
+    # as Ctrl-C does: by default the process would die at once and leave its KV cache's
+    # segment in /dev/shm until the next engine or supervisor of the rank.
+    exit_signal.install(signal.SIGTERM)
     try:
         # Without one every publication is skipped, and retried for seconds each.
         running(cfg.store_dir)
@@ -42,9 +44,11 @@ def main() -> int:
         print(f"demo: {e}", file=sys.stderr)
         return 2
     try:
-        seqs = sequences(args.sequences, cfg.page_tokens)
         t0 = time.monotonic()
-        published = sum(engine.publish(sid, tokens) for sid, tokens in seqs.items())
+        published = 0
+        for sid, tokens in seqs.items():
+            exit_signal.exit_if_signalled()
+            published += engine.publish(sid, tokens)
         engine.drain()  # every publication's blocks back and its durability known
         durable = len(engine.acknowledged)
         print(f"demo: published {published}/{len(seqs)} sequences in "
@@ -52,6 +56,7 @@ def main() -> int:
               f"{engine.max_call_s * 1e3:.2f} ms; skipped {dict(engine.client.counters.skipped)}")
         pages = exact = 0
         for tokens in engine.accepted.values():
+            exit_signal.exit_if_signalled()
             _, ok = engine.restore_exact(tokens)
             pages += len(engine.keys(tokens))
             exact += ok

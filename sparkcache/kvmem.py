@@ -87,14 +87,21 @@ class SharedKVCaches:
         unlink_dead_engines(instance, rank)  # a dead predecessor's, before ours takes room
         seg = Segment.create(segment_name(instance, rank, engine_segment_role(os.getpid())),
                              KV_SPEC, total)
-        base = seg.array(np.uint8, 0, total)
-        tensors = [
-            torch.from_numpy(base[off : off + size]).view(dtype).view(shape)
-            for off, size, shape in zip(offsets, sizes, shapes, strict=True)
-        ]
-        addr = base.ctypes.data
-        _LIVE[(addr, addr + total)] = seg.name
-        return cls(seg, tensors)
+        try:
+            base = seg.array(np.uint8, 0, total)
+            tensors = [
+                torch.from_numpy(base[off : off + size]).view(dtype).view(shape)
+                for off, size, shape in zip(offsets, sizes, shapes, strict=True)
+            ]
+            addr = base.ctypes.data
+            caches = cls(seg, tensors)
+        except BaseException:
+            # A SIGTERM's SystemExit lands here as readily as anywhere else: left in
+            # /dev/shm, the segment would hold its memory until a sweep.
+            seg.close()
+            raise
+        _LIVE[(addr, addr + total)] = seg.name  # no call from here on: no signal lands
+        return caches
 
     @classmethod
     def adopt(cls, instance: str, rank: int, tensors: list[torch.Tensor]) -> SharedKVCaches:

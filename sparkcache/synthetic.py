@@ -65,22 +65,24 @@ class SyntheticEngine:
         keys do not depend on it)."""
         shapes = [kv_shape(cfg.page_tokens, blocks)] * LAYERS
         kv = None
-        if device == "cpu":
-            kv = SharedKVCaches.create(cfg.instance, rank, shapes, torch.float16)
-            tensors = kv.tensors
-        else:
-            tensors = [torch.zeros(s, dtype=torch.float16, device=device) for s in shapes]
         try:
+            if device == "cpu":
+                kv = SharedKVCaches.create(cfg.instance, rank, shapes, torch.float16)
+                tensors = kv.tensors
+            else:
+                tensors = [torch.zeros(s, dtype=torch.float16, device=device) for s in shapes]
             client = SparkCacheClient(cfg, rank, model_id=model_id)
             if not client.register_kv_caches(tensors):
                 client.close()
                 raise RuntimeError("the client refused the KV caches (see the log)")
+            engine = cls(client, tensors, kv, blocks)
         except BaseException:
-            # The segment is this process's: unlinked here, or left in /dev/shm.
+            # The segment is this process's: unlinked here, or left in /dev/shm (a
+            # SIGTERM's SystemExit lands anywhere up to the return).
             if kv is not None:
                 kv.close()
             raise
-        return cls(client, tensors, kv, blocks)
+        return engine
 
     def keys(self, tokens: list[int], extra: KeyExtras | None = None) -> tuple[str, ...]:
         return sequence_keys(self.client._reg.namespace, tokens, extra).all()

@@ -32,6 +32,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from sparkcache import exit_signal
 from sparkcache.soak.params import SoakParams
 
 START_TIMEOUT_S = 120.0
@@ -104,11 +105,6 @@ def kv_blocks(params: SoakParams) -> int:
     return -(-(params.probe_tokens + params.probe_decode_tokens) // params.page_tokens) + 1
 
 
-def exit_on_signal(signum: int, frame: object) -> None:
-    """A signal handler that unwinds as Ctrl-C does (finally blocks run), exit 128+N."""
-    raise SystemExit(128 + signum)
-
-
 def _serve(params: SoakParams) -> None:
     import torch
 
@@ -120,7 +116,7 @@ def _serve(params: SoakParams) -> None:
     # A SIGTERM to the soak's process group (kill, timeout) ends this process through
     # the finally below, as Ctrl-C does: by default it would die at once and leave its
     # KV cache's segment in /dev/shm.
-    signal.signal(signal.SIGTERM, exit_on_signal)
+    exit_signal.install(signal.SIGTERM)
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {params.engine_core})
     # Named after the soak's process, as its lanes' instances are (lanes.run_lane).
@@ -131,6 +127,7 @@ def _serve(params: SoakParams) -> None:
         run_probe(engine, params, engine.namespace, "warmup", 0)
         print("ready", flush=True)
         for line in sys.stdin:
+            exit_signal.exit_if_signalled()
             phase, index = line.split()
             probe = run_probe(engine, params, engine.namespace, phase, int(index))
             print(json.dumps({"decode_cpu_s": probe.decode_cpu_s, "cpu_s": probe.cpu_s}),

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from shm.segment import instance_entries
+from sparkcache import exit_signal
 from sparkcache.soak import engine as engine_mod
 from sparkcache.soak.aging import age_store, aged_conversations, seed_store
 from sparkcache.soak.backend import NullBackend, ServiceBackend
@@ -154,6 +155,7 @@ def run_lane(name: str, params: SoakParams, model: ToyModel, workdir: Path,
         def probes(phase: str) -> list[ProbeResult]:
             out = []
             for i in range(params.probes):
+                exit_signal.exit_if_signalled()
                 progress(f"probe {phase} {i + 1}/{params.probes}", 0.0)
                 for attempt in range(1 + PROBE_RETRIES):
                     probe = run_probe(engine, params, engine.namespace, phase, i,

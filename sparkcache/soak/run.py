@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from sparkcache import config, segments
+from sparkcache import config, exit_signal, segments
 from sparkcache.config import MiB
 from sparkcache.soak import control as control_mod
 from sparkcache.soak import engine as engine_mod
-from sparkcache.soak.control import ControlEngine, exit_on_signal
+from sparkcache.soak.control import ControlEngine
 from sparkcache.soak.lanes import LaneResult, kv_blocks, run_lane, slot_bytes
 from sparkcache.soak.model import ToyModel
 from sparkcache.soak.params import LANES, SoakParamError, SoakParams
@@ -52,10 +52,11 @@ def run(params: SoakParams, progress: Progress, work_dir: Path | None = None
         # through the finally blocks that stop its supervisors and engines and remove its
         # stores: Python's default ends the process at once and leaves them all behind.
         if main:
-            signal.signal(signal.SIGTERM, exit_on_signal)
+            exit_signal.install(signal.SIGTERM)
         model = ToyModel()
         control = ControlEngine(params, root / "control.log")
         for name in params.lanes:
+            exit_signal.exit_if_signalled()
             log.info("soak: lane %s", name)
             results[name] = run_lane(name, params, model, root, all_cores,
                                      lambda what, share, n=name: progress(n, what, share),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sparkcache import exit_signal
 from sparkcache.identity import KeyChain, Namespace
 from sparkcache.soak.contention import CoreMeter
 from sparkcache.soak.control import ControlEngine, ControlProbe
@@ -147,6 +148,7 @@ def run_conversations(engine: SoakEngine, params: SoakParams, ns: Namespace,
         engine.submit(conv.next_request(lambda r, c=conv: on_finish(r, c)))
     next_tick = 0.0
     while time.perf_counter() < until:
+        exit_signal.exit_if_signalled()
         if not engine.step():
             time.sleep(0.0005)
         if tick is not None and time.perf_counter() >= next_tick:
