@@ -374,11 +374,22 @@ def read_creator(path: Path) -> tuple[int, float] | None:
 
 
 def creator_alive(pid: int, start: float) -> bool:
+    """Whether the process ``pid`` that started at ``start`` still runs. A zombie does not
+    (it exited and holds no mapping; only its parent has not reaped it yet: an engine's
+    KV segment of tens of GiB waited for that). What psutil cannot tell counts as alive:
+    unlinking a live process's segment breaks it, keeping a dead one's only delays."""
     if not psutil.pid_exists(pid):
         return False
     actual = process_start(pid)
     # A different start time means the pid was reused by an unrelated process.
-    return actual == 0.0 or start == 0.0 or abs(actual - start) < 1.0
+    if not (actual == 0.0 or start == 0.0 or abs(actual - start) < 1.0):
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True
 
 
 def sweep(instance: str) -> list[str]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import time
 from enum import IntEnum
 
-import psutil
-
 from shm.segment import creator_alive
 from workers.lifecycle import State
 
@@ -86,13 +84,4 @@ def process_gone(pid: int, start: float) -> bool:
     are released), or names a process started at another time. Whatever psutil cannot
     tell counts as alive: reporting a live writer dead could let it write into memory
     its reader has reused, while a late report only delays."""
-    if pid <= 0:
-        return True
-    if not creator_alive(pid, start):
-        return True
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.Error:
-        return False
+    return pid <= 0 or not creator_alive(pid, start)

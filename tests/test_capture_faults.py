@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from pipeline_util import sequences
@@ -25,10 +26,12 @@ from shm.segment import (
     UNWRITTEN_GRACE_S,
     Segment,
     instance_entries,
+    process_start,
     segment_name,
     sweep,
 )
 from sparkcache import kvmem, segments
+from sparkcache.protocol import process_gone
 from workers.capture import Capture
 
 SETTINGS = {"release_timeout_seconds": "5"}
@@ -108,6 +111,28 @@ def test_an_engine_that_died_leaves_no_kv_segment_behind_its_successor(
         assert instance_entries(instance) == [kv._seg.name[1:]]
     finally:
         kv.close()
+
+
+@pytest.mark.parametrize("unlink", [lambda inst: kvmem.unlink_dead_engines(inst, 0), sweep],
+                         ids=["next engine", "supervisor start"])
+def test_an_engine_exited_but_not_reaped_leaves_no_kv_segment(
+        instance: str, spawn: mp.context.SpawnContext, unlink) -> None:
+    """A zombie (exited, its parent not yet reaping it: vLLM's engine core under the
+    process that started it) maps nothing and writes nothing more; its KV segment went
+    only once it was reaped, although capture already took it for gone."""
+    child = spawn.Process(target=_leave_kv, args=(instance,))
+    child.start()
+    try:
+        deadline = time.monotonic() + 60
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        [left] = instance_entries(instance)
+        assert process_gone(child.pid, process_start(child.pid))
+        assert unlink(instance) == ["/" + left]
+        assert instance_entries(instance) == []
+    finally:
+        child.join(60)
 
 
 def test_a_kv_descriptor_reaching_before_the_payload_is_refused(instance: str) -> None:
