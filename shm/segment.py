@@ -39,6 +39,7 @@ import pwd
 import re
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -392,14 +393,18 @@ def creator_alive(pid: int, start: float) -> bool:
         return True
 
 
-def sweep(instance: str) -> list[str]:
-    """Unlink the segments (and their semaphores) of ``instance`` whose creator is dead.
-    Segments of live creators, of other instances and of other users (or not plain files:
-    see ``foreign_entries``) are never touched. Returns the names removed."""
+def sweep(instance: str, only: Callable[[str], bool] | None = None) -> list[str]:
+    """Unlink the segments (and their semaphores) of ``instance`` whose creator is dead,
+    of those whose name (without the slash) ``only`` accepts if given. Segments of live
+    creators, of other instances and of other users (or not plain files: see
+    ``foreign_entries``) are never touched. Returns the names removed."""
     prefix = f"{NAME_PREFIX}{instance}."
     removed: list[str] = []
     live_segments: set[str] = set()
     for path in sorted(SHM_DIR.glob(prefix + "*")):
+        if only is not None and not only(path.name):
+            live_segments.add(path.name)  # not to be judged here: nor its semaphores
+            continue
         try:
             if not _ours(os.lstat(path)):
                 live_segments.add(path.name)  # not ours to judge; keeps its semaphores too
@@ -424,7 +429,7 @@ def sweep(instance: str) -> list[str]:
     for path in sorted(SHM_DIR.glob("sem." + prefix + "*")):
         sem_name = path.name[len("sem.") :]
         owner = sem_name.rsplit(".", 1)[0]
-        if owner in live_segments:
+        if owner in live_segments or (only is not None and not only(owner)):
             continue
         try:
             if not _ours(os.lstat(path)):

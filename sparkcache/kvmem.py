@@ -18,13 +18,10 @@ import numpy as np
 import torch
 
 from shm.segment import (
-    SHM_DIR,
     Segment,
     SegmentSpec,
-    creator_alive,
-    read_creator,
     segment_name,
-    unlink_quietly,
+    sweep,
 )
 from sparkcache.registry import (  # noqa: F401  (where callers have found them)
     read_registry,
@@ -44,19 +41,10 @@ def unlink_dead_engines(instance: str, rank: int) -> list[str]:
     unlinking them (SIGKILLed: the OOM killer, say), and return their names. Only a
     supervisor's start swept them, so while one ran each engine restart left its
     predecessor's KV cache (tens of GiB) in /dev/shm, and the new one's ``adopt`` could
-    then find no room. A segment whose creator lives, or whose header is not written
-    yet (``shm.segment.sweep`` waits for those), or that is not a plain file of this
-    user's, is left alone; a worker that still maps one keeps its mapping."""
+    then find no room. ``shm.segment.sweep``'s rules, for this rank's engine segments
+    only; a worker that still maps one keeps its mapping."""
     prefix = segment_name(instance, rank, "kv")[1:]  # engine_segment_role(pid): kv<pid>
-    removed = []
-    for path in sorted(SHM_DIR.glob(prefix + "*")):
-        if not is_engine_segment(path.name):
-            continue
-        creator = read_creator(path)
-        dead = creator is not None and not creator_alive(*creator)
-        if dead and unlink_quietly("/" + path.name):
-            removed.append("/" + path.name)
-    return removed
+    return sweep(instance, only=lambda name: name.startswith(prefix) and is_engine_segment(name))
 
 
 def _dtype(name: str) -> torch.dtype:
