@@ -59,6 +59,7 @@ from sparkcache.protocol import (
     status_name,
     worker_alive,
 )
+from sparkcache.ratelog import RateLimitedLog
 from sparkcache.store.reader import StoreReader
 from workers.lifecycle import Role
 
@@ -179,6 +180,8 @@ class _Connection:
         # A worker silent this long is down (the supervisor kills it at the same age):
         # publications are skipped meanwhile.
         self.stale_after_s = cfg.heartbeat_timeout_s
+        rt = runtime.read(cfg.store_dir) or {}
+        runtime.check_pid_namespace(rt)
         try:
             self.stats = self._keep(segments.attach_stats(cfg, rank))
             self.arena = self._keep(segments.attach_arena(cfg, rank))
@@ -188,8 +191,7 @@ class _Connection:
             self.durable = self._keep(segments.consumer(cfg, rank, "durable", spin_s=0))
             self.request = self._keep(segments.producer(cfg, rank, "request"))
             # The running supervisor's cap, not this process's idea of it.
-            self.hard_cap = int((runtime.read(cfg.store_dir) or {}).get(
-                "hard_cap_bytes", cfg.hard_cap_bytes))
+            self.hard_cap = int(rt.get("hard_cap_bytes", cfg.hard_cap_bytes))
             self.load = self._keep(segments.producer(cfg, rank, "load"))
             self.loaded = self._keep(segments.consumer(cfg, rank, "loaded", spin_s=0))
             # Optional: without it (a supervisor of an older version) the counters are
@@ -284,6 +286,7 @@ class SparkCacheClient:
         self._reap_at = 0.0
         self._restore_id_at = 0.0
         self._restore_id: tuple[int, float] | None = None
+        self._log = RateLimitedLog(log)
 
     # ---------------------------------------------------------------- registration
 
@@ -343,6 +346,10 @@ class SparkCacheClient:
         self._next_connect = now + RECONNECT_INTERVAL_S
         try:
             self._conn = _Connection(self.cfg, self.rank)
+        except runtime.OtherPidNamespace as exc:
+            # A deployment error, not a supervisor starting or stopping: said, not debug.
+            self._log.warning("pid_namespace", "SparkCache is off for rank %d: %s",
+                              self.rank, exc)
         except Exception as exc:
             log.debug("supervisor segments not available: %s", exc)
         return self._conn

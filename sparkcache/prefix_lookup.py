@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from shm import Producer, RingFull, StatsBlock
 from shm.layouts import split_key
-from sparkcache import segments
+from sparkcache import runtime, segments
 from sparkcache.config import AccessMode, Config
 from sparkcache.engine_stats import (
     SLOT_LOOKUP,
@@ -136,6 +136,8 @@ class PrefixLookup:
 
     def _lookup(self, keys: Sequence[str], beyond: int, hint: int, now: float) -> int:
         if now >= self._alive_until:
+            # Leases go through rings whose ends are judged by pid (OtherPidNamespace).
+            runtime.check_pid_namespace(runtime.read(self.cfg.store_dir))
             # A lease taken in the interval after maintenance died is lost, as one taken
             # a moment before its death would be: the load misses and is recomputed.
             if not all(self._maintenance_alive(r) for r in range(self.tp_size)):

@@ -26,6 +26,38 @@ RUNTIME_SETTINGS = (
 )
 
 
+class OtherPidNamespace(RuntimeError):
+    """The supervisor runs in another PID namespace than this process."""
+
+
+def pid_namespace() -> str | None:
+    """This process's PID namespace as ``/proc/self/ns/pid`` names it (``pid:[<inode>]``),
+    or None where that cannot be read."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def check_pid_namespace(rt: dict[str, Any] | None) -> None:
+    """Raise OtherPidNamespace if the supervisor of ``rt`` (runtime.json) runs in another
+    PID namespace than this process. Each side judges the other's processes alive or dead
+    by the pids they record (ring ends, KV registrations and segments, a load's restore
+    worker); across namespaces a pid names another process or none, so a live one is
+    taken for dead: capture dropped a live engine's registration and unlinked its KV
+    segment, and a load whose worker was taken for dead could still be written into
+    blocks vLLM had reused. Nothing to compare (no runtime file, an older one without
+    the field, no /proc) passes."""
+    theirs = (rt or {}).get("pid_namespace")
+    ours = pid_namespace()
+    if theirs and ours and theirs != ours:
+        raise OtherPidNamespace(
+            f"the supervisor (pid {(rt or {}).get('pid')}) runs in PID namespace {theirs} "
+            f"and this process in {ours}: the engine and the supervisor must share one "
+            "(docker run --pid=host, or --pid=container:<the other>; in Kubernetes, one "
+            "pod with shareProcessNamespace: true)")
+
+
 def write(store_dir: Path, data: dict[str, Any]) -> None:
     """Atomically replace ``runtime.json`` (0600) in ``store_dir``, which must be safe
     (UnsafeStoreDir otherwise)."""

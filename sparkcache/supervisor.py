@@ -436,6 +436,8 @@ class Supervisor:
             "pid": os.getpid(),
             # With the pid, tells this process from a later one that reuses the pid.
             "started": psutil.Process().create_time(),
+            # Engines refuse to connect from another one (runtime.check_pid_namespace).
+            "pid_namespace": runtime.pid_namespace(),
             "cpus": self.cpus,
             # The engine side refuses publications past this: the supervisor's settings
             # are the ones enforced, whatever the engine's own environment says.
