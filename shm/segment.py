@@ -431,6 +431,12 @@ def sweep(instance: str, only: Callable[[str], bool] | None = None) -> list[str]
         owner = sem_name.rsplit(".", 1)[0]
         if owner in live_segments or (only is not None and not only(owner)):
             continue
+        # A ring is made segment first, then its semaphores: a segment that is there now
+        # but was not listed above was made since, by a live process (a second
+        # supervisor of the instance starting beside this one unlinked the first one's
+        # semaphores, and no end could attach to its rings).
+        if "/" + owner not in removed and os.path.lexists(SHM_DIR / owner):
+            continue
         try:
             if not _ours(os.lstat(path)):
                 continue

@@ -10,6 +10,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
+import shm.segment as shm_segment
 from shm import (
     FREE,
     ForeignSegment,
@@ -90,6 +91,31 @@ def test_sweep_removes_only_dead_creators_segments(instance, spawn):
         mine_live.close()
         sweep(other)
     assert instance_entries(other) == []
+
+
+def test_sweep_keeps_the_semaphores_of_a_ring_made_while_it_runs(instance, monkeypatch):
+    """A second supervisor of the instance starting beside the first: its sweep listed
+    the segments before the first made a ring, then found that ring's semaphores with
+    no segment listed for them and unlinked them; no end could attach to the ring."""
+    name = segment_name(instance, 0, "ring")
+    made: list[Ring] = []
+
+    class RingMadeAfterTheListing(type(shm_segment.SHM_DIR)):
+        def glob(self, pattern):
+            listed = list(super().glob(pattern))
+            if not pattern.startswith("sem.") and not made:
+                made.append(Ring.create(name, WORKER, 4))
+            return iter(listed)
+
+    monkeypatch.setattr(shm_segment, "SHM_DIR",
+                        RingMadeAfterTheListing(shm_segment.SHM_DIR))
+    try:
+        assert sweep(instance) == []
+        assert len(instance_entries(instance)) == 3
+        producer = Producer(name, WORKER)  # opens both semaphores by name
+        producer.detach()
+    finally:
+        made[0].close()
 
 
 def test_arena_hands_slots_over(instance):
