@@ -85,6 +85,9 @@ class PrefixLookup:
         saw them)."""
         stats = self._stats[rank]
         if stats is None:
+            # Once per supervisor (its segments are attached again after one stops):
+            # leases go through rings whose ends are judged by pid (OtherPidNamespace).
+            runtime.check_pid_namespace(runtime.read(self.cfg.store_dir))
             stats = self._stats[rank] = segments.attach_stats(self.cfg, rank)
         return worker_alive(stats.read(int(Role.MAINTENANCE)), self.cfg.heartbeat_timeout_s)
 
@@ -136,8 +139,6 @@ class PrefixLookup:
 
     def _lookup(self, keys: Sequence[str], beyond: int, hint: int, now: float) -> int:
         if now >= self._alive_until:
-            # Leases go through rings whose ends are judged by pid (OtherPidNamespace).
-            runtime.check_pid_namespace(runtime.read(self.cfg.store_dir))
             # A lease taken in the interval after maintenance died is lost, as one taken
             # a moment before its death would be: the load misses and is recomputed.
             if not all(self._maintenance_alive(r) for r in range(self.tp_size)):
