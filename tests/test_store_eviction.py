@@ -392,3 +392,32 @@ def test_a_slices_deletions_are_durable_before_any_of_their_files_goes(
         assert store.collect(16).objects == 1 and files() == 0 and len(synced) == 2
         assert len(unsynced_txns) == before
         assert_clean(store)
+
+
+def test_a_file_collection_has_yet_to_unlink_is_no_orphan_to_fsck(tmp_path: Path) -> None:
+    """A slice deletes collected rows and leaves their files for later (the sync, then
+    the unlinks while time lasts). Those files kept an evicted page's old times, so fsck
+    beside a store at its cap reported them as orphans, its grace sparing only young
+    files; their times are renewed as their rows go."""
+    store_dir = tmp_path / "s"
+    with PageStore(store_dir, 0, lease_seconds=0, pool_bytes=0) as store:
+        ids = [os.urandom(16).hex() for _ in range(3)]
+        for root_id in ids:
+            store.commit(make_root(root_id, [os.urandom(16).hex() for _ in range(2)], SIZE))
+        hour_ago = time.time() - 3600
+        files = [p for p in store.layout.objects_dir.rglob("*") if p.is_file()]
+        for path in files:
+            os.utime(path, (hour_ago, hour_ago))  # pages evicted an hour after they came
+        assert fsck(store_dir).ok
+        store.remove_roots(ids)
+        costs = CostModel()
+        for kind in (UNLINK, RECORD, TXN, SYNC):
+            costs.observe(kind, 1, 1e-6)
+        assert store.collect(16, meter(costs=costs)).objects == 0  # rows gone, files not
+        assert store.unlinking.objects == 6 and all(p.exists() for p in files)
+        report = fsck(store_dir)
+        assert report.ok, report.problems
+        assert store.sync_collected()
+        store.collect(16, meter(costs=costs))
+        assert not any(p.exists() for p in files)
+    assert fsck(store_dir, grace_seconds=0).ok

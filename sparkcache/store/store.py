@@ -973,7 +973,27 @@ class PageStore:
                 [(row[0], row[1]) for row in rows],
             )
             self._hook("collect.delete")
+        self._renew_times({(row[3] or row[0], row[1]) for row in rows})
         return rows
+
+    def _renew_times(self, files: set[tuple[str, str]]) -> None:
+        """Renew the times of collected files (or of the packs holding their records),
+        whose rows are gone. Such a file stays until a later slice unlinks it, and fsck
+        and ``reconcile`` spare an unnamed file only while it is younger than their
+        grace, as they spare a commit's file before its row names it: with an evicted
+        page's old times it was an orphan to a check beside a store at its cap. A crash
+        before this leaves what it always did: an orphan that ``reconcile`` removes."""
+        for key, generation in files:
+            try:
+                fd = open_subdir(fanout(key), self._objects_fd, create=False)
+            except FileNotFoundError:
+                continue
+            try:
+                os.utime(object_name(key, generation), dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                pass  # gone already; or left old, which costs a check its verdict only
+            finally:
+                os.close(fd)
 
     def _unlink_waiting(self, budget: Budget) -> CollectResult:
         objects = nbytes = 0
