@@ -5,9 +5,10 @@ leave them behind.
 
 A handler's exception is raised wherever the main thread happens to be, and C code
 there may lose it: a SystemExit raised while numpy.random's Cython modules are being
-imported is swallowed, or surfaces as an ImportError, in about one SIGTERM in ten that
-lands there (measured on numpy 2, Python 3.11). So the handler also records the signal,
-and the commands' loops call ``exit_if_signalled`` to finish an exit that was lost.
+imported can be swallowed, or surface as an ImportError (numpy 2, Python 3.11; the
+demo's SIGTERM test hung 4 times in 44 runs so). So the handler also records the
+signal, and the commands' loops call ``exit_if_signalled`` to finish an exit that was
+lost.
 """
 
 from __future__ import annotations
