@@ -982,7 +982,8 @@ class PageStore:
         and ``reconcile`` spare an unnamed file only while it is younger than their
         grace, as they spare a commit's file before its row names it: with an evicted
         page's old times it was an orphan to a check beside a store at its cap. A crash
-        before this leaves what it always did: an orphan that ``reconcile`` removes."""
+        leaves an orphan either way: an old one, which the start-up ``reconcile``
+        removes, or a young one, which the worker's re-sweep removes (``sweep``)."""
         for key, generation in files:
             try:
                 fd = open_subdir(fanout(key), self._objects_fd, create=False)
