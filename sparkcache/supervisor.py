@@ -139,6 +139,8 @@ class Supervisor:
         self.metrics: MetricsServer | None = None
         self._runtime_stale = False  # runtime.json could not be written: try again
         self._rare = RateLimitedLog(log)
+        self._store_fd: int | None = None  # the store dir locked, open
+        self.exit_code = 0
 
     # ------------------------------------------------------------------ start-up
 
@@ -156,10 +158,9 @@ class Supervisor:
             fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | layout.FILE_FLAGS, 0o600,
                          dir_fd=dir_fd)
         except OSError as exc:
+            os.close(dir_fd)
             what = "a symlink" if exc.errno == errno.ELOOP else exc.strerror
             raise SupervisorError(f"{path} is {what}; refusing to use it") from None
-        finally:
-            os.close(dir_fd)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
@@ -170,13 +171,17 @@ class Supervisor:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
+            os.close(dir_fd)
             raise SupervisorError(
                 f"another supervisor holds {path}; refusing to start"
             ) from None
         except BaseException:
             os.close(fd)
+            os.close(dir_fd)
             raise
         self._lock_fd = fd
+        # Kept open: the store it locked, wherever its path leads later (_check_store_dir).
+        self._store_fd = dir_fd
 
     def _check_shm(self) -> None:
         """After the sweep, nothing of this instance may be left in /dev/shm: what is left
@@ -378,13 +383,48 @@ class Supervisor:
     # ------------------------------------------------------------------ watching
 
     def run(self) -> int:
-        """Watch until SIGTERM/SIGINT; then drain and clean up. Returns the exit code."""
+        """Watch until SIGTERM/SIGINT, or until the store dir is gone; then drain and
+        clean up. Returns the exit code: 1 if the store dir went."""
         try:
             while not self.stop:
                 self._watch_once()
+                self._check_store_dir()
         finally:
             self.shutdown()
-        return 0
+        return self.exit_code
+
+    def _store_dir_gone(self) -> str | None:
+        """How the store dir's path no longer leads to the store this supervisor locked:
+        "removed" or "replaced by another directory"; None while it does (or cannot be
+        told: a permission changed, nothing to act on)."""
+        if self._store_fd is None:
+            return None  # not locked yet
+        try:
+            now = os.stat(self.cfg.store_dir, follow_symlinks=False)
+            locked = os.fstat(self._store_fd)
+        except FileNotFoundError:
+            return "removed"
+        except OSError:
+            return None
+        if (now.st_dev, now.st_ino) == (locked.st_dev, locked.st_ino):
+            return None
+        return "replaced by another directory"
+
+    def _check_store_dir(self) -> None:
+        """Stop if the store dir this supervisor locked was removed, or replaced by
+        another (a cleaner of /tmp, a mistaken rm -rf, a restore from backup). Its
+        workers hold descriptors into the old one: commits would go on filling a deleted
+        directory, its space freed only when they exit and seen by no tool, while status
+        and a new supervisor looked at the path and found nothing. Stopping unlinks the
+        segments, so engines serve on without the cache, and says why."""
+        what = self._store_dir_gone()
+        if what is None:
+            return
+        log.error("store dir %s was %s while this supervisor ran; stopping (its workers "
+                  "could only write into the old one): start a supervisor on the store "
+                  "to be served", self.cfg.store_dir, what)
+        self.exit_code = 1
+        self.stop = True
 
     def _watch_once(self) -> None:
         """Wait for an exit, a signal, a due restart or the next look; then tick every
@@ -547,8 +587,12 @@ class Supervisor:
         segs, self.segments = self.segments, []
         for seg in segs:
             seg.close()
-        with contextlib.suppress(FileNotFoundError):
-            (self.cfg.store_dir / RUNTIME_FILE).unlink()
+        # From the store it served, wherever that is now: not from another at its path.
+        if self._store_fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(RUNTIME_FILE, dir_fd=self._store_fd)
+            os.close(self._store_fd)
+            self._store_fd = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

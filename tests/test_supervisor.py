@@ -187,6 +187,33 @@ def test_sigkilled_supervisor_is_swept_by_the_next(tmp_path: Path, instance: str
     assert instance_entries(instance) == []
 
 
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_store_dir_removed_or_replaced_under_it_stops_the_supervisor(
+        tmp_path: Path, instance: str, how: str) -> None:
+    """Its workers hold descriptors into the store they started on: before, they went on
+    committing into a deleted directory, its space freed only when they exited and seen
+    by no tool, while status found nothing at the path."""
+    store = tmp_path / "store"
+    sup = start_supervisor(store, instance)
+    try:
+        store.rename(tmp_path / "moved")
+        if how == "replaced":
+            store.mkdir(mode=0o700)
+        rc = sup.wait(60)
+        err = sup.stderr.read()
+    finally:
+        if sup.poll() is None:
+            stop_supervisor(sup)
+    assert rc == 1, err[-3000:]
+    assert f"store dir {store} was {how}" in err
+    assert "Traceback" not in err
+    assert instance_entries(instance) == []  # engines see no supervisor, and serve on
+    # The runtime file of the store it served is removed; nothing is written where its
+    # path now leads.
+    assert not (tmp_path / "moved" / "runtime.json").exists()
+    assert not store.exists() or list(store.iterdir()) == []
+
+
 def test_sigterm_to_the_whole_process_group_drains_every_worker(
         tmp_path: Path, instance: str) -> None:
     """A service manager stops the unit by signalling every process in it at once: the
