@@ -39,23 +39,31 @@ def pid_namespace() -> str | None:
         return None
 
 
-def check_pid_namespace(rt: dict[str, Any] | None) -> None:
-    """Raise OtherPidNamespace if the supervisor of ``rt`` (runtime.json) runs in another
-    PID namespace than this process. Each side judges the other's processes alive or dead
-    by the pids they record (ring ends, KV registrations and segments, a load's restore
-    worker); across namespaces a pid names another process or none, so a live one is
-    taken for dead: capture dropped a live engine's registration and unlinked its KV
-    segment, and a load whose worker was taken for dead could still be written into
-    blocks vLLM had reused. Nothing to compare (no runtime file, an older one without
-    the field, no /proc) passes."""
+def other_pid_namespace(rt: dict[str, Any] | None) -> str | None:
+    """Why the supervisor of ``rt`` (runtime.json) cannot be judged from this process: it
+    runs in another PID namespace, where its pid names another process or none. None
+    when they share one, or when there is nothing to compare (no runtime file, an older
+    one without the field, no /proc)."""
     theirs = (rt or {}).get("pid_namespace")
     ours = pid_namespace()
-    if theirs and ours and theirs != ours:
-        raise OtherPidNamespace(
-            f"the supervisor (pid {(rt or {}).get('pid')}) runs in PID namespace {theirs} "
-            f"and this process in {ours}: the engine and the supervisor must share one "
-            "(docker run --pid=host, or --pid=container:<the other>; in Kubernetes, one "
-            "pod with shareProcessNamespace: true)")
+    if not (theirs and ours and theirs != ours):
+        return None
+    return (f"the supervisor (pid {(rt or {}).get('pid')}) runs in PID namespace {theirs} "
+            f"and this process in {ours}: SparkCache's processes must share one (docker run "
+            "--pid=host, or --pid=container:<the other>; in Kubernetes, one pod with "
+            "shareProcessNamespace: true)")
+
+
+def check_pid_namespace(rt: dict[str, Any] | None) -> None:
+    """Raise OtherPidNamespace if the supervisor of ``rt`` runs in another PID namespace
+    than this process (``other_pid_namespace``). Each side judges the other's processes
+    alive or dead by the pids they record (ring ends, KV registrations and segments, a
+    load's restore worker); across namespaces a live one is taken for dead: capture
+    dropped a live engine's registration and unlinked its KV segment, and a load whose
+    worker was taken for dead could still be written into blocks vLLM had reused."""
+    why = other_pid_namespace(rt)
+    if why is not None:
+        raise OtherPidNamespace(why)
 
 
 def write(store_dir: Path, data: dict[str, Any]) -> None:

@@ -112,6 +112,9 @@ def _supervisor(store_dir: Path) -> dict:
     rt, running = runtime.read_live(store_dir)
     if rt is None:
         return {"state": "absent"}
+    elsewhere = runtime.other_pid_namespace(rt)
+    if elsewhere is not None:  # its pid means nothing here: neither running nor stale
+        return {"state": "unknown", "pid": rt.get("pid"), "why": elsewhere}
     if not running:
         return {"state": "stale", "pid": rt.get("pid")}
     return {"state": "running", **rt}
@@ -120,6 +123,8 @@ def _supervisor(store_dir: Path) -> dict:
 def _supervisor_lines(sup: dict) -> list[str]:
     if sup["state"] == "absent":
         return ["sparkcache: supervisor not running"]
+    if sup["state"] == "unknown":
+        return [f"sparkcache: supervisor state unknown here: {sup['why']}"]
     if sup["state"] == "stale":
         return [f"sparkcache: supervisor not running (runtime.json of pid {sup['pid']} left "
                 "by a supervisor that was killed; the next start replaces it)"]
@@ -308,8 +313,11 @@ def fsck_command(
     # the grace is all that keeps a repair from removing it, so a live supervisor keeps
     # the default one (a check alone removes nothing).
     rt, running = runtime.read_live(store_dir)
-    if repair and running and grace_seconds < DEFAULT_FSCK_GRACE_SECONDS:
-        print(f"sparkcache: a supervisor (pid {rt['pid']}) is running on {store_dir}: "
+    # One in another PID namespace cannot be seen from here: it may be running.
+    unseen = runtime.other_pid_namespace(rt) is not None
+    if repair and (running or unseen) and grace_seconds < DEFAULT_FSCK_GRACE_SECONDS:
+        state = "may be running (in another PID namespace)" if unseen else "is running"
+        print(f"sparkcache: a supervisor (pid {rt['pid']}) {state} on {store_dir}: "
               f"--repair with --grace-seconds={grace_seconds:g} could remove files its "
               f"commit is writing; keep the default ({DEFAULT_FSCK_GRACE_SECONDS:g}) or "
               "stop the supervisor first", file=sys.stderr)

@@ -22,6 +22,7 @@ from shm.layouts import WORKER_STATS
 from sparkcache import runtime
 from sparkcache.cli import app
 from sparkcache.config import GiB
+from sparkcache.instance import NoSupervisor, running
 from sparkcache.segments import RankSegments
 from sparkcache.store import PageStore
 from sparkcache.store.objects import HEADER_SIZE
@@ -68,9 +69,10 @@ def test_status_of_a_missing_store_is_unhealthy(
     assert capsys.readouterr().out.splitlines()[0].endswith("healthy=no")
 
 
-def _runtime_file(store_dir: Path, pid: int, started: float, state: str = "RUNNING") -> None:
+def _runtime_file(store_dir: Path, pid: int, started: float, state: str = "RUNNING",
+                  **more: object) -> None:
     runtime.write(store_dir, {
-        "instance": "t", "ranks": 1, "pid": pid, "started": started, "cpus": [1],
+        **more, "instance": "t", "ranks": 1, "pid": pid, "started": started, "cpus": [1],
         "workers": [
             {"name": "sparkcache::capture[r0]", "rank": 0, "role": "capture", "pid": pid,
              "state": state, "restarts": 4, "last_exit": -9, "cpus": [1], "backoffs": []},
@@ -382,3 +384,26 @@ def test_fsck_repair_beside_a_running_supervisor_keeps_the_default_grace(
     assert f"a supervisor (pid {me.pid}) is running on {store_dir}" in result.output
     assert CliRunner().invoke(app, [*args, "--grace-seconds", "0"]).exit_code == 0
     assert CliRunner().invoke(app, [*args, "--repair"]).exit_code == 0
+
+
+def test_a_supervisor_in_another_pid_namespace_is_neither_running_nor_stale_here(
+        store_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its pid means nothing in this namespace. status called it killed (the pid was gone
+    here, or another process's) and fsck then let a repair with no grace sweep files its
+    commits were writing; top and the demo said no supervisor ran."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    _runtime_file(store_dir, gone.pid, 1.0, pid_namespace="pid:[1]")
+    status(store_dir, json_out=False)
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.startswith("sparkcache: supervisor state unknown here: the supervisor "
+                           f"(pid {gone.pid}) runs in PID namespace pid:[1]")
+    assert "--pid=host" in line
+    args = ["fsck", "--store-dir", str(store_dir)]
+    result = CliRunner().invoke(app, [*args, "--repair", "--grace-seconds", "0"])
+    assert result.exit_code == 2, result.output
+    assert f"a supervisor (pid {gone.pid}) may be running (in another PID namespace)" \
+        in result.output
+    assert CliRunner().invoke(app, [*args, "--grace-seconds", "0"]).exit_code == 0
+    with pytest.raises(NoSupervisor, match=r"cannot watch the supervisor .* PID namespace"):
+        running(store_dir)
