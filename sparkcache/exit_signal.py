@@ -14,7 +14,6 @@ lost.
 from __future__ import annotations
 
 import signal
-from typing import Any
 
 _received: int | None = None
 
@@ -26,12 +25,12 @@ def exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def install(signum: int = signal.SIGTERM) -> Any:
+def install(signum: int = signal.SIGTERM) -> None:
     """Make ``signum`` end this process through ``exit_on_signal``, forgetting a signal
-    received before; the handler it replaces."""
+    received before."""
     global _received
     _received = None
-    return signal.signal(signum, exit_on_signal)
+    signal.signal(signum, exit_on_signal)
 
 
 def exit_if_signalled() -> None:

@@ -921,7 +921,10 @@ class PageStore:
         if n <= 0 or (budget.bytes_left() <= 0 and not budget.fresh):
             return done
         begun = budget.now()
-        self._unsynced.extend(self._delete_garbage(n, budget))
+        rows = self._delete_garbage(n, budget)
+        # Only here do files outlive their rows for long (the sync, then later slices).
+        self._renew_times({(row[3] or row[0], row[1]) for row in rows})
+        self._unsynced.extend(rows)
         budget.spend(TXN, 1, 0, budget.now() - begun)
         return CollectResult(done.objects, done.bytes, shrunk)
 
@@ -973,7 +976,6 @@ class PageStore:
                 [(row[0], row[1]) for row in rows],
             )
             self._hook("collect.delete")
-        self._renew_times({(row[3] or row[0], row[1]) for row in rows})
         return rows
 
     def _renew_times(self, files: set[tuple[str, str]]) -> None:
