@@ -1,6 +1,6 @@
 """Slot arena: N fixed-size byte slots in one segment, each with an owner.
 
-Payload layout, ARENA_LAYOUT_VERSION 3:
+Payload layout, ARENA_LAYOUT_VERSION 4:
 
     0      META    slots u64, slot_bytes u64, data_at u64 (128-byte line)
     128    STATE   one SLOT_STATE record (40 bytes) per slot: owner; pid of the process
@@ -8,7 +8,7 @@ Payload layout, ARENA_LAYOUT_VERSION 3:
                    slot's bytes when it holds a filled publication; generation; since
                    (CLOCK_MONOTONIC of the last hand-over: one clock for every process of
                    the host, so it orders hand-overs); used bytes; pid_start (that
-                   process's start time, so a reused pid is not taken for it)
+                   process's start, ``process_start``, so a reused pid is not taken for it)
     D      DATA    slots x slot_bytes, D page-aligned (4096) so slots suit O_DIRECT/DMA
 
 Ownership passes from one process to the next along a ring: whoever holds a slot sets
@@ -41,7 +41,8 @@ import numpy as np
 
 from shm.segment import Segment, SegmentSpec, creator_alive, process_start
 
-ARENA_LAYOUT_VERSION = 3  # 1 had "since" in wall-clock time; 2 had no pid_start
+ARENA_LAYOUT_VERSION = 4  # 1 had "since" in wall-clock time; 2 no pid_start; 3 pid_start
+# in wall-clock time (psutil create_time)
 ARENA_KIND = "arena"
 FREE = 0  # owner value of a slot nobody holds
 

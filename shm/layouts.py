@@ -84,14 +84,14 @@ REQUEST = RecordLayout(
 # writes into blocks the client already gave back to the engine when its predecessor died.
 LOAD = RecordLayout(
     "load",
-    1,
+    2,  # 1 had worker_start in wall-clock time (psutil create_time)
     np.dtype(
         [
             ("load_id", "<u8"),
             ("key_hi", "<u8"),
             ("key_lo", "<u8"),
             ("block_id", "<i8"),
-            ("worker_start", "<f8"),  # psutil create_time of the addressed worker
+            ("worker_start", "<f8"),  # the addressed worker's process_start
             ("worker_pid", "<u4"),
             ("reg_gen", "<u4"),
             ("page_index", "<u4"),
@@ -154,8 +154,8 @@ WORKER_STATS = RecordLayout(
     "worker_stats",
     # 7 had no index_sync; 6 no pooled_bytes; 5 no entries, outcomes or durations; 4 no
     # lock wait and no maintenance backlog; 3 no roots_superseded; 2 no pid_start and no
-    # drop_stale
-    8,
+    # drop_stale; 8 had pid_start in wall-clock time (psutil create_time)
+    9,
     np.dtype(
         [
             ("pid", "<u4"),
@@ -173,7 +173,7 @@ WORKER_STATS = RecordLayout(
             # capture: bytes of its slots faulted in so far, by the background prefault
             # (workers/prefault.py); slots x slot bytes once done.
             ("prefaulted_bytes", "<u8"),
-            # The worker's start time (psutil create_time): with pid, tells it from a later
+            # The worker's start (shm.segment.process_start): with pid, tells it from a later
             # process given the same pid. A load is addressed to this pair.
             ("pid_start", "<f8"),
             # commit: roots its commits superseded (a later turn holding their pages)
@@ -248,12 +248,12 @@ LOAD_MISS_REASONS = (
 # count from 0 in each engine process.
 ENGINE_STATS = RecordLayout(
     "engine_stats",
-    1,
+    2,  # 1 had pid_start in wall-clock time (psutil create_time)
     np.dtype(
         [
             ("pid", "<u4"),
             ("pad", "<u4"),
-            ("pid_start", "<f8"),  # the writer's start time (psutil create_time)
+            ("pid_start", "<f8"),  # the writer's process_start
             ("written", "<f8"),  # time.time() of this record
             ("lookups", "<u8"),  # prefix lookups asked
             ("lookup_tokens", "<u8"),  # tokens they asked about, beyond the caller's own

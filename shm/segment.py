@@ -11,7 +11,7 @@ Byte layout of every segment (little-endian), defined once in ``HEADER``:
     40      8     total_size       bytes of the whole segment
     48      4     creator_pid
     52      4     (pad)
-    56      8     creator_start    psutil create_time of the creator (pid-reuse guard)
+    56      8     creator_start    the creator's start, ``process_start`` (pid-reuse guard)
     64      ...   payload (PAYLOAD_OFFSET), cache-line aligned
 
 Names are ``/sparkcache.<instance>.r<rank>.<role>``: the instance and rank namespace them
@@ -50,7 +50,7 @@ import psutil
 log = logging.getLogger(__name__)
 
 MAGIC = b"SPKSHM\0\0"
-HEADER_VERSION = 1
+HEADER_VERSION = 2  # 1 had creator_start in wall-clock time (psutil create_time)
 HEADER = np.dtype(
     [
         ("magic", "S8"),
@@ -69,6 +69,7 @@ CACHE_LINE = 128  # 2 x 64 B: arm64 and x86 prefetchers pull line pairs; keep ho
 assert HEADER.itemsize == PAYLOAD_OFFSET
 
 SHM_DIR = Path("/dev/shm")
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 NAME_PREFIX = "sparkcache."
 _PART_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 _ROLE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
@@ -178,11 +179,25 @@ def segment_name(instance: str, rank: int, role: str) -> str:
 
 
 def process_start(pid: int) -> float:
-    """The start time of ``pid`` (psutil's create_time), 0.0 if it cannot be read."""
+    """When ``pid`` started, in seconds since boot (``starttime`` of /proc/<pid>/stat);
+    0.0 if it cannot be read. With the pid it names one process: a later one given the
+    same pid started later. It is what every pid recorded beside a start time is checked
+    against, for equality.
+
+    Not psutil's ``create_time``: that adds ``btime`` from /proc/stat, read afresh at
+    each call, a whole number of seconds worked out from the wall clock, which a clock
+    step moves. The same live process then read a second apart from its own recorded
+    start, and was taken for dead (commit read a slot its live writer had not announced).
+    Time since boot moves for no clock change."""
     try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+        # Fields after the command name, which may itself hold spaces or parentheses:
+        # the first is field 3 (state), so starttime (field 22) is the 20th.
+        ticks = int(stat_line[stat_line.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
         return 0.0
+    return ticks / _CLOCK_TICKS
 
 
 @dataclass(frozen=True)
@@ -371,19 +386,26 @@ def read_creator(path: Path) -> tuple[int, float] | None:
     # (sweep then waits UNWRITTEN_GRACE_S), or a live engine's segment was unlinked.
     if pid <= 0:
         return None
+    if int(h["header_version"]) != HEADER_VERSION:
+        # Another SparkCache version's start is not ours to compare (1 was wall-clock
+        # time): its creator is then judged by pid alone, which may keep a reused pid's
+        # leftovers, where a wrong start would unlink a live engine's KV cache.
+        return pid, 0.0
     return pid, float(h["creator_start"])
 
 
 def creator_alive(pid: int, start: float) -> bool:
-    """Whether the process ``pid`` that started at ``start`` still runs. A zombie does not
+    """Whether the process ``pid`` that started at ``start`` (``process_start``) still
+    runs. A zombie does not
     (it exited and holds no mapping; only its parent has not reaped it yet: an engine's
     KV segment of tens of GiB waited for that). What psutil cannot tell counts as alive:
     unlinking a live process's segment breaks it, keeping a dead one's only delays."""
     if not psutil.pid_exists(pid):
         return False
     actual = process_start(pid)
-    # A different start time means the pid was reused by an unrelated process.
-    if not (actual == 0.0 or start == 0.0 or abs(actual - start) < 1.0):
+    # A different start means the pid was reused by an unrelated process. 0.0 is a start
+    # nobody could read: the pid alone then says.
+    if actual != 0.0 and start != 0.0 and actual != start:
         return False
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

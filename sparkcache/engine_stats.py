@@ -24,8 +24,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-import psutil
-
 from shm import StatsBlock
 from shm.layouts import (
     ENGINE_STATS,
@@ -34,6 +32,7 @@ from shm.layouts import (
     LOOKUP_MISS_REASONS,
     SKIP_REASONS,
 )
+from shm.segment import process_start
 from sparkcache import segments
 from sparkcache.config import Config
 
@@ -116,7 +115,7 @@ class EngineStatsWriter:
         self._names = ENGINE_STATS.dtype.names
         self._zeros = dict.fromkeys(self._names, 0)
         self._pid = os.getpid()
-        self._pid_start = psutil.Process(self._pid).create_time()
+        self._pid_start = process_start(self._pid)
         self._due = 0.0
 
     @classmethod

@@ -42,8 +42,8 @@ class RuntimeView:
         return int(self.data["pid"])
 
     @property
-    def started(self) -> float:
-        return float(self.data.get("started", 0.0))
+    def pid_start(self) -> float:
+        return float(self.data.get("pid_start", 0.0))
 
     @property
     def instance(self) -> str:
@@ -156,7 +156,7 @@ class Instance:
         if rt is None or not alive:
             return False
         fresh = RuntimeView(rt)
-        if (fresh.pid, fresh.started) != (self.runtime.pid, self.runtime.started):
+        if (fresh.pid, fresh.pid_start) != (self.runtime.pid, self.runtime.pid_start):
             return False
         self.runtime = fresh
         return True

@@ -79,7 +79,7 @@ def worker_alive(report: tuple | None, stale_after_s: float, now: float | None =
 
 
 def process_gone(pid: int, start: float) -> bool:
-    """True once the process ``pid`` that started at ``start`` (psutil create_time) has
+    """True once the process ``pid`` that started at ``start`` (``process_start``) has
     exited: the pid is gone, is a zombie (exited, not yet reaped: its memory and files
     are released), or names a process started at another time. Whatever psutil cannot
     tell counts as alive: reporting a live writer dead could let it write into memory

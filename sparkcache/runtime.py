@@ -12,8 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from shm.segment import creator_alive
 from sparkcache.store import StoreError, layout
 
 RUNTIME_FILE = "runtime.json"
@@ -95,7 +94,7 @@ def read_live(store_dir: Path) -> tuple[dict[str, Any] | None, bool]:
     if rt is None:
         return None, False
     try:
-        started = psutil.Process(int(rt["pid"])).create_time()
-    except (psutil.Error, KeyError, TypeError, ValueError):
-        return rt, False
-    return rt, abs(started - float(rt.get("started", 0))) < 1.0
+        pid, start = int(rt["pid"]), float(rt["pid_start"])
+    except (KeyError, TypeError, ValueError):
+        return rt, False  # not one this version writes: its supervisor is not told apart
+    return rt, pid > 0 and start != 0.0 and creator_alive(pid, start)

@@ -26,7 +26,14 @@ import posix_ipc
 import psutil
 
 from shm import SegmentError, TornRead, sweep
-from shm.segment import SHM_DIR, foreign_entries, instance_entries, read_creator, user
+from shm.segment import (
+    SHM_DIR,
+    foreign_entries,
+    instance_entries,
+    process_start,
+    read_creator,
+    user,
+)
 from sparkcache import runtime, segments
 from sparkcache.config import AccessMode, Config
 from sparkcache.filesystems import MEMORY_FILESYSTEMS, filesystem_of
@@ -475,7 +482,7 @@ class Supervisor:
             "ranks": self.cfg.ranks,
             "pid": os.getpid(),
             # With the pid, tells this process from a later one that reuses the pid.
-            "started": psutil.Process().create_time(),
+            "pid_start": process_start(os.getpid()),
             # Engines refuse to connect from another one (runtime.check_pid_namespace).
             "pid_namespace": runtime.pid_namespace(),
             "cpus": self.cpus,

@@ -24,6 +24,7 @@ from pipeline_util import (
     wait_for,
 )
 
+from shm.segment import process_start
 from sparkcache import segments
 from sparkcache.store import PageStore
 from sparkcache.store.objects import HEADER_SIZE
@@ -300,7 +301,7 @@ def test_an_idle_restore_worker_maps_a_live_engines_kv_before_its_first_load(
         time.sleep(3 * 1.0)  # three warm checks (WARM_CHECK_S)
         assert _restore_stats(engine).item_errors == 0  # not tried
         # The control: the same registration with a live owner is tried (and fails).
-        register(os.getpid(), psutil.Process().create_time(), 8)
+        register(os.getpid(), process_start(os.getpid()), 8)
         wait_for(lambda: _restore_stats(engine).item_errors == 1, 10,
                  "the restore worker to try the live engine's registration")
 
@@ -322,7 +323,7 @@ def test_a_dead_engines_kv_is_unmapped(tmp_path: Path, instance: str) -> None:
         owner = psutil.Popen(["sleep", "60"])
         own_gen = engine.client._reg.reg_gen
         try:
-            again = {**desc, "owner_pid": owner.pid, "owner_start": owner.create_time()}
+            again = {**desc, "owner_pid": owner.pid, "owner_start": process_start(owner.pid)}
             again.pop("reg_gen"), again.pop("block_dim")
             registry.write_registry(store, 0, own_gen + 1, desc["block_dim"], again)
             engine.client._reg.reg_gen = own_gen + 1

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import posix_ipc
+import psutil
 import pytest
 
 import shm.segment as shm_segment
@@ -27,7 +31,15 @@ from shm import (
     segment_name,
     sweep,
 )
-from shm.segment import SegmentSpec, foreign_entries, instance_entries, user
+from shm.arena import writer_dead
+from shm.segment import (
+    SegmentSpec,
+    creator_alive,
+    foreign_entries,
+    instance_entries,
+    process_start,
+    user,
+)
 from tests.conftest import join_or_kill
 
 SPEC = SegmentSpec("test", 1)
@@ -142,6 +154,66 @@ def test_arena_hands_slots_over(instance):
         assert [i for i, _ in arena.held_by(FREE)] == [0, 1, 2] and int(arena.state[0]["used"]) == 0
         with pytest.raises(IndexError, match="expected 0-2"):
             arena.slot_array(3)
+
+
+def _wall_clock_stepped(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """What a step of the wall clock does to psutil: the boot time it adds to a process's
+    start (``btime`` of /proc/stat, whole seconds worked out from the wall clock) moves."""
+    import psutil._pslinux as pslinux
+
+    boot = pslinux.boot_time()
+    monkeypatch.setattr(pslinux, "boot_time", lambda: boot + seconds)
+
+
+def test_a_wall_clock_step_leaves_a_live_process_alive(instance, monkeypatch):
+    """CI once took the live test process, writer of a slot it had handed over, for dead:
+    psutil's start times move with the wall clock, and a step of a second made the same
+    process's two readings differ by exactly the tolerance. Starts since boot do not."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = process_start(child.pid)
+        with SlotArena.create(segment_name(instance, 0, "slots"), 1, 4096) as arena:
+            arena.hand_over(0, FREE, 1)
+            _wall_clock_stepped(monkeypatch, 1.0)
+            assert creator_alive(child.pid, start)
+            assert not writer_dead(arena.held(0, 1))
+            assert sweep(instance) == []  # the arena's creator lives
+            assert not creator_alive(child.pid, start + 0.01)  # a pid reused: another start
+            arena.hand_over(0, 1, FREE)
+    finally:
+        child.kill()
+        child.wait()
+    assert not creator_alive(child.pid, start) and process_start(child.pid) == 0.0
+
+
+def test_a_segment_of_another_header_version_is_judged_by_its_pid_alone(instance):
+    """Header version 1 held a wall-clock start: compared with a start since boot it
+    would call every live creator dead, and a sweep unlink a running engine's KV."""
+    with Segment.create(segment_name(instance, 0, "old"), SPEC, 64) as seg:
+        seg.header[0]["header_version"] = 1
+        seg.header[0]["creator_start"] = 1.8e9
+        assert sweep(instance) == []
+        seg.header[0]["creator_pid"] = 2**31 - 1  # a pid no process has
+        assert sweep(instance) == [seg.name]
+
+
+def test_the_start_of_a_process_named_with_spaces_and_parentheses(instance):
+    """/proc/<pid>/stat puts the command name, which the process chooses, before the
+    start: parsed from the last parenthesis, a name like this one cannot shift it."""
+    name = b"a) b (c 1 2 3"[:15]  # the kernel keeps 15 bytes
+    set_name = f"import ctypes; ctypes.CDLL(None).prctl(15, {name!r}, 0, 0, 0)"
+    child = subprocess.Popen(
+        [sys.executable, "-c", f"{set_name}; print(flush=True); import time; time.sleep(60)"],
+        stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()
+        assert Path(f"/proc/{child.pid}/comm").read_bytes().rstrip(b"\n") == name
+        psutil_since_boot = psutil.Process(child.pid).create_time() - psutil.boot_time()
+        assert process_start(child.pid) == pytest.approx(psutil_since_boot, abs=0.02)
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
 
 
 def test_stats_block_round_trip_and_version_check(instance):

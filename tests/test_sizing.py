@@ -16,6 +16,7 @@ import psutil
 import pytest
 from pipeline_util import make_cfg, pipeline, wait_committed
 
+from shm.segment import process_start
 from sparkcache import runtime, sizing_cli
 from sparkcache.instance import Instance
 from sparkcache.sizing import Figure, SizingError, SizingInputs, advise
@@ -216,7 +217,7 @@ def test_a_supervisor_whose_segments_cannot_be_read_is_one_line(
     store.mkdir(mode=0o700)
     me = psutil.Process()
     runtime.write(store, {"instance": instance, "ranks": 1, "pid": me.pid,
-                          "started": me.create_time(), "cpus": [0], "workers": []})
+                          "pid_start": process_start(me.pid), "cpus": [0], "workers": []})
     cfg = make_cfg(store, instance)
     assert sizing_cli.main(cfg, json_out=False, window_s=0.1, target_interval_s=600,
                            given={}) == 1

@@ -19,6 +19,7 @@ from pipeline_util import make_cfg, pipeline, wait_committed
 from typer.testing import CliRunner
 
 from shm.layouts import WORKER_STATS
+from shm.segment import process_start
 from sparkcache import runtime
 from sparkcache.cli import app
 from sparkcache.config import GiB
@@ -72,7 +73,7 @@ def test_status_of_a_missing_store_is_unhealthy(
 def _runtime_file(store_dir: Path, pid: int, started: float, state: str = "RUNNING",
                   **more: object) -> None:
     runtime.write(store_dir, {
-        **more, "instance": "t", "ranks": 1, "pid": pid, "started": started, "cpus": [1],
+        **more, "instance": "t", "ranks": 1, "pid": pid, "pid_start": started, "cpus": [1],
         "workers": [
             {"name": "sparkcache::capture[r0]", "rank": 0, "role": "capture", "pid": pid,
              "state": state, "restarts": 4, "last_exit": -9, "cpus": [1], "backoffs": []},
@@ -86,7 +87,7 @@ def test_status_shows_a_running_supervisor_and_its_workers(
     store_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     me = psutil.Process()
-    _runtime_file(store_dir, me.pid, me.create_time())
+    _runtime_file(store_dir, me.pid, process_start(me.pid))
     assert status(store_dir, json_out=False) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == (f"sparkcache: supervisor pid={me.pid} instance=t workers=2/2 running "
@@ -100,7 +101,7 @@ def test_status_shows_a_running_supervisor_and_its_workers(
 def test_status_fails_on_a_fatal_worker(store_dir: Path, capsys: pytest.CaptureFixture[str]
                                         ) -> None:
     me = psutil.Process()
-    _runtime_file(store_dir, me.pid, me.create_time(), state="FATAL")
+    _runtime_file(store_dir, me.pid, process_start(me.pid), state="FATAL")
     assert status(store_dir, json_out=False) == 1
     out = capsys.readouterr().out
     assert "healthy=no" in out and "workers=1/2 running" in out
@@ -115,7 +116,7 @@ def test_status_sees_through_a_stale_runtime_file(
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     me = psutil.Process()
-    for pid, started in ((gone.pid, 1.0), (me.pid, me.create_time() - 100)):
+    for pid, started in ((gone.pid, 1.0), (me.pid, process_start(me.pid) - 100)):
         _runtime_file(store_dir, pid, started)
         assert status(store_dir, json_out=False) == 0
         assert capsys.readouterr().out.splitlines()[1] == (
@@ -193,7 +194,7 @@ def test_status_shows_each_ranks_maintenance_backlog(
         segs.stats.write(1, WORKER_STATS.named(**values))
         me = psutil.Process()
         runtime.write(store_dir, {"instance": instance, "ranks": 1, "pid": me.pid,
-                                  "started": me.create_time(), "cpus": [0], "workers": []})
+                                  "pid_start": process_start(me.pid), "cpus": [0], "workers": []})
         assert status(store_dir, json_out=False) == 0
         line = capsys.readouterr().out.splitlines()[-1].split()
         assert line[0] == "maintenance[r0]" and "used=3.0GiB" in line
@@ -211,7 +212,7 @@ def test_status_says_why_a_rank_has_no_report(
     store_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     me = psutil.Process()
-    _runtime_file(store_dir, me.pid, me.create_time())  # instance t: no segments
+    _runtime_file(store_dir, me.pid, process_start(me.pid))  # instance t: no segments
     assert status(store_dir, json_out=False) == 0
     assert capsys.readouterr().out.splitlines()[-1].split()[:3] == [
         "maintenance[r0]", "no", "report"]
@@ -345,7 +346,7 @@ def test_status_shows_no_backlog_of_a_dead_maintenance_process(
         segs.stats.write(2, WORKER_STATS.named(**values))
         me = psutil.Process()
         runtime.write(store_dir, {
-            "instance": instance, "ranks": 1, "pid": me.pid, "started": me.create_time(),
+            "instance": instance, "ranks": 1, "pid": me.pid, "pid_start": process_start(me.pid),
             "cpus": [0], "workers": [
                 {"name": "sparkcache::maintenance[r0]", "rank": 0, "role": "maintenance",
                  "pid": None, "state": "BACKOFF", "restarts": 1, "last_exit": -9,
@@ -377,7 +378,7 @@ def test_fsck_repair_beside_a_running_supervisor_keeps_the_default_grace(
     a shorter grace could remove it, so with a live supervisor it is refused, naming it;
     the check alone, and a repair with the default grace, still run."""
     me = psutil.Process()
-    _runtime_file(store_dir, me.pid, me.create_time())
+    _runtime_file(store_dir, me.pid, process_start(me.pid))
     args = ["fsck", "--store-dir", str(store_dir)]
     result = CliRunner().invoke(app, [*args, "--repair", "--grace-seconds", "0"])
     assert result.exit_code == 2, result.output
