@@ -23,6 +23,12 @@
   full scan-and-sort of the same table (the old maintenance pass). The unary ``+`` keeps
   SQLite from using the index for the scan (``NOT INDEXED`` does not stop it from using a
   covering secondary index of a WITHOUT ROWID table).
+* sweep: a fan-out directory of ``--sweep-files`` objects swept (the start-up reconcile's
+  work per directory, and the maintenance worker's re-sweep of one directory a slice),
+  the directory's inodes dropped from the cache first where this process may
+  (``sweep_cold``: writing /proc/sys/vm/drop_caches needs root). ``sweep_lock_ms`` is
+  how long its write transaction held the index's write lock, which every commit of the
+  rank waits for; ``sweep_ms`` the whole sweep. Medians of 5.
 * supersession: the commit of a ``--long-pages`` root extended by one page (it supersedes
   the root before it), and the search for the roots a commit supersedes next to a join
   probing every position of the new root, once for that long root and once for a new
@@ -30,12 +36,13 @@
   are 64 bytes and the WAL is not fsynced, so the index's work is what is measured.
 
 Usage: ``python scripts/bench_store.py [--json] [--dir D] [--pages N] [--roots N]
-[--page-kib K] [--seq-rounds R]``
+[--page-kib K] [--seq-rounds R] [--sweep-files N]``
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import itertools
 import json
@@ -56,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from sparkcache.store import PageStore
+from sparkcache.store import PageStore, index, recovery
 from sparkcache.store.reader import StoreReader
 from sparkcache.store.testing import make_root
 from workers.restore import CHUNK_BYTES, READERS, STAGED_CHUNKS, _ReaderPool
@@ -384,6 +391,42 @@ def median_ms(fn: Callable[..., object], *args: object, runs: int = 9) -> float:
     return statistics.median(samples) * 1000
 
 
+def bench_sweep(work: Path, files: int) -> dict[str, float]:
+    held: list[float] = []
+    real_txn = index.write_txn
+
+    @contextlib.contextmanager
+    def timed_txn(conn):  # the sweep's transactions, timed from BEGIN to COMMIT
+        begun = time.perf_counter()
+        with real_txn(conn) as c:
+            yield c
+        held.append(time.perf_counter() - begun)
+
+    locks, totals, cold = [], [], True
+    with PageStore(work / "sweep", 0, durable=False) as store:
+        for _ in range(files):
+            key = "ab" + os.urandom(15).hex()
+            store.commit(make_root(os.urandom(16).hex(), [key], 64))
+        recovery.index.write_txn = timed_txn
+        try:
+            for _ in range(5):
+                os.sync()
+                try:
+                    Path("/proc/sys/vm/drop_caches").write_text("2")
+                except OSError:
+                    cold = False
+                held.clear()
+                begun = time.perf_counter()
+                store.sweep(["ab"])
+                totals.append(time.perf_counter() - begun)
+                locks.append(max(held))
+        finally:
+            recovery.index.write_txn = real_txn
+    return {"sweep_files": files, "sweep_cold": cold,
+            "sweep_lock_ms": statistics.median(locks) * 1e3,
+            "sweep_ms": statistics.median(totals) * 1e3}
+
+
 def bench_supersede(work: Path, long_pages: int, sharing: int, shared: int) -> dict[str, float]:
     size, result = 64, {}
     with PageStore(work / "long", 0, durable=False) as store:
@@ -419,6 +462,8 @@ def main() -> int:
     parser.add_argument("--long-pages", type=int, default=20_000)
     parser.add_argument("--sharing", type=int, default=1000)
     parser.add_argument("--shared-pages", type=int, default=200)
+    parser.add_argument("--sweep-files", type=int, default=4096,
+                        help="objects of the swept fan-out directory")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sparkcache-bench-", dir=args.dir))
     try:
@@ -433,6 +478,7 @@ def main() -> int:
             )
         result.update(bench_victims(work, args.roots, args.victims))
         result.update(bench_supersede(work, args.long_pages, args.sharing, args.shared_pages))
+        result.update(bench_sweep(work, args.sweep_files))
     finally:
         shutil.rmtree(work)
     result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import random
 import secrets
+import sqlite3
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 
 from sparkcache.store import PageStore
 from sparkcache.store.fsck import fsck
+from sparkcache.store.layout import object_name
 from sparkcache.store.testing import make_root, page_bytes
 from tests.conftest import run_children
 
@@ -136,3 +139,50 @@ def test_reconcile_beside_a_commit_never_strands_it(tmp_path: Path) -> None:
     committer.close()
     sweeper.close()
     assert fsck(tmp_path / "s", grace_seconds=0).ok
+
+
+def test_a_sweep_lists_its_directory_outside_the_write_lock_and_misses_no_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sweep listed and stat-ed a whole fan-out directory inside its write transaction:
+    on a store of cold inodes, every commit waited for that. Now a commit can take the
+    lock while the directory is listed, and one landing between the listing and the
+    transaction is neither swept nor called missing; the old orphan beside it is swept."""
+    store_dir = tmp_path / "s"
+    sweeper = PageStore(store_dir, 0)
+    committer = PageStore(store_dir, 0)
+    fan = "ab"
+    before = [fan + secrets.token_hex(15) for _ in range(2)]
+    committer.commit(make_root(secrets.token_hex(16), before, SIZE))
+    orphan = sweeper.layout.objects_dir / fan / object_name(fan + "0" * 30, "1" * 16)
+    orphan.write_bytes(b"junk")
+    during = [fan + secrets.token_hex(15) for _ in range(2)]
+    real_listdir = os.listdir
+
+    def listdir_then_commit(path):  # what a commit does while a fan-out dir is listed
+        names = real_listdir(path)
+        if isinstance(path, int) and not listed:
+            listed.append(path)
+            probe = sqlite3.connect(sweeper.layout.index_path, timeout=0)
+            try:
+                probe.execute("BEGIN IMMEDIATE")  # "database is locked" if the sweep held it
+                probe.execute("ROLLBACK")
+            finally:
+                probe.close()
+            committed.append(committer.commit(make_root(secrets.token_hex(16), during, SIZE)))
+        return names
+
+    listed: list = []
+    committed: list = []
+    monkeypatch.setattr(os, "listdir", listdir_then_commit)
+    result = sweeper.sweep([fan], grace_seconds=0)
+    monkeypatch.undo()
+    assert committed and (result.orphan_files_removed, result.objects_missing) == (1, 0)
+    assert not orphan.exists()
+    for keys in (before, during):
+        bufs = [bytearray(SIZE) for _ in keys]
+        assert sweeper.restore(keys, bufs) == len(keys)
+        assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in keys]
+    committer.close()
+    sweeper.close()
+    assert fsck(store_dir, grace_seconds=0).ok

@@ -1,12 +1,13 @@
 """Reconciliation after a crash: repair index rows, then sweep ``objects/`` against them.
 
 Safe to run while other processes commit or collect: every decision about a file is taken
-inside a write transaction (one per fan-out directory) that re-reads the rows of exactly
-that directory, and a commit checks, inside its own write transaction, that the files it
-is about to reference still exist. The SQLite write lock serialises the two, so reconcile
-never removes a file a committed row names, and a commit never names a removed file.
-Temporary files are only removed after ``grace_seconds``, so an in-flight commit's temp file
-is left alone; if it is removed anyway, that commit fails cleanly.
+inside a write transaction (one per fan-out directory, listed just before it) that reads
+the rows of exactly that directory, and a commit checks, inside its own write
+transaction, that the files it is about to reference still exist. The SQLite write lock
+serialises the two, so reconcile never removes a file a committed row names, and a commit
+never names a removed file. Temporary files are only removed after ``grace_seconds``, so
+an in-flight commit's temp file is left alone; if it is removed anyway, that commit fails
+cleanly.
 """
 
 from __future__ import annotations
@@ -97,12 +98,41 @@ def sweep_files(
             log.warning("skipping objects/%s: %s", fan, exc)
             continue
         try:
-            with index.write_txn(conn):
-                missing += _sweep_dir(conn, ops, fd, fan, grace_seconds, result)
+            missing += _sweep_dir(conn, ops, fd, fan, grace_seconds, result)
         finally:
             os.close(fd)
     result.missing = tuple(missing)
     return result
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One file of a fan-out directory as listed, before any row was read."""
+
+    name: str
+    key: str
+    generation: str
+    is_temp: bool
+    is_regular: bool
+    old: bool  # older than the grace when listed
+
+
+def _list_dir(fd: int, fan: str, grace_seconds: float) -> list[_Entry]:
+    entries = []
+    now = time.time()
+    for name in os.listdir(fd):
+        parsed = parse_object_name(name)
+        if parsed is None or parsed[0][:2] != fan:
+            log.warning("unexpected entry objects/%s/%s left in place", fan, name)
+            continue
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # collected since the listing
+        key, generation, is_temp = parsed
+        entries.append(_Entry(name, key, generation, is_temp, stat.S_ISREG(st.st_mode),
+                              now - st.st_mtime >= grace_seconds))
+    return entries
 
 
 def _sweep_dir(
@@ -113,50 +143,80 @@ def _sweep_dir(
     grace_seconds: float,
     result: SweepResult,
 ) -> list[tuple[str, str]]:
-    """One fan-out directory, inside the caller's write transaction. Its files are object
-    files named by their own key's row and packs named by the rows of their records
-    (``file_key``), whatever directories those records' own keys fall in."""
+    """One fan-out directory. Its files are object files named by their own key's row and
+    packs named by the rows of their records (``file_key``), whatever directories those
+    records' own keys fall in.
+
+    The directory is listed and its files stat-ed before the write transaction, so a
+    commit waits for the rows of one directory to be read and its orphans removed, not
+    for a directory of cold inodes to be read from disk. What can change between the
+    listing and the transaction changes nothing decided in it: a file's name is its own
+    (a random generation; a commit never adopts a file it did not write), so one no row
+    names inside the transaction was named by none when listed; a file listed as old is
+    none an in-flight commit writes (a commit writes only under names it has just made);
+    and a row whose file was not listed (committed since) has its file looked for again
+    before it is called missing."""
+    entries = _list_dir(fd, fan, grace_seconds)
     span = _prefix_range(fan)
-    rows = dict(conn.execute(
-        "SELECT key, generation FROM objects WHERE key >= ? AND key < ? AND file_key IS NULL",
-        span))
-    packs = set(conn.execute(
-        "SELECT DISTINCT file_key, generation FROM objects WHERE file_key >= ? AND file_key < ?",
-        span))
-    present = set()
-    now = time.time()
-    for name in os.listdir(fd):
-        parsed = parse_object_name(name)
-        if parsed is None or parsed[0][:2] != fan:
-            log.warning("unexpected entry objects/%s/%s left in place", fan, name)
-            continue
-        key, generation, is_temp = parsed
-        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-        # A symlink is never an object's file: it is removed (unlink does not follow it)
-        # and the row it posed for is reported missing.
-        named = rows.get(key) == generation or (key, generation) in packs
-        if not is_temp and named and stat.S_ISREG(st.st_mode):
-            present.add((key, generation))
-            if (key, generation) in packs:
-                result.pack_ranges_freed += _free_dead_ranges(conn, ops, fd, key, generation)
-            continue
-        if now - st.st_mtime < grace_seconds:
-            continue
-        ops.unlink(name, fd)
-        if is_temp:
-            result.temp_files_removed += 1
-        else:
-            result.orphan_files_removed += 1
-    gone = [(k, g) for k, g in conn.execute(
-        "SELECT key, generation FROM objects WHERE key >= ? AND key < ? AND state = 'live' "
-        "AND file_key IS NULL", span) if (k, g) not in present]
-    gone += [(k, g) for k, g, f in conn.execute(
-        "SELECT key, generation, file_key FROM objects WHERE file_key >= ? AND file_key < ? "
-        "AND state = 'live'", span) if (f, g) not in present]
-    conn.executemany(
-        "UPDATE objects SET state = 'quarantined', file_key = NULL, file_offset = 0 "
-        "WHERE key = ? AND generation = ?", gone)
+    named_packs: list[tuple[str, str]] = []
+    with index.write_txn(conn):
+        rows = dict(conn.execute(
+            "SELECT key, generation FROM objects WHERE key >= ? AND key < ? "
+            "AND file_key IS NULL", span))
+        packs = set(conn.execute(
+            "SELECT DISTINCT file_key, generation FROM objects WHERE file_key >= ? "
+            "AND file_key < ?", span))
+        present = set()
+        for e in entries:
+            # A symlink is never an object's file: it is removed (unlink does not follow
+            # it) and the row it posed for is reported missing.
+            named = rows.get(e.key) == e.generation or (e.key, e.generation) in packs
+            if not e.is_temp and named and e.is_regular:
+                present.add((e.key, e.generation))
+                if (e.key, e.generation) in packs:
+                    named_packs.append((e.key, e.generation))
+                continue
+            if not e.old:
+                continue
+            try:
+                ops.unlink(e.name, fd)
+            except FileNotFoundError:
+                continue
+            if e.is_temp:
+                result.temp_files_removed += 1
+            else:
+                result.orphan_files_removed += 1
+        lost: dict[tuple[str, str], bool] = {}
+
+        def no_file(file: tuple[str, str]) -> bool:
+            if file in present:
+                return False
+            if file not in lost:
+                lost[file] = not _regular(fd, *file)
+            return lost[file]
+
+        gone = [(k, g) for k, g in conn.execute(
+            "SELECT key, generation FROM objects WHERE key >= ? AND key < ? "
+            "AND state = 'live' AND file_key IS NULL", span) if no_file((k, g))]
+        gone += [(k, g) for k, g, f in conn.execute(
+            "SELECT key, generation, file_key FROM objects WHERE file_key >= ? "
+            "AND file_key < ? AND state = 'live'", span) if no_file((f, g))]
+        conn.executemany(
+            "UPDATE objects SET state = 'quarantined', file_key = NULL, file_offset = 0 "
+            "WHERE key = ? AND generation = ?", gone)
+    # A pack's rows only ever go (collected, quarantined, punched out of it): bytes no
+    # row covers now stay uncovered, so they are punched outside the transaction.
+    for key, generation in named_packs:
+        result.pack_ranges_freed += _free_dead_ranges(conn, ops, fd, key, generation)
     return gone
+
+
+def _regular(fd: int, key: str, generation: str) -> bool:
+    try:
+        st = os.stat(object_name(key, generation), dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode)
 
 
 def pack_records(conn: sqlite3.Connection, file_key: str,
