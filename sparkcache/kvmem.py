@@ -114,13 +114,20 @@ class SharedKVCaches:
         unlink_dead_engines(instance, rank)  # a dead predecessor's KV takes the room
         seg = Segment.create(segment_name(instance, rank, engine_segment_role(os.getpid())),
                              KV_SPEC, total, reserve=True)
-        base = seg.array(np.uint8, 0, total)
-        for st, off in zip(storages.values(), offsets, strict=True):
-            copy = torch.from_numpy(base[off : off + st.nbytes()]).untyped_storage()
-            copy.copy_(st)
-            # The storage now owns the segment's bytes (and keeps its numpy view alive);
-            # ``copy`` owns the private memory, freed when it goes.
-            st._swap_data_ptr_(copy)
+        try:
+            base = seg.array(np.uint8, 0, total)
+            for st, off in zip(storages.values(), offsets, strict=True):
+                copy = torch.from_numpy(base[off : off + st.nbytes()]).untyped_storage()
+                copy.copy_(st)
+                # The storage now owns the segment's bytes (and keeps its numpy view
+                # alive); ``copy`` owns the private memory, freed when it goes.
+                st._swap_data_ptr_(copy)
+        except BaseException:
+            # A signal's exit mid-way (the CPU engine's KV takes seconds to copy) left
+            # the name in /dev/shm until a sweep. The storages swapped already keep the
+            # mapping through their views, so only the name goes.
+            seg.close()
+            raise
         addr = base.ctypes.data
         _LIVE[(addr, addr + total)] = seg.name
         return cls(seg, list(tensors))

@@ -64,3 +64,28 @@ def test_a_dev_shm_too_small_leaves_the_tensors_as_they_were(
     assert instance_entries(instance) == []
     with pytest.raises(ValueError, match="SharedKVCaches"):
         kvmem.describe(layers)
+
+
+def test_an_exit_midway_leaves_no_segment_and_every_tensor_readable(
+        instance: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGTERM's SystemExit between two storages' swaps: the name is gone at once, and
+    the storage already moved still reads its bytes through the mapping it keeps."""
+    first, second = torch.arange(256, dtype=torch.float32), torch.arange(512.0, 768.0)
+    want = [first.clone(), second.clone()]
+    real_swap = torch.UntypedStorage._swap_data_ptr_
+    swapped = []
+
+    def swap_then_exit(storage: torch.UntypedStorage, other: torch.UntypedStorage) -> None:
+        if swapped:
+            raise SystemExit(143)
+        real_swap(storage, other)
+        swapped.append(storage)
+
+    monkeypatch.setattr(torch.UntypedStorage, "_swap_data_ptr_", swap_then_exit,
+                        raising=False)
+    with pytest.raises(SystemExit):
+        kvmem.SharedKVCaches.adopt(instance, 0, [first, second])
+    assert instance_entries(instance) == []
+    assert torch.equal(first, want[0]) and torch.equal(second, want[1])
+    first[3] = -1.0
+    assert first[3] == -1.0
