@@ -11,6 +11,8 @@ Layouts, per layer tensor (fp16, 8 KV heads, head size 128, 16-token blocks):
 * ``vllm-0.33``: the view vLLM 0.33 hands a connector, ``[blocks, heads, block size,
   K+V head size]`` over LBNHC memory (FLASH_ATTN on Hopper): not contiguous; each block
   is one contiguous run of physical memory.
+* ``vllm-0.33-hnd``: the same view over LBHNC memory, ``[blocks, heads, block size,
+  K+V head size]`` laid out as it is indexed (contiguous).
 * ``kv-blocks``: ``[K/V, blocks, block size, heads, head size]``, contiguous (older vLLM,
   and the synthetic engine).
 ``--device cpu`` runs the same on shared-memory tensors (a dry run where no GPU is).
@@ -50,6 +52,9 @@ def _tensors(layout: str, device: str, instance: str) -> tuple[list[torch.Tensor
     if layout == "vllm-0.33":
         physical = (BLOCKS, TOKENS, HEADS, 2 * HEAD)  # LBNHC: block, token, head, K+V
         order, reg = (0, 2, 1, 3), {"block_dim": 0, "block_size_dim": 2}
+    elif layout == "vllm-0.33-hnd":
+        physical = (BLOCKS, HEADS, TOKENS, 2 * HEAD)  # LBHNC: block, head, token, K+V
+        order, reg = (0, 1, 2, 3), {"block_dim": 0, "block_size_dim": 2}
     else:
         physical = (2, BLOCKS, TOKENS, HEADS, HEAD)
         order, reg = (0, 1, 2, 3, 4), {"block_dim": 1}
@@ -63,7 +68,7 @@ def _tensors(layout: str, device: str, instance: str) -> tuple[list[torch.Tensor
 
 
 def _run(layout: str, device: str, n: int, work: Path) -> dict:
-    instance = f"cuda{os.getpid()}{layout[:4].replace('-', '')}"
+    instance = f"cuda{os.getpid()}{layout.replace('-', '').replace('.', '')}"
     store = work / layout
     settings = {
         "store_dir": str(store), "instance": instance, "capture_slots": "4",
@@ -210,7 +215,7 @@ def main() -> int:
            "torch": torch.__version__}
     with tempfile.TemporaryDirectory(prefix="sparkcache-cuda-") as work:
         out["layouts"] = [_run(layout, args.device, args.sequences, Path(work))
-                          for layout in ("vllm-0.33", "kv-blocks")]
+                          for layout in ("vllm-0.33", "vllm-0.33-hnd", "kv-blocks")]
     print(json.dumps(out, indent=1))
     ok = all(r["pages_byte_exact"] == r["pages"] == r["pages_restored"]
              == r["pages_loaded_byte_exact"] and r["durable"] == r["sequences"]

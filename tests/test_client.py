@@ -306,15 +306,16 @@ def test_ring_faults_are_skips_and_misses_never_exceptions(tmp_path: Path, insta
 
 def test_vllm_033_views_publish_and_restore_byte_exact() -> None:
     """vLLM 0.33 hands a connector ``[blocks, heads, block size, K+V]`` views over LBNHC
-    memory, not contiguous: registered with ``block_size_dim=2`` they publish and restore
-    byte-exact through a real supervisor (``scripts/check_cuda.py`` on shared-memory
-    tensors; the same script checks CUDA IPC on a GPU)."""
+    memory, not contiguous (or over LBHNC memory, contiguous): registered with
+    ``block_size_dim=2`` they publish and restore byte-exact through a real supervisor
+    (``scripts/check_cuda.py`` on shared-memory tensors; the same script checks CUDA IPC
+    on a GPU)."""
     script = Path(__file__).resolve().parent.parent / "scripts" / "check_cuda.py"
     done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--sequences", "8"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     layouts = {r["layout"]: r for r in json.loads(done.stdout)["layouts"]}
-    assert not layouts["vllm-0.33"]["contiguous"]
+    assert not layouts["vllm-0.33"]["contiguous"] and layouts["vllm-0.33-hnd"]["contiguous"]
     for r in layouts.values():
         assert r["pages_byte_exact"] == r["pages"] == r["pages_restored"] > 0, r
         assert r["durable"] == r["sequences"], r
