@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from pipeline_util import (
     wait_for,
 )
 
-from shm.segment import process_start
+from shm.segment import SHM_DIR, process_start
 from sparkcache import segments
 from sparkcache.store import PageStore
 from sparkcache.store.objects import HEADER_SIZE
@@ -377,3 +378,41 @@ def test_a_corrupt_page_is_reported_before_a_missing_one_read_ahead(
         second.write_bytes(kept)  # for the final fsck: only page 2 was damaged for good
         second.chmod(0o600)
 
+
+
+def test_what_cuda_ipc_left_of_a_gone_engine_is_unlinked(
+        tmp_path: Path, instance: str) -> None:
+    """An engine sharing CUDA tensors leaves two files in /dev/shm when it ends before the
+    processes that opened them (torch's reference counts, named in its registration, and
+    the CUDA driver's, named by its pid), as it always does beside capture and restore:
+    two files an engine run, for good (an H200, 2026-12-04). The restore worker unlinks
+    them once the engine is gone, and nothing else: not a link, not a name of another
+    form, not another pid's."""
+    from sparkcache import registry
+
+    store = tmp_path / "store"
+    dead = psutil.Popen(["true"])
+    dead.wait()
+    rand = secrets.randbelow(10**9)
+    torch_ref = SHM_DIR / f"torch_{dead.pid}_{rand}_0"
+    driver = SHM_DIR / f"cuda.shm.0.{dead.pid:x}.1"
+    kept = [SHM_DIR / f"torch_{dead.pid}_{rand}_1",  # a link
+            SHM_DIR / f"torchx_{dead.pid}_{rand}_0",  # not torch's form
+            SHM_DIR / f"cuda.shm.0.{os.getpid():x}.{rand}"]  # a live pid's
+    try:
+        for p in (torch_ref, driver, *kept[1:]):
+            p.write_bytes(b"\0" * 4096)
+        kept[0].symlink_to(torch_ref)
+        shares = [[0, "", 0, 0, ("/" + p.name).encode().hex(), 0, "", False]
+                  for p in (torch_ref, *kept[:2])]
+        with pipeline(store, instance):
+            registry.write_registry(store, 0, 99, 0, {
+                "kind": "cuda", "owner_pid": dead.pid, "owner_start": 1.0,
+                "tensors": [{"share": s} for s in shares]})
+            wait_for(lambda: not torch_ref.exists() and not driver.exists(), 15,
+                     "the restore worker to unlink what CUDA IPC left of the gone engine")
+            time.sleep(1.5)  # another idle check: what it must not touch is still there
+            assert kept[0].is_symlink() and all(p.exists() for p in kept[1:])
+    finally:
+        for p in (torch_ref, driver, *kept):
+            p.unlink(missing_ok=True)

@@ -69,6 +69,7 @@ class _Registered:
     opened: kvmem.OpenedTensors
     views: kvmem.BlockViews
     owner: tuple[float, float] | None  # the registering engine's pid and start time
+    ipc_ref_files: list[str]  # torch's, for CUDA tensors (registry.ipc_ref_files)
 
 
 class Capture:
@@ -180,7 +181,8 @@ class Capture:
             opened.close()
             self.life.item_error("registration", reg_gen)
             return None
-        self.reg = _Registered(reg_gen, opened, views, registry.registration_owner(desc))
+        self.reg = _Registered(reg_gen, opened, views, registry.registration_owner(desc),
+                               registry.ipc_ref_files(desc))
         return self.reg
 
     def _drop_dead_registration(self) -> None:
@@ -194,6 +196,7 @@ class Capture:
         if process_gone(*self.reg.owner):
             log.info("registration %d: its engine is gone; its KV unmapped", self.reg.reg_gen)
             self.reg.opened.close()
+            registry.unlink_ipc_files(self.reg.ipc_ref_files, int(self.reg.owner[0]))
             self.reg = None
             # And unlinked: an engine SIGKILLed never unlinked it, and unmapped alone it
             # held its /dev/shm (the whole KV cache) until the next engine's start.

@@ -109,6 +109,7 @@ class _Registered:
     chunk_pages: int
     stream: torch.cuda.Stream | None  # this worker's own, on a CUDA device
     owner: tuple[float, float] | None  # the registering engine's pid and start time
+    ipc_ref_files: list[str]  # torch's, for CUDA tensors (registry.ipc_ref_files)
 
     @property
     def in_place(self) -> bool:
@@ -265,7 +266,9 @@ class Restore:
             # Its engine is gone: the KV segment, unlinked, lives on only while mapped
             # here, and a restarted engine needs as much /dev/shm again for its own.
             log.info("registration %d: its engine is gone; its KV unmapped", self.reg.reg_gen)
+            gone, pid = self.reg.ipc_ref_files, int(self.reg.owner[0])
             self._close_registration()
+            registry.unlink_ipc_files(gone, pid)
         desc = registry.read_registry(self.cfg.store_dir, self.rank)
         if desc is None:
             return
@@ -276,7 +279,10 @@ class Restore:
         # does not come back (its segment is not worth mapping).
         self._warmed = reg_gen
         owner = registry.registration_owner(desc)
-        if owner is None or process_gone(*owner):
+        if owner is None:
+            return
+        if process_gone(*owner):
+            registry.unlink_ipc_files(registry.ipc_ref_files(desc), int(owner[0]))
             return
         if self._registration(reg_gen) is not None:
             self._store()
@@ -560,7 +566,7 @@ def _open_registration(desc: dict, reg_gen: int) -> _Registered:
         opened.close()
         raise
     return _Registered(reg_gen, opened, views, staging, chunk, stream,
-                       registry.registration_owner(desc))
+                       registry.registration_owner(desc), registry.ipc_ref_files(desc))
 
 
 def _kvmem() -> tuple:
