@@ -181,7 +181,7 @@ class _Connection:
         # publications are skipped meanwhile.
         self.stale_after_s = cfg.heartbeat_timeout_s
         rt = runtime.read(cfg.store_dir) or {}
-        runtime.check_pid_namespace(rt)
+        runtime.check_namespace(rt)
         try:
             self.stats = self._keep(segments.attach_stats(cfg, rank))
             self.arena = self._keep(segments.attach_arena(cfg, rank))
@@ -346,9 +346,9 @@ class SparkCacheClient:
         self._next_connect = now + RECONNECT_INTERVAL_S
         try:
             self._conn = _Connection(self.cfg, self.rank)
-        except runtime.OtherPidNamespace as exc:
+        except runtime.OtherNamespace as exc:
             # A deployment error, not a supervisor starting or stopping: said, not debug.
-            self._log.warning("pid_namespace", "SparkCache is off for rank %d: %s",
+            self._log.warning("namespace", "SparkCache is off for rank %d: %s",
                               self.rank, exc)
         except Exception as exc:
             log.debug("supervisor segments not available: %s", exc)

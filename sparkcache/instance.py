@@ -86,7 +86,7 @@ def running(store_dir: Path) -> RuntimeView:
             f"no supervisor runs on {store_dir} (no {runtime.RUNTIME_FILE}); start one with "
             "`sparkcache supervise`, or name its store with --store-dir / SPARKCACHE_STORE_DIR"
         )
-    elsewhere = runtime.other_pid_namespace(rt)
+    elsewhere = runtime.other_namespace(rt)
     if elsewhere is not None:
         raise NoSupervisor(f"cannot watch the supervisor of {store_dir} from here: {elsewhere}")
     if not alive:

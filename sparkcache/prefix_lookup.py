@@ -86,8 +86,8 @@ class PrefixLookup:
         stats = self._stats[rank]
         if stats is None:
             # Once per supervisor (its segments are attached again after one stops):
-            # leases go through rings whose ends are judged by pid (OtherPidNamespace).
-            runtime.check_pid_namespace(runtime.read(self.cfg.store_dir))
+            # leases go through rings whose ends are judged by pid (OtherNamespace).
+            runtime.check_namespace(runtime.read(self.cfg.store_dir))
             stats = self._stats[rank] = segments.attach_stats(self.cfg, rank)
         return worker_alive(stats.read(int(Role.MAINTENANCE)), self.cfg.heartbeat_timeout_s)
 

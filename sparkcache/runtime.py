@@ -25,8 +25,9 @@ RUNTIME_SETTINGS = (
 )
 
 
-class OtherPidNamespace(RuntimeError):
-    """The supervisor runs in another PID namespace than this process."""
+class OtherNamespace(RuntimeError):
+    """The supervisor runs in another PID namespace than this process, or reads time
+    since boot shifted from it (another time namespace)."""
 
 
 def pid_namespace() -> str | None:
@@ -38,31 +39,56 @@ def pid_namespace() -> str | None:
         return None
 
 
-def other_pid_namespace(rt: dict[str, Any] | None) -> str | None:
-    """Why the supervisor of ``rt`` (runtime.json) cannot be judged from this process: it
-    runs in another PID namespace, where its pid names another process or none. None
-    when they share one, or when there is nothing to compare (no runtime file, an older
-    one without the field, no /proc)."""
-    theirs = (rt or {}).get("pid_namespace")
-    ours = pid_namespace()
-    if not (theirs and ours and theirs != ours):
+def boottime_offset() -> float | None:
+    """The shift this process's time namespace gives time since boot, in seconds (0.0
+    where the kernel has no time namespaces), or None where it cannot be read."""
+    try:
+        with open("/proc/self/timens_offsets") as f:
+            for line in f:
+                clock, seconds, nanos = line.split()
+                if clock in ("boottime", "7"):  # CLOCK_BOOTTIME's name, or its number
+                    return int(seconds) + int(nanos) / 1e9
+    except FileNotFoundError:
+        return 0.0
+    except (OSError, ValueError):
         return None
-    return (f"the supervisor (pid {(rt or {}).get('pid')}) runs in PID namespace {theirs} "
-            f"and this process in {ours}: SparkCache's processes must share one (docker run "
-            "--pid=host, or --pid=container:<the other>; in Kubernetes, one pod with "
-            "shareProcessNamespace: true)")
+    return 0.0
 
 
-def check_pid_namespace(rt: dict[str, Any] | None) -> None:
-    """Raise OtherPidNamespace if the supervisor of ``rt`` runs in another PID namespace
-    than this process (``other_pid_namespace``). Each side judges the other's processes
+def other_namespace(rt: dict[str, Any] | None) -> str | None:
+    """Why the supervisor of ``rt`` (runtime.json) cannot be judged from this process: it
+    runs in another PID namespace, where its pid names another process or none, or in a
+    time namespace that shifts time since boot otherwise than this one's, so that every
+    start time recorded beside a pid reads differently (``shm.segment.process_start``).
+    None when both match, or when there is nothing to compare (no runtime file, an older
+    one without the fields, no /proc)."""
+    rt = rt or {}
+    theirs, ours = rt.get("pid_namespace"), pid_namespace()
+    if theirs and ours and theirs != ours:
+        return (f"the supervisor (pid {rt.get('pid')}) runs in PID namespace {theirs} "
+                f"and this process in {ours}: SparkCache's processes must share one (docker "
+                "run --pid=host, or --pid=container:<the other>; in Kubernetes, one pod "
+                "with shareProcessNamespace: true)")
+    theirs, ours = rt.get("boottime_offset"), boottime_offset()
+    if isinstance(theirs, int | float) and ours is not None and theirs != ours:
+        return (f"the supervisor (pid {rt.get('pid')}) reads time since boot shifted by "
+                f"{theirs:g} s and this process by {ours:g} s (another time namespace): "
+                "SparkCache's processes must read it alike, or each takes the other's "
+                "live processes for dead (run the containers without a time namespace "
+                "of their own)")
+    return None
+
+
+def check_namespace(rt: dict[str, Any] | None) -> None:
+    """Raise OtherNamespace if the supervisor of ``rt`` runs in another PID or time
+    namespace than this process (``other_namespace``). Each side judges the other's processes
     alive or dead by the pids they record (ring ends, KV registrations and segments, a
     load's restore worker); across namespaces a live one is taken for dead: capture
     dropped a live engine's registration and unlinked its KV segment, and a load whose
     worker was taken for dead could still be written into blocks vLLM had reused."""
-    why = other_pid_namespace(rt)
+    why = other_namespace(rt)
     if why is not None:
-        raise OtherPidNamespace(why)
+        raise OtherNamespace(why)
 
 
 def write(store_dir: Path, data: dict[str, Any]) -> None:

@@ -112,7 +112,7 @@ def _supervisor(store_dir: Path) -> dict:
     rt, running = runtime.read_live(store_dir)
     if rt is None:
         return {"state": "absent"}
-    elsewhere = runtime.other_pid_namespace(rt)
+    elsewhere = runtime.other_namespace(rt)
     if elsewhere is not None:  # its pid means nothing here: neither running nor stale
         return {"state": "unknown", "pid": rt.get("pid"), "why": elsewhere}
     if not running:
@@ -313,10 +313,10 @@ def fsck_command(
     # the grace is all that keeps a repair from removing it, so a live supervisor keeps
     # the default one (a check alone removes nothing).
     rt, running = runtime.read_live(store_dir)
-    # One in another PID namespace cannot be seen from here: it may be running.
-    unseen = runtime.other_pid_namespace(rt) is not None
+    # One in another PID or time namespace cannot be judged from here: it may be running.
+    unseen = runtime.other_namespace(rt) is not None
     if repair and (running or unseen) and grace_seconds < DEFAULT_FSCK_GRACE_SECONDS:
-        state = "may be running (in another PID namespace)" if unseen else "is running"
+        state = "may be running (in another namespace)" if unseen else "is running"
         print(f"sparkcache: a supervisor (pid {rt['pid']}) {state} on {store_dir}: "
               f"--repair with --grace-seconds={grace_seconds:g} could remove files its "
               f"commit is writing; keep the default ({DEFAULT_FSCK_GRACE_SECONDS:g}) or "

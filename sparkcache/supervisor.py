@@ -483,8 +483,9 @@ class Supervisor:
             "pid": os.getpid(),
             # With the pid, tells this process from a later one that reuses the pid.
             "pid_start": process_start(os.getpid()),
-            # Engines refuse to connect from another one (runtime.check_pid_namespace).
+            # Engines refuse to connect from another one (runtime.check_namespace).
             "pid_namespace": runtime.pid_namespace(),
+            "boottime_offset": runtime.boottime_offset(),
             "cpus": self.cpus,
             # The engine side refuses publications past this: the supervisor's settings
             # are the ones enforced, whatever the engine's own environment says.

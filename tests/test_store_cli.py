@@ -387,7 +387,7 @@ def test_fsck_repair_beside_a_running_supervisor_keeps_the_default_grace(
     assert CliRunner().invoke(app, [*args, "--repair"]).exit_code == 0
 
 
-def test_a_supervisor_in_another_pid_namespace_is_neither_running_nor_stale_here(
+def test_a_supervisor_in_another_namespace_is_neither_running_nor_stale_here(
         store_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Its pid means nothing in this namespace. status called it killed (the pid was gone
     here, or another process's) and fsck then let a repair with no grace sweep files its
@@ -403,7 +403,7 @@ def test_a_supervisor_in_another_pid_namespace_is_neither_running_nor_stale_here
     args = ["fsck", "--store-dir", str(store_dir)]
     result = CliRunner().invoke(app, [*args, "--repair", "--grace-seconds", "0"])
     assert result.exit_code == 2, result.output
-    assert f"a supervisor (pid {gone.pid}) may be running (in another PID namespace)" \
+    assert f"a supervisor (pid {gone.pid}) may be running (in another namespace)" \
         in result.output
     assert CliRunner().invoke(app, [*args, "--grace-seconds", "0"]).exit_code == 0
     with pytest.raises(NoSupervisor, match=r"cannot watch the supervisor .* PID namespace"):
