@@ -396,6 +396,34 @@ def test_a_store_dir_owned_by_another_user_is_refused(tmp_path: Path) -> None:
         PageStore(other, 0)
 
 
+def test_two_workers_opening_a_fresh_store_together_both_open_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a fresh store the rank's commit and maintenance workers start together: one
+    found no index, the other created it before the first could, and the first died at
+    start-up on the file it then found there (seen on 16 cores, the supervisor's start
+    failing). The other process's creation is played between the two steps."""
+    store_dir = tmp_path / "store"
+    PageStore(store_dir, 0).close()
+    index_path = store_dir / "rank-0" / "index.sqlite"
+    for suffix in ("", "-wal", "-shm"):
+        index_path.with_name(index_path.name + suffix).unlink(missing_ok=True)
+    real_lstat = os.lstat
+    raced: list[bool] = []
+
+    def lstat_as_another_creates(path, *args, **kwargs):
+        try:
+            return real_lstat(path, *args, **kwargs)
+        except FileNotFoundError:
+            if Path(path) == index_path and not raced:
+                raced.append(True)
+                index.connect(index_path, create=True).close()  # the other worker
+            raise
+
+    monkeypatch.setattr(os, "lstat", lstat_as_another_creates)
+    with PageStore(store_dir, 0) as store:
+        assert raced and store.usage().entries == 0
+
+
 def test_a_symlinked_index_is_refused(tmp_path: Path) -> None:
     store_dir = tmp_path / "store"
     PageStore(store_dir, 0).close()

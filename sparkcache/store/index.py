@@ -148,8 +148,15 @@ def _check_index_file(path: Path, create: bool) -> None:
     except FileNotFoundError:
         if not create:
             raise StoreError(f"no index at {path}") from None
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE))
-        return
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                             FILE_MODE))
+            return
+        except FileExistsError:
+            # Another process made it since: on a fresh store the rank's commit and
+            # maintenance workers start together, and the loser died at start-up (seen
+            # on 16 cores), failing the supervisor's start. Theirs is checked as any is.
+            st = os.lstat(path)
     if not stat.S_ISREG(st.st_mode):
         raise UnsafeStoreDir(f"{path} is not a regular file (symlink?); refusing to open it")
     if st.st_uid != os.geteuid():
