@@ -200,6 +200,37 @@ def test_a_file_the_pool_refuses_is_removed_in_halves_one_per_unit(tmp_path: Pat
     assert fsck(store_dir, grace_seconds=0).ok
 
 
+def test_the_last_piece_of_a_file_counts_the_blocks_it_holds(tmp_path: Path) -> None:
+    """The step that empties a file cut short frees every block it holds: 12,300 bytes
+    are four blocks, more than a budget of 12,388 bytes allows. It freed them in one
+    slice (the test below failed so in one CI run); now that slice cuts three off and
+    the next unlinks the rest."""
+    store_dir = tmp_path / "s"
+    budget_bytes, left = 3 * 4096 + 100, 3 * 4096 + 12
+    with PageStore(store_dir, 0, lease_seconds=0, pool_bytes=0, halve_above=4096) as store:
+        root = rid()
+        store.commit(make_root(root, [secrets.token_hex(16) for _ in range(20)], SIZE))
+        pack = next(p for p in (store_dir / "rank-0" / "objects").rglob("*") if p.is_file())
+        store.remove_roots([root])
+        # Its rows go, then the file is queued to be cut short, a unit of a slice each.
+        for _ in range(10):
+            if not store._shrinking:
+                store.collect(16, SliceMeter(SliceBudget(16, 1 << 30, 60.0), CostModel(),
+                                             time.monotonic))
+        (entry,) = store._shrinking
+        os.truncate(pack, left)  # as earlier slices' cuts could leave it
+        entry[2] = left
+        held = pack.stat().st_blocks * 512
+        assert held == 4 * 4096
+        meter = SliceMeter(SliceBudget(16, budget_bytes, 60.0), CostModel(), time.monotonic)
+        store.collect(16, meter)
+        assert pack.exists() and held - pack.stat().st_blocks * 512 == 3 * 4096
+        store.collect(16, SliceMeter(SliceBudget(16, budget_bytes, 60.0), CostModel(),
+                                     time.monotonic))
+        assert not pack.exists()
+    assert fsck(store_dir, grace_seconds=0).ok
+
+
 def test_a_file_larger_than_two_slices_bytes_is_cut_a_slice_budget_at_a_time(
         tmp_path: Path) -> None:
     """A collected pack whose half is more than a slice may free (a long conversation's,

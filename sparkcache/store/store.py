@@ -640,7 +640,10 @@ class PageStore:
             step = entry[3]
             if budget is not None:
                 room = budget.bytes_left()
-                if min(step, entry[2]) > room:
+                # A step that empties the file frees every block it holds, its last
+                # partial one too; a cut frees ``step``, whole blocks.
+                frees = step if step < entry[2] else -(-entry[2] // recovery.BLOCK) * recovery.BLOCK
+                if frees > room:
                     if not budget.fresh:
                         break
                     step = max(room // recovery.BLOCK, 1) * recovery.BLOCK
