@@ -13,9 +13,10 @@ from sparkcache import exit_signal
 
 @pytest.fixture
 def restore_sigterm():
-    old = signal.getsignal(signal.SIGTERM)
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     yield
-    signal.signal(signal.SIGTERM, old)
+    for sig, handler in old.items():
+        signal.signal(sig, handler)
 
 
 def test_a_sigterm_unwinds_with_exit_143(restore_sigterm):
@@ -43,3 +44,15 @@ def test_an_exit_lost_in_between_is_raised_at_the_next_check(restore_sigterm):
     # Installing afresh forgets it: an in-process soak run after a stopped one.
     exit_signal.install(signal.SIGTERM)
     exit_signal.exit_if_signalled()
+
+
+def test_a_lost_ctrl_c_is_raised_as_one_at_the_next_check(restore_sigterm):
+    """Python's own SIGINT handler keeps no record: a KeyboardInterrupt lost in that
+    import let a soak run to its end and exit 0."""
+    exit_signal.install(signal.SIGTERM, signal.SIGINT)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+    except KeyboardInterrupt:
+        pass  # lost
+    with pytest.raises(KeyboardInterrupt):
+        exit_signal.exit_if_signalled()

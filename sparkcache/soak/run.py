@@ -46,13 +46,15 @@ def run(params: SoakParams, progress: Progress, work_dir: Path | None = None
     control: ControlEngine | None = None
     remover = StoreRemover()
     main = threading.current_thread() is threading.main_thread()
-    old_term = signal.getsignal(signal.SIGTERM)
+    old_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         # A SIGTERM (kill, timeout, a CI job cancelled) ends the soak as Ctrl-C does,
         # through the finally blocks that stop its supervisors and engines and remove its
         # stores: Python's default ends the process at once and leaves them all behind.
+        # Ctrl-C goes through the same handler so that one lost in C code is not
+        # forgotten (exit_signal).
         if main:
-            exit_signal.install(signal.SIGTERM)
+            exit_signal.install(signal.SIGTERM, signal.SIGINT)
         model = ToyModel()
         control = ControlEngine(params, root / "control.log")
         for name in params.lanes:
@@ -73,7 +75,8 @@ def run(params: SoakParams, progress: Progress, work_dir: Path | None = None
         torch.set_num_threads(old_threads)
         _clean(root, keep_logs=failed)
         if main:
-            signal.signal(signal.SIGTERM, old_term or signal.SIG_DFL)
+            for sig, handler in old_handlers.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     return results
 
 

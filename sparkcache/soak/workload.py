@@ -14,6 +14,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# numpy imports its random module at first use, and a signal's exception raised during
+# that import can be lost (sparkcache.exit_signal): the soak's first use comes right
+# after its first supervisor is ready, where a Ctrl-C is likeliest. Imported with this
+# module instead, before any handler is installed.
+import numpy.random
+
 from sparkcache import exit_signal
 from sparkcache.identity import KeyChain, Namespace
 from sparkcache.soak.contention import CoreMeter
