@@ -49,6 +49,7 @@ def test_binary_search_equals_the_full_scan(tmp_path_factory, roots, removed, qu
         # A hint (the answer expected) changes the probes, never the answer.
         assert reader.lookup(keys, beyond, hint) == (full if full > beyond else 0)
         assert reader.lookup(keys, 0, full) == full
+        assert reader.lookup(keys, beyond, full) == (full if full > beyond else 0)
     finally:
         reader.close()
 
@@ -69,6 +70,10 @@ def test_a_quarantined_page_mid_chain_ends_the_prefix_there(tmp_path: Path) -> N
         # Among the pages the caller has already it is not read, and ends nothing.
         assert reader.lookup(keys, beyond=3) == 6
         assert reader.lookup(keys, beyond=2) == 0
+        # The same where a hint is confirmed in one statement.
+        assert reader.lookup(keys, hint=6) == 2
+        assert reader.lookup(keys, beyond=3, hint=6) == 6
+        assert reader.lookup(keys, beyond=2, hint=6) == 0
         bufs = [bytearray(16) for _ in keys]
         assert reader.restore(keys, bufs).pages == 2
     finally:
@@ -85,20 +90,27 @@ def test_a_writer_adds_the_quarantined_index_to_an_older_store(tmp_path: Path) -
     assert "objects_quarantined" in str(plan)
 
 
-def test_a_right_hint_is_confirmed_in_two_probes(tmp_path: Path) -> None:
+def test_a_right_hint_is_confirmed_in_one_statement(tmp_path: Path) -> None:
+    """vLLM's scheduler looks up every request it admits on its own thread: the answer
+    the conversation's previous turn stored is confirmed by one SQL statement, not a
+    transaction of a search's probes."""
     keys = chain(1, 64)
     with PageStore(tmp_path, 0) as st_:
         st_.commit(make_root("a" * 32, keys[:40], 16))
     reader = StoreReader(tmp_path, 0)
-    probes: list[str] = []
-    reader.conn.set_trace_callback(
-        lambda sql: probes.append(sql) if sql.startswith("SELECT refcount") else None)
+    statements: list[str] = []
+    reader.conn.set_trace_callback(statements.append)
     try:
         assert reader.lookup(keys) == 40
-        searched, probes[:] = len(probes), []
+        searched, statements[:] = len(statements), []
         assert reader.lookup(keys, hint=40) == 40
-        assert len(probes) == 2 < searched
-        probes.clear()
+        assert len(statements) == 1 < searched
+        assert reader.lookup(keys, beyond=20, hint=40) == 40
+        assert reader.lookup(keys[:40], hint=40) == 40  # the whole chain: no page after
+        statements.clear()
         assert reader.lookup(keys, hint=30) == 40  # wrong: the search goes on
+        assert len(statements) > 1
+        assert reader.lookup(keys, hint=50) == 40
+        assert reader.lookup(keys, beyond=40, hint=40) == 0  # nothing beyond the caller's
     finally:
         reader.close()
