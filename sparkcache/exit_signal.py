@@ -10,7 +10,10 @@ imported can be swallowed, or surface as an ImportError (numpy 2, Python 3.11; t
 demo's SIGTERM test hung 4 times in 44 runs so). So the handler also records the
 signal, and the commands' loops call ``exit_if_signalled`` to finish an exit that was
 lost. Python's own SIGINT handler keeps no such record: a soak run to its end, exit 0,
-after a Ctrl-C that landed in that import.
+after a Ctrl-C that landed in that import. Measured (2026-12-04, a SIGINT sent 0-30 ms
+into a process's ``import numpy.random``, 150 runs each): with Python's handler 8 lost and
+1 ImportError; with this one 9 lost and recovered at the check after the import, 3
+ImportErrors. So the commands also import numpy.random before installing it.
 """
 
 from __future__ import annotations
