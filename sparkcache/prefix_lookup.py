@@ -91,11 +91,11 @@ class PrefixLookup:
             stats = self._stats[rank] = segments.attach_stats(self.cfg, rank)
         return worker_alive(stats.read(int(Role.MAINTENANCE)), self.cfg.heartbeat_timeout_s)
 
-    def lookup(self, keys: Sequence[str], beyond: int = 0, hint: int = 0) -> int:
+    def lookup(self, keys: Sequence[str], beyond: int = 0, hints: Sequence[int] = ()) -> int:
         """Leading ``keys`` every rank holds, leased for ``lookup_lease_seconds``; 0 if
         they are not more than ``beyond`` (the pages the caller has already: one probe
         per rank tells), and 0 on any fault (a miss, counted in ``misses`` by reason).
-        ``hint``: the answer the caller expects, checked first (``chained_prefix``)."""
+        ``hints``: answers the caller expects, tried first (``chained_prefix``)."""
         if self.cfg.access_mode is AccessMode.OFF or len(keys) <= beyond:
             return 0
         self.lookups += 1
@@ -106,7 +106,7 @@ class PrefixLookup:
                 self.misses["unavailable"] += 1
                 return 0
             try:
-                pages = self._lookup(keys, beyond, hint, now)
+                pages = self._lookup(keys, beyond, hints, now)
             except Exception as exc:
                 # A store not created yet, a supervisor gone: try again a little later,
                 # and drop every handle (a new supervisor makes new rings).
@@ -137,7 +137,8 @@ class PrefixLookup:
                 return
         self._engine.write_due(self._fields)
 
-    def _lookup(self, keys: Sequence[str], beyond: int, hint: int, now: float) -> int:
+    def _lookup(self, keys: Sequence[str], beyond: int, hints: Sequence[int],
+                now: float) -> int:
         if now >= self._alive_until:
             # A lease taken in the interval after maintenance died is lost, as one taken
             # a moment before its death would be: the load misses and is recomputed.
@@ -154,7 +155,7 @@ class PrefixLookup:
                 held.append(reader)
             pages = len(keys)
             for reader in readers:
-                pages = reader.lookup(keys[:pages], beyond, hint)
+                pages = reader.lookup(keys[:pages], beyond, hints)
                 if not pages:
                     self.misses["not_stored"] += 1
                     return 0

@@ -27,9 +27,9 @@ def chain(branch: int, length: int) -> list[str]:
                       max_size=6),
        removed=st.sets(st.integers(0, 5)),
        query=st.tuples(st.integers(0, 3), st.integers(1, 12)),
-       beyond=st.integers(0, 13), hint=st.integers(-1, 14))
+       beyond=st.integers(0, 13), hints=st.lists(st.integers(-1, 14), max_size=6))
 def test_binary_search_equals_the_full_scan(tmp_path_factory, roots, removed, query,
-                                            beyond, hint) -> None:
+                                            beyond, hints) -> None:
     store = tmp_path_factory.mktemp("store")
     with PageStore(store, 0) as st_:
         ids = []
@@ -46,10 +46,12 @@ def test_binary_search_equals_the_full_scan(tmp_path_factory, roots, removed, qu
         assert reader.lookup(keys) == full
         # Beyond the pages the caller has: the same prefix, or 0 if it is not longer.
         assert reader.lookup(keys, beyond) == (full if full > beyond else 0)
-        # A hint (the answer expected) changes the probes, never the answer.
-        assert reader.lookup(keys, beyond, hint) == (full if full > beyond else 0)
-        assert reader.lookup(keys, 0, full) == full
-        assert reader.lookup(keys, beyond, full) == (full if full > beyond else 0)
+        # Hints (answers expected) change the probes, never the answer; the right one
+        # among wrong ones, in any place, is confirmed.
+        assert reader.lookup(keys, beyond, hints) == (full if full > beyond else 0)
+        assert reader.lookup(keys, 0, (full,)) == full
+        for right in ((full,), (*hints, full), (full, *hints)):
+            assert reader.lookup(keys, beyond, right) == (full if full > beyond else 0)
     finally:
         reader.close()
 
@@ -71,9 +73,9 @@ def test_a_quarantined_page_mid_chain_ends_the_prefix_there(tmp_path: Path) -> N
         assert reader.lookup(keys, beyond=3) == 6
         assert reader.lookup(keys, beyond=2) == 0
         # The same where a hint is confirmed in one statement.
-        assert reader.lookup(keys, hint=6) == 2
-        assert reader.lookup(keys, beyond=3, hint=6) == 6
-        assert reader.lookup(keys, beyond=2, hint=6) == 0
+        assert reader.lookup(keys, hints=(6,)) == 2
+        assert reader.lookup(keys, beyond=3, hints=(6,)) == 6
+        assert reader.lookup(keys, beyond=2, hints=(6,)) == 0
         bufs = [bytearray(16) for _ in keys]
         assert reader.restore(keys, bufs).pages == 2
     finally:
@@ -92,8 +94,9 @@ def test_a_writer_adds_the_quarantined_index_to_an_older_store(tmp_path: Path) -
 
 def test_a_right_hint_is_confirmed_in_one_statement(tmp_path: Path) -> None:
     """vLLM's scheduler looks up every request it admits on its own thread: the answer
-    the conversation's previous turn stored is confirmed by one SQL statement, not a
-    transaction of a search's probes."""
+    the conversation's previous turn stored, or an earlier save's where that one is not
+    committed yet, is confirmed by one SQL statement, not a transaction of a search's
+    probes."""
     keys = chain(1, 64)
     with PageStore(tmp_path, 0) as st_:
         st_.commit(make_root("a" * 32, keys[:40], 16))
@@ -103,14 +106,18 @@ def test_a_right_hint_is_confirmed_in_one_statement(tmp_path: Path) -> None:
     try:
         assert reader.lookup(keys) == 40
         searched, statements[:] = len(statements), []
-        assert reader.lookup(keys, hint=40) == 40
+        assert reader.lookup(keys, hints=(40,)) == 40
         assert len(statements) == 1 < searched
-        assert reader.lookup(keys, beyond=20, hint=40) == 40
-        assert reader.lookup(keys[:40], hint=40) == 40  # the whole chain: no page after
+        assert reader.lookup(keys, beyond=20, hints=(40,)) == 40
+        assert reader.lookup(keys[:40], hints=(40,)) == 40  # the whole chain: no page after
+        # The previous turn's 44 pages not committed yet: the save before it ended at 40.
         statements.clear()
-        assert reader.lookup(keys, hint=30) == 40  # wrong: the search goes on
+        assert reader.lookup(keys, hints=(44, 40, 36)) == 40
+        assert len(statements) == 1
+        statements.clear()
+        assert reader.lookup(keys, hints=(30,)) == 40  # wrong: the search goes on
         assert len(statements) > 1
-        assert reader.lookup(keys, hint=50) == 40
-        assert reader.lookup(keys, beyond=40, hint=40) == 0  # nothing beyond the caller's
+        assert reader.lookup(keys, hints=(50,)) == 40
+        assert reader.lookup(keys, beyond=40, hints=(40,)) == 0  # nothing beyond the caller's
     finally:
         reader.close()

@@ -27,6 +27,7 @@ from vllm.v1.request import Request
 
 from sparkcache.identity import KeyExtras, Namespace, sequence_keys
 from sparkcache.vllm.request_keys import (
+    SAVES_KEPT,
     KeyMemo,
     RequestKeys,
     extra_key_text,
@@ -193,6 +194,32 @@ def test_next_turn_takes_the_prefix_from_the_memo(extras: dict) -> None:
         assert rk.hashed_pages == len(rk.keys) - len(prev.keys)
     # Each turn re-pointed its predecessor's anchors: one key list per conversation.
     assert memo.entries == 1 and memo.pages == len(turns[-1].keys)
+
+
+def test_a_turn_expects_its_conversations_latest_saves() -> None:
+    """Where the stored prefix of a turn can end: the previous turn's pages (from the
+    memo), then where the conversation's saves ended, newest first, the previous turn's
+    included (it may not be committed when the next turn is sent), at most SAVES_KEPT,
+    and none beyond the prefix taken (a branch)."""
+    memo = KeyMemo(grid=8)
+    tokens = _tokens(10 * P, seed=5)
+    saved: list[int] = []
+    for turn in range(6):
+        rk = _keys(_request(tokens, rid=f"t{turn}"), memo)
+        if turn:
+            assert rk.memo_pages == saved[-1]
+            assert rk.expected_ends() == tuple(reversed(saved[-SAVES_KEPT:]))
+        else:
+            assert rk.expected_ends() == ()
+        rk.note_saved(len(rk.keys))
+        saved.append(len(rk.keys))
+        tokens = tokens + _tokens(2 * P, seed=10 + turn)
+    # A branch off the third turn's prompt: only the saves within what it shares.
+    branch = _keys(_request(tokens[: saved[2] * P + 3] + _tokens(5 * P, seed=99)), memo)
+    assert all(n <= branch.memo_pages for n in branch.expected_ends())
+    assert branch.expected_ends()[0] == branch.memo_pages
+    # Without the memo (no vLLM hashes): nothing taken, nothing expected.
+    assert RequestKeys(NS, _request(tokens), memo=None).expected_ends() == ()
 
 
 def test_a_branch_takes_the_prefix_to_within_a_grid() -> None:

@@ -90,13 +90,14 @@ def stored_prefix(conn: sqlite3.Connection, keys: Sequence[str]) -> int:
 
 
 def chained_prefix(conn: sqlite3.Connection, keys: Sequence[str], beyond: int = 0,
-                   hint: int = 0) -> int:
+                   hints: Sequence[int] = ()) -> int:
     """``stored_prefix`` of a key chain in O(log n) lookups instead of n; or 0 when it is
     not longer than ``beyond`` pages, the pages the caller has already (vLLM's own prefix
     cache): one lookup tells, and a quarantined object among those pages does not end
-    the prefix, since it is not read. ``hint``, the answer the caller expects (the
-    previous turn of a conversation stored its pages), is tried first: one statement
-    confirms it (``_confirmed_hint``); a wrong one costs that statement, then the search.
+    the prefix, since it is not read. ``hints``, answers the caller expects (where the
+    conversation's latest saves ended), are tried first: one statement confirms the one
+    that is right (``_confirmed_hint``); if none is, that statement was the cost, and
+    the search follows.
 
     Page keys are chained (``sparkcache.identity``): key ``i`` determines keys ``0..i``, so
     a referenced object of key ``i`` belongs to a root that holds all of them, and the
@@ -111,7 +112,7 @@ def chained_prefix(conn: sqlite3.Connection, keys: Sequence[str], beyond: int = 
 
     if beyond >= len(keys):
         return 0
-    confirmed = _confirmed_hint(conn, keys, beyond, hint)
+    confirmed = _confirmed_hint(conn, keys, beyond, hints)
     if confirmed is not None:
         return confirmed
     with index.read_txn(conn):  # one snapshot for every probe
@@ -131,16 +132,26 @@ def chained_prefix(conn: sqlite3.Connection, keys: Sequence[str], beyond: int = 
 _QUARANTINED = "SELECT key FROM objects WHERE state = 'quarantined'"
 
 
+# At most this many hints are read (two keys each): the statement stays one index read
+# per key, in SQLite's C, whatever a caller passes.
+MAX_HINTS = 4
+
+
 def _confirmed_hint(conn: sqlite3.Connection, keys: Sequence[str], beyond: int,
-                    hint: int) -> int | None:
-    """``chained_prefix``'s answer if ``hint`` is its end, else None. One statement, so
-    one snapshot: the hinted last page referenced, the page after it not, and the
-    quarantined keys. vLLM's scheduler asks this for each request it admits, on its own
-    thread, where each statement costs tens of microseconds with the caches cold that a
-    forward leaves; the search's transaction took six."""
-    if not beyond < hint <= len(keys):
+                    hints: Sequence[int]) -> int | None:
+    """``chained_prefix``'s answer if one of ``hints`` is its end, else None. One
+    statement, so one snapshot: for each hint, its last page and the page after it, and
+    the quarantined keys. The referenced keys of a chain are a prefix of it, so a hint
+    whose last page is referenced and whose next is not is that prefix's end. vLLM's
+    scheduler asks this for each request it admits, on its own thread, where each
+    statement costs tens of microseconds with the caches cold that a forward leaves; a
+    search's transaction took six or more."""
+    n = len(keys)
+    ends = [h for h in dict.fromkeys(hints) if beyond < h <= n][:MAX_HINTS]
+    if not ends:
         return None
-    probes = [require_hex(k, "page key") for k in keys[hint - 1: hint + 1]]
+    at = sorted({i for h in ends for i in (h - 1, h) if i < n})
+    probes = [require_hex(keys[i], "page key") for i in at]
     marks = ", ".join("?" * len(probes))
     refs: dict[str, int] = {}
     quarantined: set[str] = set()
@@ -151,9 +162,10 @@ def _confirmed_hint(conn: sqlite3.Connection, keys: Sequence[str], beyond: int,
             quarantined.add(key)
         else:
             refs[key] = refcount
-    if refs.get(probes[0], 0) <= 0 or (len(probes) > 1 and refs.get(probes[1], 0) > 0):
-        return None
-    return _short_of_quarantined(keys, beyond, hint, quarantined)
+    for h in ends:
+        if refs.get(keys[h - 1], 0) > 0 and (h == n or refs.get(keys[h], 0) <= 0):
+            return _short_of_quarantined(keys, beyond, h, quarantined)
+    return None
 
 
 def _short_of_quarantined(keys: Sequence[str], beyond: int, end: int,
@@ -194,11 +206,11 @@ class StoreReader:
         self.gate.close()
         os.close(self._objects_fd)
 
-    def lookup(self, keys: Sequence[str], beyond: int = 0, hint: int = 0) -> int:
+    def lookup(self, keys: Sequence[str], beyond: int = 0, hints: Sequence[int] = ()) -> int:
         """Number of leading ``keys`` (a chain) the store holds live: the longest stored
-        prefix, found by ``chained_prefix`` (``hint``: the answer expected, probed first);
+        prefix, found by ``chained_prefix`` (``hints``: answers expected, tried first);
         0 if it is not longer than ``beyond``."""
-        return chained_prefix(self.conn, keys, beyond, hint)
+        return chained_prefix(self.conn, keys, beyond, hints)
 
     def restore(self, keys: Sequence[str], into: Sequence[object]) -> ReadResult:
         """Read and verify the leading ``keys`` into ``into`` (one writable buffer per page).

@@ -216,14 +216,21 @@ def page_extras(request: Request, first: int, stop: int,
 # ---------------------------------------------------------------- memo
 
 
+# How many of a conversation's latest saves a request remembers (``_Entry.saved``).
+SAVES_KEPT = 4
+
+
 class _Entry:
     """The keys of one remembered request: its live key list (only ever appended to)."""
 
-    __slots__ = ("anchors", "in_lru", "keys", "last", "live", "pages", "seed")
+    __slots__ = ("anchors", "in_lru", "keys", "last", "live", "pages", "saved", "seed")
 
     def __init__(self, seed: bytes, keys: list[str]) -> None:
         self.seed = seed
         self.keys = keys
+        # Pages saved by the requests of this conversation up to this one, oldest first
+        # (``RequestKeys.note_saved``): where a prefix stored for it can end.
+        self.saved: tuple[int, ...] = ()
         self.anchors: list[bytes] = []  # vLLM hashes anchored here for good
         self.last: bytes | None = None  # the moving anchor at the last page
         self.live = 0  # anchors that still point here
@@ -494,6 +501,24 @@ class RequestKeys:
         """Full-page keys so far, as the live list (do not modify)."""
         return self._chain.keys if self._chain is not None else []
 
+    def note_saved(self, pages: int) -> None:
+        """This request's first ``pages`` pages were handed to the store: a later turn of
+        the conversation, which takes its keys from this one, may find a prefix stored
+        to there (``expected_ends``)."""
+        if self._chain is not None and pages > 0:
+            self._entry.saved = (*self._entry.saved, pages)[-SAVES_KEPT:]
+
+    def expected_ends(self) -> tuple[int, ...]:
+        """Where the stored prefix of this request is likeliest to end, likeliest first:
+        the pages its conversation's previous turn had (taken from the memo), then the
+        ends of the conversation's latest saves, newest first. A turn sent the moment the
+        one before finished finds that one's pages not yet committed, and the prefix the
+        turn before it saved stored."""
+        ends = [self.memo_pages] if self.memo_pages else []
+        if self._chain is not None:
+            ends += [n for n in reversed(self._entry.saved) if n not in ends]
+        return tuple(ends)
+
     def __len__(self) -> int:
         return len(self._chain) if self._chain is not None else 0
 
@@ -554,6 +579,7 @@ class RequestKeys:
                     source, upto = entry, page
                     self.memo_pages += page + 1 - have
                     have = page + 1
+                    self._entry.saved = tuple(n for n in entry.saved if n <= have)
         if pages > have:
             extras = (page_extras(request, have, pages, step)
                       if _has_block_extras(request) else None)

@@ -143,9 +143,10 @@ class SchedulerSide:
         if state.load_failed:
             self.counters["load_failed_before"] += 1
             return 0, False
-        # The answer expected: the pages the keys' memo took from the conversation's
-        # previous turn, which saved them when it finished.
-        pages = self.lookup.lookup(keys, beyond=start, hint=state.keys.memo_pages)
+        # The answers expected: the pages the keys' memo took from the conversation's
+        # previous turn, which saved them when it finished, then where its latest saves
+        # ended (the previous turn's may not be committed yet).
+        pages = self.lookup.lookup(keys, beyond=start, hints=state.keys.expected_ends())
         self.counters["lookups"] += 1
         if pages * self.block <= num_computed_tokens or pages <= start:
             return 0, False
@@ -221,6 +222,7 @@ class SchedulerSide:
             return False, None
         self._meta.saves.append(PageJob(request.request_id, keys, list(block_ids[: len(keys)])))
         self.counters["saves"] += 1
+        self._reqs[request.request_id].keys.note_saved(len(keys))  # made by _keys
         return True, None
 
     def totals(self) -> Counter:
