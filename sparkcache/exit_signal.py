@@ -48,7 +48,7 @@ def install(*signums: int) -> None:
 
 
 def exit_if_signalled() -> None:
-    """Raise the SystemExit of a signal ``exit_on_signal`` received, if any: the exit its
-    handler raised may have been lost in C code."""
+    """Raise again what ``exit_on_signal`` raised for a signal it received, if any
+    (SystemExit, or KeyboardInterrupt for SIGINT): it may have been lost in C code."""
     if _received is not None:
         raise _exit_for(_received)

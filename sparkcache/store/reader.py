@@ -89,6 +89,14 @@ def stored_prefix(conn: sqlite3.Connection, keys: Sequence[str]) -> int:
     return n
 
 
+_QUARANTINED = "SELECT key FROM objects WHERE state = 'quarantined'"
+
+
+# At most this many hints are read (two keys each): the statement stays one index read
+# per key, in SQLite's C, whatever a caller passes.
+MAX_HINTS = 4
+
+
 def chained_prefix(conn: sqlite3.Connection, keys: Sequence[str], beyond: int = 0,
                    hints: Sequence[int] = ()) -> int:
     """``stored_prefix`` of a key chain in O(log n) lookups instead of n; or 0 when it is
@@ -129,14 +137,6 @@ def chained_prefix(conn: sqlite3.Connection, keys: Sequence[str], beyond: int = 
     return _short_of_quarantined(keys, beyond, lo, quarantined)
 
 
-_QUARANTINED = "SELECT key FROM objects WHERE state = 'quarantined'"
-
-
-# At most this many hints are read (two keys each): the statement stays one index read
-# per key, in SQLite's C, whatever a caller passes.
-MAX_HINTS = 4
-
-
 def _confirmed_hint(conn: sqlite3.Connection, keys: Sequence[str], beyond: int,
                     hints: Sequence[int]) -> int | None:
     """``chained_prefix``'s answer if one of ``hints`` is its end, else None. One
@@ -145,7 +145,7 @@ def _confirmed_hint(conn: sqlite3.Connection, keys: Sequence[str], beyond: int,
     whose last page is referenced and whose next is not is that prefix's end. vLLM's
     scheduler asks this for each request it admits, on its own thread, where each
     statement costs tens of microseconds with the caches cold that a forward leaves; a
-    search's transaction took six or more."""
+    search's transaction takes five or more."""
     n = len(keys)
     ends = [h for h in dict.fromkeys(hints) if beyond < h <= n][:MAX_HINTS]
     if not ends:
