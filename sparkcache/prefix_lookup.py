@@ -106,7 +106,17 @@ class PrefixLookup:
                 self.misses["unavailable"] += 1
                 return 0
             try:
-                pages = self._lookup(keys, beyond, hints, now)
+                try:
+                    pages = self._lookup(keys, beyond, hints, now)
+                except Exception:
+                    if not self._attached():
+                        raise
+                    # Handles of a supervisor that may since have been replaced (an
+                    # upgrade, a restart): asked again at once through fresh ones, the
+                    # first lookup after a restart is answered instead of missing, and
+                    # the next second's with it.
+                    self.close()
+                    pages = self._lookup(keys, beyond, hints, now)
             except Exception as exc:
                 # A store not created yet, a supervisor gone: try again a little later,
                 # and drop every handle (a new supervisor makes new rings).
@@ -120,6 +130,10 @@ class PrefixLookup:
             return pages
         finally:
             self._publish_counters(now)
+
+    def _attached(self) -> bool:
+        """Whether any handle of a supervisor's segments or of the store is open."""
+        return any(h is not None for h in (*self._readers, *self._leases, *self._stats))
 
     def _fields(self) -> dict[str, float]:
         return lookup_fields(self.lookups, self.lookup_tokens, self.hit_tokens, self.misses)

@@ -43,6 +43,35 @@ def test_no_supervisor_is_a_miss_and_a_restarted_one_is_found(tmp_path: Path,
         lookup.close()
 
 
+def test_the_first_lookup_after_a_supervisor_is_replaced_is_answered(tmp_path: Path,
+                                                                     instance: str) -> None:
+    """A supervisor stopped and another started between two lookups (an upgrade, a
+    restart under a running engine): the lookup drops the handles of the one that
+    stopped and asks again through the new one's at once. Until 2026-12-04 it counted a
+    miss and missed again for a second (``RETRY_INTERVAL_S``): an agent's next turn,
+    sent right after a restart, recomputed its whole prefix."""
+    store = tmp_path / "store"
+    keys = list(sequence_keys(NS, list(range(16 * 8))).pages)
+    lookup = PrefixLookup(make_cfg(store, instance), 1)
+    try:
+        sup = start_supervisor(store, instance)
+        try:
+            with PageStore(store, 0) as st:
+                st.commit(make_root("ab" * 16, keys[:5], 64))
+            assert lookup.lookup(keys) == 5
+        finally:
+            stop_supervisor(sup)
+        sup = start_supervisor(store, instance)
+        try:
+            assert lookup.lookup(keys) == 5
+            assert lookup.lookup(keys) == 5
+            assert not lookup.misses, lookup.misses
+        finally:
+            stop_supervisor(sup)
+    finally:
+        lookup.close()
+
+
 def test_maintenance_is_checked_alive_at_most_once_an_interval(tmp_path: Path, instance: str,
                                                                monkeypatch) -> None:
     store = tmp_path / "store"
