@@ -378,6 +378,15 @@ class SparkCacheClient:
             self._restore_id_at = now + RESTORE_CACHE_S
         return self._restore_id
 
+    def _read_health(self, conn: _Connection, now: float) -> None:
+        """Whether capture is alive and the store below its hard cap, from ``conn``'s
+        stats. Worker reports change at heartbeat pace: they are read at most every
+        ``HEALTH_CACHE_S``, since reading them per call costs more than the rest of a
+        publication."""
+        self._health_at = now + HEALTH_CACHE_S
+        self._capture_alive = conn.worker_alive(Role.CAPTURE)
+        self._store_full = conn.store_used() >= conn.hard_cap
+
     def _admission(self) -> str | None:
         """Why a publication cannot be taken now, or None."""
         if self.cfg.access_mode is AccessMode.OFF:
@@ -395,13 +404,17 @@ class SparkCacheClient:
                 return "pending_limit"
         now = time.monotonic()
         if now >= self._health_at:
-            # Worker reports change at heartbeat pace: reading them per call costs more
-            # than the rest of a publication.
-            self._health_at = now + HEALTH_CACHE_S
-            self._capture_alive = conn.worker_alive(Role.CAPTURE)
-            self._store_full = conn.store_used() >= conn.hard_cap
+            self._read_health(conn, now)
+            if not self._capture_alive:
+                # Maybe the supervisor was replaced (an upgrade, a restart): its
+                # successor's segments, attached at once (at most once a second), take
+                # the publication instead of it being skipped.
+                self._disconnect()
+                conn = self._connection()
+                if conn is None:
+                    return "supervisor_absent"
+                self._read_health(conn, now)
         if not self._capture_alive:
-            # Maybe a new supervisor with new segments: attach afresh next time.
             self._disconnect()
             self._health_at = 0.0
             return "capture_down"
@@ -804,10 +817,15 @@ class SparkCacheClient:
             return "supervisor_absent"
         worker = self._restore_worker(conn)
         if worker is None:
-            # Maybe a new supervisor with new segments: attach afresh (at most once a
-            # second). Loads in flight keep their worker; only its death reports them.
+            # Maybe the supervisor was replaced (an upgrade, a restart): its successor's
+            # segments, attached at once (at most once a second), may have a restore
+            # worker. Loads in flight keep theirs; only its death reports them.
             self._disconnect()
-            return "restore_down"
+            conn = self._connection()
+            worker = self._restore_worker(conn) if conn is not None else None
+            if conn is None or worker is None:
+                self._disconnect()
+                return "restore_down"
         recs = np.zeros(n, LOAD.dtype)
         recs["key_hi"], recs["key_lo"] = halves[:, 0], halves[:, 1]
         wire_id = next(self._load_wire_ids)
