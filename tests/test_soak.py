@@ -27,6 +27,16 @@ TINY = ["--duration", "4", "--conversations", "3", "--context-min", "256",
         "--probes", "2", "--probe-tokens", "256", "--probe-decode-tokens", "16"]
 
 
+RUN_MARKER = "SOAK_TEST_RUN"
+
+
+def _environ(proc: psutil.Process) -> dict[str, str]:
+    try:
+        return proc.environ()
+    except psutil.Error:
+        return {}
+
+
 def _ours(prefix: str) -> list[psutil.Process]:
     """Processes whose environment names an instance of the soak's (its supervisor and
     workers inherit SPARKCACHE_INSTANCE)."""
@@ -51,7 +61,10 @@ def test_tiny_soak_verifies_every_restore_and_leaves_nothing(tmp_path):
          "--lanes", ",".join(LANES_RUN), *TINY, "--csv-dir", str(csv_dir),
          "--work-dir", str(tmp_path), *(["--plot", str(picture)] if plotting else [])],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("SPARKCACHE_")},
+        # The marker names this soak's processes, wherever they end up: one left behind
+        # is reparented, and tests running beside this one start soaks of their own.
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("SPARKCACHE_")},
+             RUN_MARKER: str(tmp_path)},
     )
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-3000:]
@@ -83,10 +96,9 @@ def test_tiny_soak_verifies_every_restore_and_leaves_nothing(tmp_path):
     for i in range(len(LANES)):
         assert not instance_entries(f"{prefix}{i}")
     assert not instance_entries(f"{prefix}ctl")
-    # This soak's control engine only: tests run beside each other (scripts/test).
-    assert not [p for p in psutil.process_iter(["cmdline", "ppid"])
+    assert not [p for p in psutil.process_iter(["cmdline"])
                 if "sparkcache.soak.control" in (p.info["cmdline"] or [])
-                and p.info["ppid"] == proc.pid]
+                and _environ(p).get(RUN_MARKER) == str(tmp_path)]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("sparkcache-soak-")]
 
 

