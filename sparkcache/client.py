@@ -362,6 +362,15 @@ class SparkCacheClient:
         if conn is not None and conn.engine is not None:
             conn.engine.write_due(lambda: client_fields(self.counters), force)
 
+    def _attach_again(self) -> _Connection | None:
+        """A worker of this connection was found stopped: maybe its supervisor was
+        replaced (an upgrade, a restart). Drop the connection and attach to the
+        segments there are now, at once (still at most once per
+        ``RECONNECT_INTERVAL_S``), so the call that found it is served by the successor
+        rather than refused."""
+        self._disconnect()
+        return self._connection()
+
     def _disconnect(self) -> None:
         if self._conn is not None:
             # What was counted since the last write reaches this supervisor's block.
@@ -406,11 +415,9 @@ class SparkCacheClient:
         if now >= self._health_at:
             self._read_health(conn, now)
             if not self._capture_alive:
-                # Maybe the supervisor was replaced (an upgrade, a restart): its
-                # successor's segments, attached at once (at most once a second), take
-                # the publication instead of it being skipped.
-                self._disconnect()
-                conn = self._connection()
+                # The successor's capture takes the publication instead of it being
+                # skipped (``_attach_again``).
+                conn = self._attach_again()
                 if conn is None:
                     return "supervisor_absent"
                 self._read_health(conn, now)
@@ -817,11 +824,9 @@ class SparkCacheClient:
             return "supervisor_absent"
         worker = self._restore_worker(conn)
         if worker is None:
-            # Maybe the supervisor was replaced (an upgrade, a restart): its successor's
-            # segments, attached at once (at most once a second), may have a restore
-            # worker. Loads in flight keep theirs; only its death reports them.
-            self._disconnect()
-            conn = self._connection()
+            # The successor's restore worker takes the load (``_attach_again``). Loads
+            # in flight keep theirs; only its death reports them.
+            conn = self._attach_again()
             worker = self._restore_worker(conn) if conn is not None else None
             if conn is None or worker is None:
                 self._disconnect()

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -27,6 +28,8 @@ from sparkcache.synthetic import (  # noqa: F401  (re-exported for the tests)
     sequences,
 )
 
+T = TypeVar("T")
+
 PAGE_TOKENS = 16
 SHAPE = kv_shape(PAGE_TOKENS)
 SETTINGS = {
@@ -36,14 +39,15 @@ SETTINGS = {
 }
 
 
-def wait_for(cond: Callable[[], object], timeout: float, what: str,
-             poll: float = 0.05) -> None:
-    """Poll ``cond`` until it is true; fail the test naming ``what`` after ``timeout``."""
+def wait_for(cond: Callable[[], T], timeout: float, what: str, poll: float = 0.05) -> T:
+    """Poll ``cond`` until it returns something true, and return that; fail the test
+    naming ``what`` after ``timeout``."""
     deadline = time.monotonic() + timeout
-    while not cond():
+    while not (got := cond()):
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what}")
         time.sleep(poll)
+    return got
 
 
 def free_port() -> int:

@@ -24,6 +24,7 @@ from pipeline_util import (
     start_supervisor,
     stop_supervisor,
     wait_committed,
+    wait_for,
 )
 
 from shm import Ring
@@ -166,14 +167,6 @@ def test_pages_survive_a_restart_with_another_block_count(tmp_path: Path, instan
         other_model.close()
 
 
-def _wait_for(what: str, poll, timeout: float = 60.0) -> list:
-    deadline = time.monotonic() + timeout
-    while not (got := poll()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return got
-
-
 def test_the_first_load_and_publication_after_a_supervisor_is_replaced_are_served(
         tmp_path: Path, instance: str, kv) -> None:
     """A supervisor stopped and another started between two calls (an upgrade, a restart
@@ -189,14 +182,14 @@ def test_the_first_load_and_publication_after_a_supervisor_is_replaced_are_serve
         sup = start_supervisor(store, instance)
         try:
             assert c.publish("first", first, [0, 1, 2, 3])
-            _wait_for("the publication to be durable",
-                      lambda: [d for d in c.poll_durable() if d.durable])
+            wait_for(lambda: [d for d in c.poll_durable() if d.durable], 60,
+                     "the publication to be durable", poll=0.02)
         finally:
             stop_supervisor(sup)
         sup = start_supervisor(store, instance)
         try:
             assert c.load("again", first, [8, 9, 10, 11])  # the first call after it
-            results = _wait_for("the load", c.poll_loads)
+            results = wait_for(c.poll_loads, 60, "the load", poll=0.02)
             assert [(r.load_id, r.status, r.tokens) for r in results] == [
                 ("again", "ok", len(first))]
         finally:
@@ -204,7 +197,7 @@ def test_the_first_load_and_publication_after_a_supervisor_is_replaced_are_serve
         sup = start_supervisor(store, instance)
         try:
             assert c.publish("second", second, [4, 5, 6, 7])  # the first call after it
-            _wait_for("the publication to be captured", c.poll_completions)
+            wait_for(c.poll_completions, 60, "the publication to be captured", poll=0.02)
         finally:
             stop_supervisor(sup)
         assert not c.counters.skipped and not c.counters.misses, c.counters

@@ -150,7 +150,7 @@ def _confirmed_hint(conn: sqlite3.Connection, keys: Sequence[str], beyond: int,
     ends = [h for h in dict.fromkeys(hints) if beyond < h <= n][:MAX_HINTS]
     if not ends:
         return None
-    at = sorted({i for h in ends for i in (h - 1, h) if i < n})
+    at = {i for h in ends for i in (h - 1, h) if i < n}
     probes = [require_hex(keys[i], "page key") for i in at]
     marks = ", ".join("?" * len(probes))
     refs: dict[str, int] = {}
