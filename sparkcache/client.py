@@ -66,7 +66,15 @@ from workers.lifecycle import Role
 log = logging.getLogger(__name__)
 
 RECONNECT_INTERVAL_S = 1.0
-HEALTH_CACHE_S = 0.05
+# How long capture's liveness and the store's used bytes are trusted for publications.
+# The reports they come from change at beat pace (``PROGRESS_BEAT_S``, 0.5 s, or a
+# maintenance slice); a stale answer lets publications through for at most this long
+# to a capture that has just died (captured by its successor, or their blocks released
+# at their deadline) or above the hard cap (bounded: 0.25 s of publishing, beside the slice or more
+# by which maintenance's report trails the store already). Read every 0.05 s, the health
+# read (two stats records, 43-85 µs on an engine thread's cold caches) was in 4 of the
+# 10 slowest worker steps of scripts/bench_connector.py.
+HEALTH_CACHE_S = 0.25
 # A captured publication whose durability commit has not reported after this long is
 # reported failed ("no_answer"): commit died with it and no successor redid it, or the
 # durable ring was full.
@@ -389,9 +397,8 @@ class SparkCacheClient:
 
     def _read_health(self, conn: _Connection, now: float) -> None:
         """Whether capture is alive and the store below its hard cap, from ``conn``'s
-        stats. Worker reports change at heartbeat pace: they are read at most every
-        ``HEALTH_CACHE_S``, since reading them per call costs more than the rest of a
-        publication."""
+        stats, read at most every ``HEALTH_CACHE_S``: reading them per call costs more
+        than the rest of a publication."""
         self._health_at = now + HEALTH_CACHE_S
         self._capture_alive = conn.worker_alive(Role.CAPTURE)
         self._store_full = conn.store_used() >= conn.hard_cap

@@ -15,6 +15,7 @@ from eviction_util import FakeClock
 from worker_rig import Rig, rig
 
 from sparkcache import segments
+from sparkcache.client import HEALTH_CACHE_S
 from sparkcache.config import KiB
 from sparkcache.store.fsck import fsck
 from sparkcache.store.objects import record_span
@@ -133,7 +134,7 @@ def test_the_hard_cap_refuses_publications_then_publishing_resumes(
             r.maintenance.report()
         rec = maintenance_record(r)
         assert rec.refusing_since == 0 and rec.refused_s == 5.0
-        time.sleep(0.1)  # the client reads the store's fill at most every 50 ms
+        time.sleep(HEALTH_CACHE_S + 0.05)  # how long the client trusts the fill it read
         assert engine.publish("a", list(range(64)), tries=1), engine.client.counters
         r.step(3)
         assert "a" in engine.acknowledged
