@@ -20,13 +20,18 @@ scenarios, each on a fresh store:
   file, and passes run back to back while used bytes are above ``max_bytes``: no
   budget, no pause (``commit_p99_baseline_s``, ``baseline_vs_empty_p99``).
 
-A store at its cap also changes what is committed: a conversation whose earlier turns
-were evicted writes them again with its next turn, 2 to 8 turns' pages in one commit, and
-those commits, 2-3 % of a full store's, are its slowest 1 %; an empty store evicts
-nothing and never writes them. So each scenario also gives the p99 of the ordinary turns
-alone, the commits that wrote exactly ``--pages`` pages (``commit_p99_<scenario>_turns_s``,
-``full_vs_empty_p99_turns``, ``baseline_vs_empty_p99_turns``: the same commit, slowed
-or not by maintenance beside it), and how many commits wrote more (``rewrites_<scenario>``).
+The conversations the writer keeps going fit under the low watermark, as a store sized
+for its traffic holds them (``live_bytes_max``: every one of them at its last turn, against
+``low_watermark_bytes``): what maintenance evicts is conversations that have ended. In a
+store too small for them (``--conversations 16`` at the default cap: up to 544 MiB of
+live conversations under a 384 MiB watermark; the bench warns) eviction takes live ones
+too, and the next turn of each writes its evicted turns again, 2 to 8 turns' pages in one
+commit: 2-3 % of that store's commits, so its p99 is such a rewrite's, against an
+ordinary turn's in the empty store. So each scenario also gives the p99 of the ordinary
+turns alone, the commits that wrote exactly ``--pages`` pages
+(``commit_p99_<scenario>_turns_s``, ``full_vs_empty_p99_turns``,
+``baseline_vs_empty_p99_turns``: the same commit, slowed or not by maintenance beside it),
+and how many commits wrote more (``rewrites_<scenario>``).
 
 The scenarios run in alternating rounds (``--rounds``), so drift in a shared disk's speed
 falls on each alike. Both kinds of maintenance run as the supervisor starts maintenance
@@ -338,7 +343,8 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=16.0, help="publications per second")
     parser.add_argument("--pages", type=int, default=16, help="fresh pages per publication")
     parser.add_argument("--page-kib", type=int, default=256)
-    parser.add_argument("--conversations", type=int, default=16, help="active at once")
+    parser.add_argument("--conversations", type=int, default=8,
+                        help="active at once (all of them at most live_bytes_max)")
     parser.add_argument("--turns", type=int, default=8, help="turns of a conversation")
     parser.add_argument("--prompt-pages", type=int, default=8, help="shared system prompt")
     parser.add_argument("--max-mib", type=int, default=512, help="max_bytes of the full runs")
@@ -350,6 +356,12 @@ def main() -> int:
     args.settings = dict(item.split("=", 1) for item in args.set)
     settings = config.load(env={}, overrides=args.settings, check_store_dir=False)
     page = os.urandom(args.page_kib * 1024)
+    live_max = args.conversations * (args.prompt_pages + args.turns * args.pages) * len(page)
+    if live_max > args.low_mib * MIB:
+        print(f"bench_maintenance: the live conversations reach {live_max / MIB:.0f} MiB, "
+              f"above the {args.low_mib} MiB low watermark: eviction takes live ones, "
+              "and their rewrites set the full store's p99 (see rewrites_full)",
+              file=sys.stderr)
     ctx = mp.get_context("spawn")
     work = Path(tempfile.mkdtemp(prefix="sparkcache-bench-", dir=args.dir))
     try:
@@ -401,6 +413,8 @@ def main() -> int:
         "recycled_share_full": full.recycled / max(1, full.files),
         "recycled_share_baseline": base.recycled / max(1, base.files),
         "page_bytes": len(page),
+        "live_bytes_max": live_max,
+        "low_watermark_bytes": args.low_mib * MIB,
         **units,
     }
     result = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
