@@ -66,14 +66,14 @@ from workers.lifecycle import Role
 log = logging.getLogger(__name__)
 
 RECONNECT_INTERVAL_S = 1.0
-# How long capture's liveness and the store's used bytes are trusted for publications.
-# The reports they come from change at beat pace (``PROGRESS_BEAT_S``, 0.5 s, or a
-# maintenance slice); a stale answer lets publications through for at most this long
-# to a capture that has just died (captured by its successor, or their blocks released
-# at their deadline) or above the hard cap (bounded: 0.25 s of publishing, beside the slice or more
-# by which maintenance's report trails the store already). Read every 0.05 s, the health
-# read (two stats records, 43-85 µs on an engine thread's cold caches) was in 4 of the
-# 10 slowest worker steps of scripts/bench_connector.py.
+# How long capture's liveness and the store's used bytes, read from the workers' stats,
+# are trusted by publications. The reports change at beat pace (``PROGRESS_BEAT_S``,
+# 0.5 s) or once a maintenance slice, so a stale answer costs little: for at most this
+# long, publications go to a capture that has just died (their blocks come back at their
+# deadline, as for any publication capture does not take), or past the hard cap, whose
+# used bytes maintenance reports a slice late anyway. Read every 0.05 s, the health read
+# (two stats records, 43-85 µs on the engine thread's cold caches) was in 4 of the 10
+# slowest worker steps of scripts/bench_connector.py.
 HEALTH_CACHE_S = 0.25
 # A captured publication whose durability commit has not reported after this long is
 # reported failed ("no_answer"): commit died with it and no successor redid it, or the
