@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ from sparkcache.synthetic import (  # noqa: F401  (re-exported for the tests)
     kv_shape,
     sequences,
 )
+from workers.lifecycle import die_with_parent
 
 T = TypeVar("T")
 
@@ -48,6 +50,13 @@ def wait_for(cond: Callable[[], T], timeout: float, what: str, poll: float = 0.0
             pytest.fail(f"timed out waiting for {what}")
         time.sleep(poll)
     return got
+
+
+def ends_with_test(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A ``preexec_fn`` for a process a test starts: the kernel sends it ``sig`` when the
+    test's process dies, so a test process killed from outside (SIGKILL, or SIGTERM,
+    which skips fixture teardown) leaves no supervisor or server running."""
+    return functools.partial(die_with_parent, sig)
 
 
 def free_port() -> int:
@@ -72,6 +81,7 @@ def start_supervisor(store: Path, instance: str, *extra: str, env: dict | None =
     proc = subprocess.Popen(
         [*args, *extra], env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=new_session,
+        preexec_fn=ends_with_test(),
     )
     if wait_ready:
         deadline = time.monotonic() + 90

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from pipeline_util import make_cfg, start_supervisor, stop_supervisor
+from pipeline_util import ends_with_test, make_cfg, start_supervisor, stop_supervisor
 
 from shm.segment import instance_entries, segment_name
 from sparkcache.segments import engine_segment_role
@@ -49,7 +49,7 @@ def test_sigterm_mid_run_leaves_no_kv_segment(tmp_path, instance):
         env |= {"SPARKCACHE_STORE_DIR": str(store), "SPARKCACHE_INSTANCE": instance}
         demo = subprocess.Popen([sys.executable, "scripts/demo_engine.py", "--sequences",
                                  "100000"], cwd=REPO, env=env, stderr=subprocess.PIPE,
-                                text=True)
+                                text=True, preexec_fn=ends_with_test())
         try:
             mine = segment_name(instance, 0, engine_segment_role(demo.pid))[1:]
             deadline = time.monotonic() + 60

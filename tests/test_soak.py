@@ -11,6 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from pipeline_util import ends_with_test
 
 from shm.segment import instance_entries
 from sparkcache.soak.params import LANES, SoakParamError, SoakParams
@@ -57,6 +58,7 @@ def test_tiny_soak_verifies_every_restore_and_leaves_nothing(tmp_path):
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**{k: v for k, v in os.environ.items() if not k.startswith("SPARKCACHE_")},
              RUN_MARKER: str(tmp_path)},
+        preexec_fn=ends_with_test(),
     )
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-3000:]

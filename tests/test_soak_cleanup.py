@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from pipeline_util import ends_with_test
 
 from shm.segment import instance_entries
 from sparkcache.soak import run as soak_run
@@ -30,7 +31,7 @@ ENV = {k: v for k, v in os.environ.items() if not k.startswith("SPARKCACHE_")}
 def _soak(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "sparkcache", "soak", "--quick", *args],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=ENV)
+                            text=True, env=ENV, preexec_fn=ends_with_test())
 
 
 def _ours(pid: int) -> list[psutil.Process]:

@@ -35,6 +35,7 @@ from sparkcache.store import StoreError
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
 # Test hook: a worker of role $SPARKCACHE_FAULT_ROLE exits with CRASH_EXIT at start-up
 # while the file $SPARKCACHE_FAULT_FILE exists (crash-loop and fail-fast tests).
 FAULT_ROLE_ENV = "SPARKCACHE_FAULT_ROLE"
@@ -161,9 +162,11 @@ def run_worker(spec: WorkerSpec) -> None:
     os._exit(code)
 
 
-def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when its parent dies (PR_SET_PDEATHSIG)."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies
+    (PR_SET_PDEATHSIG). Safe as a ``preexec_fn``: ``prctl`` is resolved at import, so the
+    forked child only calls it."""
+    _prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
 def _under(supervisor_pid: int) -> bool:

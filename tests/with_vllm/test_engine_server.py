@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.pipeline_util import free_port, start_supervisor, stop_supervisor
+from tests.pipeline_util import ends_with_test, free_port, start_supervisor, stop_supervisor
 from tests.with_vllm.engine_util import (
     BLOCK,
     engine_installed,
@@ -87,7 +87,8 @@ def start_server(ckpt: Path, store: Path, instance: str, root: Path,
     log = root / "server.log"
     with log.open("w") as out:
         proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=ends_with_test(signal.SIGINT))  # as Ctrl-C
     server = Server(f"http://127.0.0.1:{port}", str(ckpt), proc, log, store, instance,
                     supervisor)
     deadline = time.monotonic() + START_TIMEOUT_S
