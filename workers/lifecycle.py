@@ -35,7 +35,8 @@ from sparkcache.store import StoreError
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
-_prctl = ctypes.CDLL(None, use_errno=True).prctl
+# Looked up at import, not in die_with_parent: a forked child then makes no dlsym call.
+_prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # Linux only
 # Test hook: a worker of role $SPARKCACHE_FAULT_ROLE exits with CRASH_EXIT at start-up
 # while the file $SPARKCACHE_FAULT_FILE exists (crash-loop and fail-fast tests).
 FAULT_ROLE_ENV = "SPARKCACHE_FAULT_ROLE"
@@ -164,8 +165,9 @@ def run_worker(spec: WorkerSpec) -> None:
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Have the kernel send ``sig`` to this process when its parent dies
-    (PR_SET_PDEATHSIG). Safe as a ``preexec_fn``: ``prctl`` is resolved at import, so the
-    forked child only calls it."""
+    (PR_SET_PDEATHSIG). Safe as a ``preexec_fn``: the forked child only calls ``prctl``."""
+    if _prctl is None:
+        raise OSError("PR_SET_PDEATHSIG needs Linux's prctl")
     _prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
