@@ -25,7 +25,9 @@
   fixed piece of Python and numpy work (``reference_work``: a 64-record structured
   array filled, a loop over a dict), timed each step right after the stand-in forward
   as the connector's first call is: how far this host alone spreads a step's p99 from
-  its p50 (``reference_p99_over_p50``).
+  its p50 (``reference_p99_over_p50``), and each side's p99 over the reference's
+  (``*_step_p99_over_reference_p99``), a figure the host's noise moves less than the
+  step's p99 itself (the worker's read 2.7-4.4 over runs whose p99 ran 171-427 µs).
 * ``restore_vs_sequential``: from ``scripts/bench_restore.py`` when it is there.
 
 Needs the scheduler environment: ``.vllm/sched/bin/python scripts/bench_connector.py
@@ -262,6 +264,10 @@ def step_times(tmp: Path, steps: int, forward_size: int) -> dict:
             "reference_us_p99": p99(per_step["reference"]),
             "reference_p99_over_p50": round(p99(per_step["reference"])
                                             / statistics.median(per_step["reference"]) / 1e6, 2),
+            "scheduler_step_p99_over_reference_p99": round(p99(sched)
+                                                           / p99(per_step["reference"]), 2),
+            "worker_step_p99_over_reference_p99": round(p99(worker)
+                                                        / p99(per_step["reference"]), 2),
             "scheduler_slowest_steps_us": _slowest_calls(per_step["sched"]),
             "worker_slowest_steps_us": _slowest_calls(per_step["worker"]),
             "steps": steps - WARMUP_STEPS, "forward_size": forward_size,
