@@ -180,6 +180,11 @@ class _Registration:
     seed: bytes
 
 
+def supervisor_identity(rt: dict | None) -> tuple | None:
+    """The supervisor ``runtime.json`` names: its pid and start time."""
+    return (rt.get("pid"), rt.get("pid_start")) if rt else None
+
+
 class _Connection:
     """The client's ends of the rank's segments."""
 
@@ -190,6 +195,7 @@ class _Connection:
         self.stale_after_s = cfg.heartbeat_timeout_s
         rt = runtime.read(cfg.store_dir) or {}
         runtime.check_namespace(rt)
+        self.supervisor = supervisor_identity(rt)
         try:
             self.stats = self._keep(segments.attach_stats(cfg, rank))
             self.arena = self._keep(segments.attach_arena(cfg, rank))
@@ -371,11 +377,17 @@ class SparkCacheClient:
             conn.engine.write_due(lambda: client_fields(self.counters), force)
 
     def _attach_again(self) -> _Connection | None:
-        """A worker of this connection was found stopped: maybe its supervisor was
-        replaced (an upgrade, a restart). Drop the connection and attach to the
-        segments there are now, at once (still at most once per
+        """A worker of this connection was found stopped. If ``runtime.json`` names
+        another supervisor than the one attached (an upgrade, a restart), drop the
+        connection and attach to the new one's segments at once (still at most once per
         ``RECONNECT_INTERVAL_S``), so the call that found it is served by the successor
-        rather than refused."""
+        rather than refused. If it names the same one, the worker is down under it,
+        which restarts it in place: the connection stays (re-attaching would open every
+        segment again on the engine's thread, and find the same ones)."""
+        conn = self._conn
+        if conn is not None and conn.supervisor == supervisor_identity(
+                runtime.read(self.cfg.store_dir)):
+            return conn
         self._disconnect()
         return self._connection()
 
@@ -429,9 +441,7 @@ class SparkCacheClient:
                     return "supervisor_absent"
                 self._read_health(conn, now)
         if not self._capture_alive:
-            self._disconnect()
-            self._health_at = 0.0
-            return "capture_down"
+            return "capture_down"  # asked again after HEALTH_CACHE_S
         if self._store_full:
             return "store_full"
         if not (conn.arena.state["owner"] == FREE).any():
@@ -835,9 +845,8 @@ class SparkCacheClient:
             # in flight keep theirs; only its death reports them.
             conn = self._attach_again()
             worker = self._restore_worker(conn) if conn is not None else None
-            if conn is None or worker is None:
-                self._disconnect()
-                return "restore_down"
+            if worker is None:
+                return "restore_down"  # asked again after RESTORE_CACHE_S
         recs = np.zeros(n, LOAD.dtype)
         recs["key_hi"], recs["key_lo"] = halves[:, 0], halves[:, 1]
         wire_id = next(self._load_wire_ids)

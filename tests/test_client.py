@@ -4,6 +4,8 @@ bad input, every publication is skipped and counted by reason."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -34,6 +36,7 @@ from sparkcache.client import SparkCacheClient
 from sparkcache.identity import KeyExtras
 from sparkcache.kvmem import SharedKVCaches
 from sparkcache.synthetic import MODEL_ID
+from workers.lifecycle import FAULT_FILE_ENV, FAULT_ROLE_ENV, Role
 
 
 @pytest.fixture
@@ -203,6 +206,43 @@ def test_the_first_load_and_publication_after_a_supervisor_is_replaced_are_serve
         assert not c.counters.skipped and not c.counters.misses, c.counters
     finally:
         c.close()
+
+
+def test_a_worker_down_under_its_supervisor_keeps_the_connection(
+        tmp_path: Path, instance: str, kv) -> None:
+    """Capture crash-looping under a running supervisor: publications meanwhile are
+    refused as ``capture_down`` (not ``supervisor_absent``: the supervisor is there), the
+    client keeps its connection (it does not open every segment again while the worker
+    is away), and once capture starts again a publication is taken."""
+    store, fault = tmp_path / "store", tmp_path / "crash"
+    c = _client(tmp_path, instance, kv)
+    tokens = list(range(4 * PAGE_TOKENS))
+    n = iter(range(10**6))
+
+    def publish(blocks: list[int]) -> bool:
+        c.poll_completions()  # blocks back: no refusal is for publications pending
+        return c.publish(f"s{next(n)}", tokens, blocks)
+
+    # A killed capture restarted at once is never seen down (its slot stays READY for
+    # the 0.3 s it takes): one that dies as it starts, with the supervisor retrying, is.
+    sup = start_supervisor(store, instance, "--startsecs", "1", "--startretries", "100",
+                           env={FAULT_ROLE_ENV: "capture", FAULT_FILE_ENV: str(fault)})
+    try:
+        assert publish([0, 1, 2, 3])
+        conn = c._conn
+        fault.touch()
+        time.sleep(1.5)  # past --startsecs: a crash of a running worker, then failed starts
+        os.kill(conn.stats.read(int(Role.CAPTURE)).pid, signal.SIGKILL)
+        wait_for(lambda: not publish([4, 5, 6, 7]) and c.counters.skipped["capture_down"],
+                 30, "a refusal while capture is down", poll=0.05)
+        assert c._conn is conn
+        fault.unlink()
+        wait_for(lambda: publish([8, 9, 10, 11]), 60, "a publication taken again", poll=0.1)
+        assert c._conn is conn
+        assert not c.counters.skipped["supervisor_absent"], c.counters
+    finally:
+        c.close()
+        stop_supervisor(sup)
 
 
 @pytest.mark.gpu
