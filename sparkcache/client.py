@@ -49,7 +49,7 @@ from shm.segment import process_start
 from sparkcache import kvmem, runtime, segments
 from sparkcache.config import AccessMode, Config
 from sparkcache.engine_stats import SLOT_CLIENT, EngineStatsWriter, client_fields
-from sparkcache.identity import KeyExtras, Namespace, sequence_keys, split_keys
+from sparkcache.identity import KeyExtras, Namespace, key_halves, sequence_keys, split_keys
 from sparkcache.protocol import (
     CaptureStatus,
     DurableStatus,
@@ -94,6 +94,12 @@ LOAD_REAP_S = 0.5
 # "worker_gone" by the reaper and recomputed; a stats read per load costs more than the
 # rest of it.
 RESTORE_CACHE_S = 0.25
+# The page indexes of a batch's records, sliced for each batch rather than made for it.
+_PAGE_INDEX = np.arange(max(segments.RINGS["publish"][1], segments.RINGS["load"][1]),
+                        dtype=np.uint32)
+_PAGE_INDEX.flags.writeable = False
+_PUBLISH_SHARED = PUBLISH.shared("pub_id", "root_hi", "root_lo", "deadline", "reg_gen", "npages")
+_LOAD_SHARED = LOAD.shared("load_id", "worker_start", "worker_pid", "reg_gen", "npages")
 
 
 @dataclass
@@ -160,7 +166,7 @@ class LoadResult:
 @dataclass
 class _Load:
     load_id: Hashable
-    keys: list[str]
+    keys: np.ndarray  # (pages, 2): the page keys' u64 halves, as the ring carries them
     ntokens: int
     worker: tuple[int, float]  # the restore worker asked: pid, start time
 
@@ -456,7 +462,8 @@ class SparkCacheClient:
         try:
             reason = self._admission()
             if reason is None:
-                reason = self._push(seq_id, self._keys(token_ids, extra), block_ids)
+                reason = self._push(seq_id, split_keys(self._keys(token_ids, extra)),
+                                    block_ids)
         except Exception:
             self._ring_fault("publish")
             reason = "error"
@@ -465,14 +472,15 @@ class SparkCacheClient:
             return False
         return True
 
-    def publish_keys(self, seq_id: str | int, keys: Sequence[str],
+    def publish_keys(self, seq_id: str | int, keys: Sequence[str] | bytes,
                      block_ids: Sequence[int]) -> bool:
         """``publish`` for a caller that computed the page keys itself (vLLM's scheduler
-        does, incrementally): page ``i`` of ``keys`` is held in ``block_ids[i]``."""
+        does, incrementally), as hex strings or as their raw bytes (``keys_bytes``): page
+        ``i`` of ``keys`` is held in ``block_ids[i]``."""
         try:
             reason = self._admission()
             if reason is None:
-                reason = self._push(seq_id, keys, block_ids)
+                reason = self._push(seq_id, key_halves(keys), block_ids)
         except ValueError:
             reason = "bad_request"
         except Exception:
@@ -483,28 +491,25 @@ class SparkCacheClient:
             return False
         return True
 
-    def _push(self, seq_id: str | int, keys: Sequence[str],
+    def _push(self, seq_id: str | int, halves: np.ndarray,
               block_ids: Sequence[int]) -> str | None:
+        """Publish the pages whose keys' halves are ``halves`` (from ``key_halves``)."""
         reg, conn = self._reg, self._conn
         assert reg is not None and conn is not None
-        n = len(keys)
+        n = len(halves)
         if n == 0 or len(block_ids) < n:
             return "bad_request"
         if n > segments.RINGS["publish"][1]:
             return "too_large"
-        recs = np.zeros(n, PUBLISH.dtype)
-        halves = split_keys(keys)
-        recs["key_hi"], recs["key_lo"] = halves[:, 0], halves[:, 1]
-        root = hashlib.blake2b(reg.seed + str(seq_id).encode(), digest_size=16).hexdigest()
+        root = hashlib.blake2b(reg.seed + str(seq_id).encode(), digest_size=16).digest()
         pub_id = next(self._pub_ids)
         deadline = time.monotonic() + self.cfg.release_timeout_seconds
-        recs["root_hi"], recs["root_lo"] = split_key(root)
-        recs["pub_id"] = pub_id
-        recs["block_id"] = np.asarray(block_ids[:n], dtype=np.int64)
-        recs["deadline"] = deadline
-        recs["reg_gen"] = reg.reg_gen
-        recs["page_index"] = np.arange(n, dtype=np.uint32)
-        recs["npages"] = n
+        recs = _PUBLISH_SHARED.batch(n, pub_id, int.from_bytes(root[:8], "little"),
+                                     int.from_bytes(root[8:], "little"), deadline,
+                                     reg.reg_gen, n)
+        recs["key_hi"], recs["key_lo"] = halves[:, 0], halves[:, 1]
+        recs["block_id"] = block_ids[:n]
+        recs["page_index"] = _PAGE_INDEX[:n]
         try:
             conn.publish.push_batch(recs)
         except RingFull:
@@ -789,7 +794,7 @@ class SparkCacheClient:
                 keys = self._keys(token_ids, extra)[: len(block_ids)]
                 if max_pages is not None:
                     keys = keys[: max(0, max_pages)]
-            reason = self._queue_load(load_id, keys, len(token_ids), block_ids)
+            reason = self._queue_load(load_id, split_keys(keys), len(token_ids), block_ids)
         except Exception:
             self._ring_fault("load")
             reason = "error"
@@ -798,13 +803,14 @@ class SparkCacheClient:
             return False
         return True
 
-    def load_keys(self, load_id: Hashable, keys: Sequence[str],
+    def load_keys(self, load_id: Hashable, keys: Sequence[str] | bytes,
                   block_ids: Sequence[int]) -> bool:
         """``load`` for a caller that computed the page keys itself (vLLM's scheduler
-        does): page ``i`` of ``keys`` goes into ``block_ids[i]``."""
+        does), as hex strings or as their raw bytes (``keys_bytes``): page ``i`` of
+        ``keys`` goes into ``block_ids[i]``."""
         try:
-            keys = list(keys[: len(block_ids)])  # checked (ValueError) as they are queued
-            reason = self._queue_load(load_id, keys, len(keys) * self.cfg.page_tokens,
+            halves = key_halves(keys)[: len(block_ids)]
+            reason = self._queue_load(load_id, halves, len(halves) * self.cfg.page_tokens,
                                       block_ids)
         except ValueError:
             reason = "bad_request"
@@ -816,8 +822,9 @@ class SparkCacheClient:
             return False
         return True
 
-    def _queue_load(self, load_id: Hashable, keys: list[str], ntokens: int,
+    def _queue_load(self, load_id: Hashable, halves: np.ndarray, ntokens: int,
                     block_ids: Sequence[int]) -> str | None:
+        """Queue a load of the pages whose keys' halves are ``halves`` (``key_halves``)."""
         reg = self._reg
         if self.cfg.access_mode is AccessMode.OFF:
             return "mode_off"
@@ -827,12 +834,11 @@ class SparkCacheClient:
             return "duplicate_load"
         if len(self._loads) >= MAX_LOADS:
             return "load_limit"
-        n = len(keys)
+        n = len(halves)
         if n == 0:
             return "empty_load"
         if n > segments.RINGS["load"][1]:
             return "too_large"
-        halves = split_keys(keys)
         blocks = np.asarray(block_ids[:n], dtype=np.int64)
         if (blocks < 0).any() or (blocks >= reg.views.num_blocks).any():
             return "bad_block"
@@ -847,20 +853,16 @@ class SparkCacheClient:
             worker = self._restore_worker(conn) if conn is not None else None
             if worker is None:
                 return "restore_down"  # asked again after RESTORE_CACHE_S
-        recs = np.zeros(n, LOAD.dtype)
-        recs["key_hi"], recs["key_lo"] = halves[:, 0], halves[:, 1]
         wire_id = next(self._load_wire_ids)
-        recs["load_id"] = wire_id
+        recs = _LOAD_SHARED.batch(n, wire_id, worker[1], worker[0], reg.reg_gen, n)
+        recs["key_hi"], recs["key_lo"] = halves[:, 0], halves[:, 1]
         recs["block_id"] = blocks
-        recs["worker_pid"], recs["worker_start"] = worker
-        recs["reg_gen"] = reg.reg_gen
-        recs["page_index"] = np.arange(n, dtype=np.uint32)
-        recs["npages"] = n
+        recs["page_index"] = _PAGE_INDEX[:n]
         try:
             conn.load.push_batch(recs)
         except RingFull:
             return "ring_full"
-        self._loads[wire_id] = _Load(load_id, keys, ntokens, worker)
+        self._loads[wire_id] = _Load(load_id, halves, ntokens, worker)
         self._load_ids.add(load_id)
         self.counters.loads += 1
         return None
@@ -903,7 +905,7 @@ class SparkCacheClient:
             if pages:
                 self.counters.loaded_pages += pages
                 # Only an access time is lost if this cannot be sent.
-                self._request(RequestKind.TOUCH, entry.keys[pages - 1], pages - 1)
+                self._request(RequestKind.TOUCH, join_key(*entry.keys[pages - 1]), pages - 1)
             tokens = min(pages * self.cfg.page_tokens, entry.ntokens)
             self._report_load(wire_id, LoadResult(entry.load_id, tokens, what, bad))
 

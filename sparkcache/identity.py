@@ -110,6 +110,24 @@ def split_keys(keys: Sequence[str], what: str = "page key") -> np.ndarray:
     return np.frombuffer(raw, "<u8").reshape(n, 2)
 
 
+def keys_bytes(keys: Sequence[str]) -> bytes:
+    """The raw bytes of page ``keys`` (``KEY_BYTES`` each, in order), as ``key_halves``
+    takes them: the vLLM scheduler side sends keys so, and the worker side then neither
+    parses nor checks hex on the engine's step. ValueError unless each key is a key."""
+    return split_keys(keys).tobytes()
+
+
+def key_halves(keys: Sequence[str] | bytes, what: str = "page key") -> np.ndarray:
+    """``split_keys`` of hex ``keys``, or a view of keys given as their raw bytes
+    (``keys_bytes``): any ``KEY_BYTES`` bytes are a key, so only the length is checked."""
+    if not isinstance(keys, bytes):
+        return split_keys(keys, what)
+    if len(keys) % KEY_BYTES:
+        raise ValueError(f"{what}s as bytes: expected a multiple of {KEY_BYTES} bytes, "
+                         f"got {len(keys)}")
+    return np.frombuffer(keys, "<u8").reshape(-1, 2)
+
+
 def _field(data: bytes) -> bytes:
     return _U64.pack(len(data)) + data
 

@@ -366,6 +366,21 @@ def test_key_chain_in_any_chunks_equals_sequence_keys(case: tuple, rnd) -> None:
     assert chain.num_tokens == len(tokens)
 
 
+def test_keys_as_bytes_are_the_halves_of_their_hex() -> None:
+    from sparkcache.identity import key_halves, keys_bytes, split_keys
+
+    keys = [f"{i:032x}" for i in (1, 2**64, 2**128 - 1)]
+    raw = keys_bytes(keys)
+    assert raw == bytes.fromhex("".join(keys))
+    assert (key_halves(raw) == split_keys(keys)).all() and key_halves(raw).shape == (3, 2)
+    assert (key_halves(keys) == split_keys(keys)).all()
+    assert key_halves(b"").shape == (0, 2)
+    with pytest.raises(ValueError, match="multiple of 16 bytes, got 17"):
+        key_halves(raw[:17])
+    with pytest.raises(ValueError, match="page key"):
+        keys_bytes(["AB" * 16])
+
+
 def test_split_keys_is_split_key_per_key_and_names_a_bad_one() -> None:
     from shm.layouts import split_key
     from sparkcache.identity import split_keys

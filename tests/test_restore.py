@@ -27,10 +27,11 @@ from pipeline_util import (
 
 from shm.segment import SHM_DIR, process_start
 from sparkcache import segments
+from sparkcache.identity import keys_bytes
 from sparkcache.store import PageStore
 from sparkcache.store.objects import HEADER_SIZE
 from sparkcache.store.reader import StoreReader
-from sparkcache.store.testing import make_root, object_file
+from sparkcache.store.testing import make_root, object_file, page_bytes
 from workers.lifecycle import KILL_AT_ENV, KILL_FILE_ENV, Role
 
 pytestmark = pytest.mark.slow
@@ -121,6 +122,39 @@ def test_loads_restore_byte_exact_into_fresh_blocks(tmp_path: Path, instance: st
         assert stats.copy_bytes >= pages * engine.client._reg.views.page_bytes
         assert engine.client.loads_in_flight == 0
         assert engine.max_call_s < 0.25, engine.max_call_s
+
+
+def test_keys_as_raw_bytes_publish_and_load_the_same_pages(tmp_path: Path,
+                                                           instance: str) -> None:
+    """The vLLM connector's path: page keys handed over as their raw bytes."""
+    with pipeline(tmp_path / "store", instance) as engine:
+        c = engine.client
+        tokens = next(iter(sequences(1, c.cfg.page_tokens, seed=41).values()))
+        keys = engine.keys(tokens)
+        blocks = [engine.free.pop() for _ in keys]
+        views = c._reg.views
+        for k, b in zip(keys, blocks, strict=True):
+            views.scatter(b, np.frombuffer(bytearray(page_bytes(k, views.page_bytes)), np.uint8))
+        deadline = time.monotonic() + 30
+        while not c.publish_keys("as-bytes", keys_bytes(keys), blocks):
+            assert time.monotonic() < deadline, c.counters
+            engine.poll()
+            time.sleep(0.01)
+        engine.accepted["as-bytes"] = tokens
+        engine.drain()
+        assert wait_committed(engine, seqs={"as-bytes": tokens}) == {}
+        assert c.lookup(tokens) == len(tokens)
+        fresh = [engine.free.pop() for _ in keys]
+        _fill(engine, fresh)
+        assert c.load_keys("load-bytes", keys_bytes(keys), fresh)
+        r = engine.wait_loaded(["load-bytes"])["load-bytes"]
+        assert (r.status, r.tokens) == ("ok", len(keys) * c.cfg.page_tokens), r
+        assert all(engine.exact_pages(tokens, fresh))
+        # A length that is not whole keys is a refusal, counted, never raised.
+        assert not c.load_keys("ragged", b"\0" * 17, fresh[:2])
+        assert not c.publish_keys("ragged", b"\0" * 17, fresh[:2])
+        assert c.counters.misses["bad_request"] == 1
+        assert c.counters.skipped["bad_request"] == 1
 
 
 def _object_file(store: Path, key: str) -> tuple[Path, int]:

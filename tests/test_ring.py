@@ -26,6 +26,7 @@ from shm import (
     SegmentError,
     segment_name,
 )
+from shm.layouts import LOAD, PUBLISH
 from shm.ring import _CONSUMER_PID, _PRODUCER_PID
 from shm.segment import instance_entries
 
@@ -41,6 +42,25 @@ def ring(instance: str):
     c.close()
     p.detach()
     r.close()
+
+
+@pytest.mark.parametrize("layout", [PUBLISH, LOAD], ids=lambda x: x.name)
+def test_a_batch_holds_its_shared_fields_in_every_record(layout: RecordLayout) -> None:
+    names = layout.dtype.names[::2]
+    values = [i + 1.5 if layout.dtype[n].kind == "f" else 2**layout.dtype[n].itemsize + i
+              for i, n in enumerate(names)]
+    recs = layout.shared(*names).batch(5, *values)
+    expected = np.zeros(5, layout.dtype)
+    for name, value in zip(names, values, strict=True):
+        expected[name] = value
+    assert recs.dtype == layout.dtype and recs.tobytes() == expected.tobytes()
+    recs["npages"] = 7  # writable, and the records independent of one another
+    recs[0]["reg_gen"] = 9
+    assert recs["reg_gen"].tolist() == [9] + [expected["reg_gen"][1]] * 4
+    assert layout.shared(names[0]).batch(0, 1).shape == (0,)
+    for bad in (("nope",), names[1::-1], (names[0], names[0]), ()):
+        with pytest.raises(ValueError, match=f"{layout.name} records: shared fields"):
+            layout.shared(*bad)
 
 
 def test_push_pop_in_order_with_wraparound(ring):

@@ -6,14 +6,22 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from sparkcache.identity import KEY_BYTES
+
 
 @dataclass
 class PageJob:
-    """Pages ``keys[i]`` <-> vLLM block ``block_ids[i]`` of request ``req_id``."""
+    """Pages of request ``req_id`` <-> its vLLM blocks: page ``i``'s key is
+    ``keys[KEY_BYTES * i : KEY_BYTES * (i + 1)]`` (raw bytes, ``identity.keys_bytes``: the
+    worker side then parses no hex on the engine's step), its block ``block_ids[i]``."""
 
     req_id: str
-    keys: list[str]
+    keys: bytes
     block_ids: list[int]
+
+    @property
+    def pages(self) -> int:
+        return len(self.keys) // KEY_BYTES
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Any
 
 from sparkcache import kvmem, registry
 from sparkcache.config import AccessMode
-from sparkcache.identity import Namespace
+from sparkcache.identity import Namespace, keys_bytes
 from sparkcache.prefix_lookup import ALIVE_RECHECK_S, PrefixLookup
 from sparkcache.protocol import process_gone
 from sparkcache.vllm.metadata import PageJob, SparkCacheMetadata
@@ -170,7 +170,8 @@ class SchedulerSide:
                         request.request_id, len(block_ids), end)
         state.loading_blocks = tuple(block_ids[start:end])
         self._meta.loads.append(
-            PageJob(request.request_id, state.keys.keys[start:end], block_ids[start:end]))
+            PageJob(request.request_id, keys_bytes(state.keys.keys[start:end]),
+                    block_ids[start:end]))
 
     def build_connector_meta(self, scheduler_output: Any) -> SparkCacheMetadata:
         meta, self._meta = self._meta, SparkCacheMetadata()
@@ -220,7 +221,8 @@ class SchedulerSide:
         keys = self._keys(request, computed)  # from what was hashed for its lookup
         if not keys:
             return False, None
-        self._meta.saves.append(PageJob(request.request_id, keys, list(block_ids[: len(keys)])))
+        self._meta.saves.append(
+            PageJob(request.request_id, keys_bytes(keys), list(block_ids[: len(keys)])))
         self.counters["saves"] += 1
         self._reqs[request.request_id].keys.note_saved(len(keys))  # made by _keys
         return True, None

@@ -162,8 +162,8 @@ class WorkerSide:
                     kind, job.req_id, exc_info=True)
 
     def _valid(self, job: PageJob) -> bool:
-        ids = job.block_ids[: len(job.keys)]
-        ok = len(ids) == len(job.keys) and (
+        ids = job.block_ids[: job.pages]
+        ok = len(ids) == job.pages and (
             not ids or (min(ids) >= 0 and max(ids) < self._num_blocks))
         if not ok:
             self.counters["bad_job"] += 1
@@ -178,31 +178,31 @@ class WorkerSide:
         if self.staging is None:
             if self.client.publish_keys(job.req_id, job.keys, job.block_ids):
                 self._saving.add(job.req_id)
-                self.counters["saved_pages"] += len(job.keys)
+                self.counters["saved_pages"] += job.pages
             else:
                 self._sent.add(job.req_id)
             return
         # The engine's blocks are free again as soon as their pages are staged.
         self._sent.add(job.req_id)
-        pages = self.staging.take(len(job.keys))
+        pages = self.staging.take(job.pages)
         if pages is None:
             self.counters["skipped_staging_full"] += 1
             return
         try:
-            self.staging.copy_in(job.block_ids[: len(job.keys)], pages)
+            self.staging.copy_in(job.block_ids[: job.pages], pages)
         except BaseException:
             self.staging.give_back(pages)
             raise
         if self.client.publish_keys(job.req_id, job.keys, pages):
             self._staged[job.req_id] = pages
-            self.counters["saved_pages"] += len(job.keys)
+            self.counters["saved_pages"] += job.pages
         else:
             self.staging.give_back(pages)
 
     def _load(self, job: PageJob) -> None:
         """Hand a load to the restore worker: into the blocks themselves, or into staging
         pages copied into the blocks when it is done (``_finish_load``)."""
-        n = len(job.keys)
+        n = job.pages
         pages = None
         if not self._valid(job):
             self._end_load(job, None, 0)
@@ -228,7 +228,7 @@ class WorkerSide:
             if entry is None:
                 continue
             job, pages, started = entry
-            got = min(result.tokens // self.settings.block_size, len(job.keys))
+            got = min(result.tokens // self.settings.block_size, job.pages)
             if pages is not None and got and self.staging is not None:
                 try:
                     self.staging.copy_out(pages[:got], job.block_ids[:got])
@@ -245,9 +245,9 @@ class WorkerSide:
         if pages is not None and self.staging is not None:
             self.staging.give_back(pages)
         self.counters["loaded_pages"] += got
-        if got < len(job.keys):
+        if got < job.pages:
             self.counters["load_errors"] += 1
-            self._load_errors.update(job.block_ids[got: len(job.keys)])
+            self._load_errors.update(job.block_ids[got: job.pages])
         self._loading.discard(job.req_id)
         self._recved.add(job.req_id)
 
@@ -327,7 +327,7 @@ class Unserved:
     def take(self, meta: SparkCacheMetadata) -> None:
         for job in meta.loads:
             self._recved.add(job.req_id)
-            self._errors.update(job.block_ids[: len(job.keys)])
+            self._errors.update(job.block_ids[: job.pages])
         self._sent.update(job.req_id for job in meta.saves)
         self.jobs += len(meta.loads) + len(meta.saves)
 

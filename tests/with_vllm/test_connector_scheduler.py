@@ -332,7 +332,7 @@ def test_scheduler_side_answers_what_vllm_relies_on(
         finished.num_computed_tokens = len(prefix) + 2
         finished.num_in_flight_tokens = 2 * BLOCK + 2  # the last two pages not written yet
         assert side.request_finished(finished, list(range(20, 26)))[0]
-        assert len(side.build_connector_meta(None).saves[0].keys) == 3
+        assert side.build_connector_meta(None).saves[0].pages == 3
 
         desc = registry.read_registry(supervisor, 0)
         gone = psutil.Popen(["true"])
