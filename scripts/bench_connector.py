@@ -28,7 +28,8 @@
   its p50 (``reference_p99_over_p50``), and each side's p99 over the reference's
   (``*_step_p99_over_reference_p99``), a figure the host's noise moves less than the
   step's p99 itself (the worker's read 2.7-4.4 over runs whose p99 ran 171-427 µs).
-* ``restore_vs_sequential``: from ``scripts/bench_restore.py`` when it is there.
+* ``restore_vs_sequential``: from ``scripts/bench_restore.py`` when it is there, with
+  its ``guest_reports_free_memory`` (see that script).
 
 Needs the scheduler environment: ``.vllm/sched/bin/python scripts/bench_connector.py
 --json`` (``scripts/setup-vllm sched``). ``scripts/bench_ttft.py`` measures time to first
@@ -302,6 +303,7 @@ def main() -> None:
         result.update(step_times(Path(tmp), args.steps, args.forward_size))
         restore = _script_json("bench_restore.py")
         result["restore_vs_sequential"] = restore.get("restore_vs_sequential")
+        result["guest_reports_free_memory"] = restore.get("guest_reports_free_memory")
     if args.json:
         print(json.dumps(result))
     else:

@@ -19,6 +19,9 @@ Each round:
 
 The worker's first load (one page, untimed) comes first: it imports torch and opens the
 registration then. ``--warm`` leaves the files in the page cache: what the CPU allows.
+``guest_reports_free_memory``: whether this machine is a VM that hands its free memory
+back to its host (``scripts/guest_memory.py``): memory the host took back is slow at its
+next use, which is what made this bench's slow rounds on such a guest.
 
 Usage: ``python scripts/bench_restore.py [--json] [--dir D] [--mib 256] [--rounds 3]``
 """
@@ -40,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import guest_memory  # scripts/, beside this file
 import numpy as np
 import torch
 
@@ -228,6 +232,7 @@ def main() -> int:
         result = bench(work, args.mib, args.rounds, cold=not args.warm)
     finally:
         shutil.rmtree(work)
+    result["guest_reports_free_memory"] = guest_memory.reports_free_memory()
     result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
     if args.json:
         print(json.dumps(result))

@@ -34,6 +34,9 @@
   probing every position of the new root, once for that long root and once for a new
   conversation where ``--sharing`` roots share a ``--shared-pages`` system prompt. Pages
   are 64 bytes and the WAL is not fsynced, so the index's work is what is measured.
+* ``guest_reports_free_memory``: whether this machine is a VM that hands its free memory
+  back to its host (``scripts/guest_memory.py``). Memory the host took back is slow at
+  its next use: restores met it as slow rounds on such a guest.
 
 Usage: ``python scripts/bench_store.py [--json] [--dir D] [--pages N] [--roots N]
 [--page-kib K] [--seq-rounds R] [--sweep-files N]``
@@ -61,6 +64,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import guest_memory  # scripts/, beside this file
 import numpy as np
 
 from sparkcache.store import PageStore, index, recovery
@@ -481,6 +485,7 @@ def main() -> int:
         result.update(bench_sweep(work, args.sweep_files))
     finally:
         shutil.rmtree(work)
+    result["guest_reports_free_memory"] = guest_memory.reports_free_memory()
     result = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
     if args.json:
         print(json.dumps(result))
