@@ -186,11 +186,6 @@ class _Registration:
     seed: bytes
 
 
-def supervisor_identity(rt: dict | None) -> tuple | None:
-    """The supervisor ``runtime.json`` names: its pid and start time."""
-    return (rt.get("pid"), rt.get("pid_start")) if rt else None
-
-
 class _Connection:
     """The client's ends of the rank's segments."""
 
@@ -201,7 +196,7 @@ class _Connection:
         self.stale_after_s = cfg.heartbeat_timeout_s
         rt = runtime.read(cfg.store_dir) or {}
         runtime.check_namespace(rt)
-        self.supervisor = supervisor_identity(rt)
+        self.supervisor = runtime.supervisor_identity(rt)
         try:
             self.stats = self._keep(segments.attach_stats(cfg, rank))
             self.arena = self._keep(segments.attach_arena(cfg, rank))
@@ -391,7 +386,7 @@ class SparkCacheClient:
         which restarts it in place: the connection stays (re-attaching would open every
         segment again on the engine's thread, and find the same ones)."""
         conn = self._conn
-        if conn is not None and conn.supervisor == supervisor_identity(
+        if conn is not None and conn.supervisor == runtime.supervisor_identity(
                 runtime.read(self.cfg.store_dir)):
             return conn
         self._disconnect()

@@ -62,6 +62,8 @@ class PrefixLookup:
         self._leases: list[Producer | None] = [None] * tp_size
         self._stats: list[StatsBlock | None] = [None] * tp_size
         self._retry_at = 0.0
+        # The supervisor runtime.json named when its segments were attached here.
+        self._supervisor: tuple | None = None
         # Until when maintenance counts as alive on every rank without a new check.
         self._alive_until = 0.0
         self._log = RateLimitedLog(log)
@@ -87,8 +89,10 @@ class PrefixLookup:
         if stats is None:
             # Once per supervisor (its segments are attached again after one stops):
             # leases go through rings whose ends are judged by pid (OtherNamespace).
-            runtime.check_namespace(runtime.read(self.cfg.store_dir))
+            rt = runtime.read(self.cfg.store_dir)
+            runtime.check_namespace(rt)
             stats = self._stats[rank] = segments.attach_stats(self.cfg, rank)
+            self._supervisor = runtime.supervisor_identity(rt)
         return worker_alive(stats.read(int(Role.MAINTENANCE)), self.cfg.heartbeat_timeout_s)
 
     def lookup(self, keys: Sequence[str], beyond: int = 0, hints: Sequence[int] = ()) -> int:
@@ -101,6 +105,7 @@ class PrefixLookup:
         self.lookups += 1
         self.lookup_tokens += (len(keys) - beyond) * self.cfg.page_tokens
         now = time.monotonic()
+        keep = False  # the handles still belong to the running supervisor
         try:
             if now < self._retry_at:
                 self.misses["unavailable"] += 1
@@ -109,27 +114,37 @@ class PrefixLookup:
                 try:
                     pages = self._lookup(keys, beyond, hints, now)
                 except Exception:
-                    if not self._attached():
+                    keep = self._same_supervisor()
+                    if keep or not self._attached():
                         raise
-                    # Handles of a supervisor that may since have been replaced (an
-                    # upgrade, a restart): asked again at once through fresh ones, the
-                    # first lookup after a restart is answered instead of missing, and
-                    # the next second's with it.
+                    # Handles of a supervisor since replaced (an upgrade, a restart):
+                    # asked again at once through fresh ones, the first lookup after a
+                    # restart is answered instead of missing, and the next second's
+                    # with it.
                     self.close()
                     pages = self._lookup(keys, beyond, hints, now)
             except Exception as exc:
-                # A store not created yet, a supervisor gone: try again a little later,
-                # and drop every handle (a new supervisor makes new rings).
+                # A store not created yet, a supervisor gone, its maintenance down: try
+                # again a little later. Every handle is dropped (a new supervisor makes
+                # new rings) unless runtime.json still names the supervisor they belong
+                # to, which restarts its maintenance in place: opening them all again
+                # on the scheduler's thread would find the same segments.
                 self._log.warning("unavailable", "prefix lookups miss: %s", exc)
                 self.misses["unavailable"] += 1
                 self._retry_at = now + RETRY_INTERVAL_S
-                self.close()
+                if not keep:
+                    self.close()
                 return 0
             if pages:
                 self.hit_tokens += (pages - beyond) * self.cfg.page_tokens
             return pages
         finally:
             self._publish_counters(now)
+
+    def _same_supervisor(self) -> bool:
+        """Whether runtime.json names the supervisor whose segments are attached here."""
+        return self._supervisor is not None and self._supervisor == runtime.supervisor_identity(
+            runtime.read(self.cfg.store_dir))
 
     def _attached(self) -> bool:
         """Whether any handle of a supervisor's segments or of the store is open."""
@@ -195,6 +210,7 @@ class PrefixLookup:
 
     def close(self) -> None:
         self._alive_until = 0.0
+        self._supervisor = None
         if self._engine is not None:
             # What was counted since the last write reaches the block (this supervisor's,
             # or a stopped one's, where it is harmless).

@@ -112,6 +112,12 @@ def read(store_dir: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def supervisor_identity(rt: dict[str, Any] | None) -> tuple | None:
+    """The supervisor a ``runtime.json`` (from ``read``) names: its pid and start time;
+    None for none."""
+    return (rt.get("pid"), rt.get("pid_start")) if rt else None
+
+
 def read_live(store_dir: Path) -> tuple[dict[str, Any] | None, bool]:
     """(runtime file, whether its supervisor is still running). A SIGKILLed supervisor
     leaves its file behind until the next one starts: its pid is then gone, or belongs to

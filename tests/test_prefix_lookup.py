@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -9,7 +11,8 @@ from sparkcache.identity import Namespace, sequence_keys
 from sparkcache.prefix_lookup import RETRY_INTERVAL_S, PrefixLookup
 from sparkcache.store import PageStore
 from sparkcache.store.testing import make_root
-from tests.pipeline_util import make_cfg, start_supervisor, stop_supervisor
+from tests.pipeline_util import make_cfg, start_supervisor, stop_supervisor, wait_for
+from workers.lifecycle import FAULT_FILE_ENV, FAULT_ROLE_ENV, Role
 
 NS = Namespace("m", "float16", "pages", 1, 0, 16)
 
@@ -101,3 +104,36 @@ def test_maintenance_is_checked_alive_at_most_once_an_interval(tmp_path: Path, i
         assert checks[-1] is False and lookup.misses["unavailable"] == 1
     finally:
         lookup.close()
+
+
+def test_maintenance_down_under_its_supervisor_keeps_the_handles(tmp_path: Path,
+                                                                 instance: str) -> None:
+    """Maintenance crash-looping under a running supervisor: lookups miss meanwhile (no
+    lease could be taken), the lookup keeps its store readers and the supervisor's
+    segments (opening them all again on the scheduler's thread would find the same
+    ones), and answers again once maintenance is back."""
+    store, fault = tmp_path / "store", tmp_path / "crash"
+    keys = list(sequence_keys(NS, list(range(16 * 8))).pages)
+    lookup = PrefixLookup(make_cfg(store, instance), 1)
+    # A maintenance worker that dies as it starts, the supervisor retrying, stays down.
+    sup = start_supervisor(store, instance, "--startsecs", "1", "--startretries", "100",
+                           env={FAULT_ROLE_ENV: "maintenance", FAULT_FILE_ENV: str(fault)})
+    try:
+        with PageStore(store, 0) as st:
+            st.commit(make_root("ab" * 16, keys[:5], 64))
+        wait_for(lambda: lookup.lookup(keys) == 5, 30, "a first answer")
+        reader, stats = lookup._readers[0], lookup._stats[0]
+        fault.touch()
+        time.sleep(1.5)  # past --startsecs: a crash of a running worker, then failed starts
+        os.kill(stats.read(int(Role.MAINTENANCE)).pid, signal.SIGKILL)
+        wait_for(lambda: lookup.lookup(keys) == 0 and lookup.misses["unavailable"], 30,
+                 "a miss while maintenance is down", poll=0.05)
+        time.sleep(RETRY_INTERVAL_S)
+        assert lookup.lookup(keys) == 0  # asked again: still down, still the same handles
+        assert lookup._readers[0] is reader and lookup._stats[0] is stats
+        fault.unlink()
+        wait_for(lambda: lookup.lookup(keys) == 5, 60, "an answer again", poll=0.1)
+        assert lookup._readers[0] is reader and lookup._stats[0] is stats
+    finally:
+        lookup.close()
+        stop_supervisor(sup)
