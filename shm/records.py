@@ -123,9 +123,8 @@ class SharedFields:
         if dt.itemsize > pos:
             fmt.append(f"{dt.itemsize - pos}x")
         self.layout = layout
-        self.names = names
         self._row = struct.Struct("".join(fmt))
 
     def batch(self, n: int, *values: float) -> np.ndarray:
-        """``n`` writable records holding ``values`` (of ``names``, in order)."""
+        """``n`` writable records holding ``values`` (of the shared fields, in order)."""
         return np.frombuffer(bytearray(self._row.pack(*values) * n), self.layout.dtype)

@@ -113,7 +113,8 @@ def split_keys(keys: Sequence[str], what: str = "page key") -> np.ndarray:
 def keys_bytes(keys: Sequence[str]) -> bytes:
     """The raw bytes of page ``keys`` (``KEY_BYTES`` each, in order), as ``key_halves``
     takes them: the vLLM scheduler side sends keys so, and the worker side then neither
-    parses nor checks hex on the engine's step. ValueError unless each key is a key."""
+    parses nor checks hex on the engine's step. ValueError (as ``split_keys``) unless
+    every key is ``KEY_HEX_LEN`` lowercase hex characters."""
     return split_keys(keys).tobytes()
 
 
