@@ -386,8 +386,7 @@ class SparkCacheClient:
         which restarts it in place: the connection stays (re-attaching would open every
         segment again on the engine's thread, and find the same ones)."""
         conn = self._conn
-        if conn is not None and conn.supervisor == runtime.supervisor_identity(
-                runtime.read(self.cfg.store_dir)):
+        if conn is not None and runtime.names_supervisor(self.cfg.store_dir, conn.supervisor):
             return conn
         self._disconnect()
         return self._connection()

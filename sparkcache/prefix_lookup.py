@@ -42,6 +42,10 @@ RETRY_INTERVAL_S = 1.0
 ALIVE_RECHECK_S = 0.25
 
 
+class MaintenanceDown(RuntimeError):
+    """A rank's maintenance worker, which takes the leases, is not running."""
+
+
 class PrefixLookup:
     """Leased lookups of key chains across ``tp_size`` ranks of one instance."""
 
@@ -105,7 +109,7 @@ class PrefixLookup:
         self.lookups += 1
         self.lookup_tokens += (len(keys) - beyond) * self.cfg.page_tokens
         now = time.monotonic()
-        keep = False  # the handles still belong to the running supervisor
+        keep = False  # maintenance is down under the supervisor the handles belong to
         try:
             if now < self._retry_at:
                 self.misses["unavailable"] += 1
@@ -113,8 +117,8 @@ class PrefixLookup:
             try:
                 try:
                     pages = self._lookup(keys, beyond, hints, now)
-                except Exception:
-                    keep = self._same_supervisor()
+                except Exception as exc:
+                    keep = isinstance(exc, MaintenanceDown) and self._same_supervisor()
                     if keep or not self._attached():
                         raise
                     # Handles of a supervisor since replaced (an upgrade, a restart):
@@ -126,9 +130,10 @@ class PrefixLookup:
             except Exception as exc:
                 # A store not created yet, a supervisor gone, its maintenance down: try
                 # again a little later. Every handle is dropped (a new supervisor makes
-                # new rings) unless runtime.json still names the supervisor they belong
-                # to, which restarts its maintenance in place: opening them all again
-                # on the scheduler's thread would find the same segments.
+                # new rings, and a handle that faulted is opened afresh) unless only
+                # maintenance is down and runtime.json still names the supervisor they
+                # belong to, which restarts it in place: opening them all again on the
+                # scheduler's thread would find the same segments.
                 self._log.warning("unavailable", "prefix lookups miss: %s", exc)
                 self.misses["unavailable"] += 1
                 self._retry_at = now + RETRY_INTERVAL_S
@@ -143,8 +148,8 @@ class PrefixLookup:
 
     def _same_supervisor(self) -> bool:
         """Whether runtime.json names the supervisor whose segments are attached here."""
-        return self._supervisor is not None and self._supervisor == runtime.supervisor_identity(
-            runtime.read(self.cfg.store_dir))
+        return self._supervisor is not None and runtime.names_supervisor(
+            self.cfg.store_dir, self._supervisor)
 
     def _attached(self) -> bool:
         """Whether any handle of a supervisor's segments or of the store is open."""
@@ -172,7 +177,7 @@ class PrefixLookup:
             # A lease taken in the interval after maintenance died is lost, as one taken
             # a moment before its death would be: the load misses and is recomputed.
             if not all(self._maintenance_alive(r) for r in range(self.tp_size)):
-                raise RuntimeError("no maintenance worker running: no supervisor, or stopped")
+                raise MaintenanceDown("no maintenance worker running: no supervisor, or stopped")
             self._alive_until = now + self._alive_recheck_s
         readers = [self._reader(r) for r in range(self.tp_size)]
         held = []

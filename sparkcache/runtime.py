@@ -118,6 +118,13 @@ def supervisor_identity(rt: dict[str, Any] | None) -> tuple | None:
     return (rt.get("pid"), rt.get("pid_start")) if rt else None
 
 
+def names_supervisor(store_dir: Path, identity: tuple | None) -> bool:
+    """Whether ``store_dir``'s ``runtime.json`` names the supervisor ``identity`` (from
+    ``supervisor_identity``): a worker found down under it is restarted in place, so
+    handles of its segments stay good."""
+    return identity == supervisor_identity(read(store_dir))
+
+
 def read_live(store_dir: Path) -> tuple[dict[str, Any] | None, bool]:
     """(runtime file, whether its supervisor is still running). A SIGKILLed supervisor
     leaves its file behind until the next one starts: its pid is then gone, or belongs to

@@ -107,11 +107,12 @@ def test_maintenance_is_checked_alive_at_most_once_an_interval(tmp_path: Path, i
 
 
 def test_maintenance_down_under_its_supervisor_keeps_the_handles(tmp_path: Path,
-                                                                 instance: str) -> None:
+                                                                 instance: str,
+                                                                 monkeypatch) -> None:
     """Maintenance crash-looping under a running supervisor: lookups miss meanwhile (no
     lease could be taken), the lookup keeps its store readers and the supervisor's
     segments (opening them all again on the scheduler's thread would find the same
-    ones), and answers again once maintenance is back."""
+    ones), and answers again once maintenance is back. Any other fault still drops them."""
     store, fault = tmp_path / "store", tmp_path / "crash"
     keys = list(sequence_keys(NS, list(range(16 * 8))).pages)
     lookup = PrefixLookup(make_cfg(store, instance), 1)
@@ -134,6 +135,19 @@ def test_maintenance_down_under_its_supervisor_keeps_the_handles(tmp_path: Path,
         fault.unlink()
         wait_for(lambda: lookup.lookup(keys) == 5, 60, "an answer again", poll=0.1)
         assert lookup._readers[0] is reader and lookup._stats[0] is stats
+        # Any other fault, under the same supervisor too, is asked again at once
+        # through handles opened afresh.
+        real_lease, faults = PrefixLookup._lease, iter([OSError("a faulty ring")])
+
+        def lease_once(self: PrefixLookup, key: str, pos: int) -> bool:
+            fault = next(faults, None)
+            if fault is not None:
+                raise fault
+            return real_lease(self, key, pos)
+
+        monkeypatch.setattr(PrefixLookup, "_lease", lease_once)
+        assert lookup.lookup(keys) == 5
+        assert lookup._readers[0] is not reader and lookup._stats[0] is not stats
     finally:
         lookup.close()
         stop_supervisor(sup)
