@@ -16,13 +16,17 @@ from sparkcache import config, store_cli, supervisor
 from sparkcache.soak import params as soak_params
 from sparkcache.store.fsck import DEFAULT_FSCK_GRACE_SECONDS
 
+# --help prints a command's docstring with its line breaks as they are: the first line is
+# what the command list shows, and the lines after it stay short enough for 80 columns.
 app = typer.Typer(add_completion=False, no_args_is_help=True)
 
 
 @app.callback()
 def _root() -> None:
-    """SparkCache: a KV-cache page store beside vLLM. Settings come from SPARKCACHE_*
-    variables or the matching --flags."""
+    """SparkCache: a KV-cache page store beside vLLM.
+
+    Settings come from SPARKCACHE_* variables or the matching --flags.
+    """
 
 
 def with_config_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -80,7 +84,10 @@ def status(
     cfg: config.Config,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Capacity line: ranks, entries, used/capacity GiB, healthy (exit 1 if not)."""
+    """Capacity line: ranks, entries, used/capacity GiB, healthy.
+
+    Exits 1 if the instance is not healthy.
+    """
     raise typer.Exit(store_cli.status(cfg.store_dir, json_out, cfg.max_bytes))
 
 
@@ -97,9 +104,12 @@ def top(
         "rank", "--sort", help="Worker order: rank, role, cpu, mem or io (keys r o c m i)."
     ),
 ) -> None:
-    """Live view of the running instance on the store dir: every worker's process
-    (cores, CPU, RSS, I/O, switches, state, heartbeat) and every rank's rings, slots,
-    pending publications, restores, maintenance and used bytes. q quits."""
+    """Live view of the running instance on the store dir. q quits.
+
+    Every worker's process (cores, CPU, RSS, I/O, switches, state,
+    heartbeat) and every rank's rings, slots, pending publications,
+    restores, maintenance and used bytes.
+    """
     # Imported here: spawn re-imports this module in every worker, which needs no rich.
     from sparkcache.top import command
 
@@ -130,8 +140,11 @@ def sizing(
     mean_root_bytes: str | None = typer.Option(
         None, "--mean-root-bytes", help="A conversation's mean bytes (roots per episode)."),
 ) -> None:
-    """Advice on max_bytes and the low watermark from growth and reclaim rates, measured
-    on the running instance or given as flags; each figure says where it came from."""
+    """Advice on max_bytes and the low watermark from the store's rates.
+
+    The growth and reclaim rates are measured on the running instance or
+    given as flags; each figure says where it came from.
+    """
     from sparkcache import sizing_cli
 
     given = {
@@ -176,8 +189,11 @@ def supervise(
         "for a store of millions of objects on a slow disk).",
     ),
 ) -> None:
-    """Create the segments, start, pin and watch the workers of every rank until
-    SIGTERM/SIGINT; then drain, stop them and unlink every segment."""
+    """Run the workers of every rank until SIGTERM/SIGINT.
+
+    Creates the segments, starts, pins and watches the workers; on
+    SIGTERM/SIGINT drains them, stops them and unlinks every segment.
+    """
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s supervisor %(levelname)s %(message)s"
     )
@@ -244,8 +260,11 @@ def soak(
     work_dir: str | None = typer.Option(None, "--work-dir",
                                          help="Where the lanes' stores live (default: TMPDIR)."),
 ) -> None:
-    """Idle probes, a soak of long conversations at the store's cap, the probes again:
-    lane by lane (docs/soak.md)."""
+    """The slowdown experiment, lane by lane (docs/soak.md).
+
+    Each lane: idle probes, a soak of long conversations at the store's
+    cap, the probes again.
+    """
     from sparkcache.soak import report
     from sparkcache.soak.run import check, run
 

@@ -113,6 +113,13 @@ def duration(s: float) -> str:
     return f"{s:.1f}s"
 
 
+def _episodes_every(interval_s: float) -> str:
+    """How often a pressure episode starts, in words ("never" reads badly after "every")."""
+    if math.isinf(interval_s):
+        return "no episode (no net growth)"
+    return f"an episode every {duration(interval_s)}"
+
+
 def _said(f: Figure, shown: str) -> str:
     return f"{shown} [{f.source}]"
 
@@ -154,8 +161,7 @@ def advise(inputs: SizingInputs) -> Advice:
     interval_now = gap_now / g if g > 0 else math.inf
     lines.append(
         f"gap now {size(gap_now)} (max {_said(inputs.max_bytes, size(max_b))} - low "
-        f"{_said(inputs.low_watermark_bytes, size(low_b))}): an episode every "
-        f"{duration(interval_now)}")
+        f"{_said(inputs.low_watermark_bytes, size(low_b))}): {_episodes_every(interval_now)}")
     raw_gap = g * target
     gap = max(raw_gap, largest)
     raised = gap > raw_gap
@@ -182,8 +188,8 @@ def advise(inputs: SizingInputs) -> Advice:
            f"{_said(inputs.mean_root_bytes, size(mean_root))})" if roots is not None
            and inputs.mean_root_bytes is not None else "")
         + f", {per_hour:.1f} episodes an hour; the store holds on average {size(held)}, "
-        f"{size(lost)} less context than with the smallest workable gap (one publication), "
-        "and conversations in it miss")
+        f"{size(lost)} less context than with the smallest workable gap (one publication): "
+        "conversations whose prefix was in it miss on their next turn")
 
     # Does what must stay resident fit?
     floor, floor_source = 0.0, "nothing given"
@@ -210,7 +216,7 @@ def advise(inputs: SizingInputs) -> Advice:
         lines.append(
             f"the working set {size(floor)} ({floor_source}) fits under max_bytes but not "
             f"under that low watermark: every episode evicts part of it unless the gap is "
-            f"at most {size(gap_limit)} (an episode every {duration(interval_limit)}), or "
+            f"at most {size(gap_limit)} ({_episodes_every(interval_limit)}), or "
             f"max_bytes is at least {size(floor + target_gap)}")
     elif floor > 0:
         lines.append(f"the working set {size(floor)} ({floor_source}) fits under the low "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 from typer.testing import CliRunner
@@ -14,6 +15,16 @@ def test_config_flags_match_config_fields():
     out = CliRunner().invoke(app, ["config", "--help"], env={"COLUMNS": "200"}).output
     for name in config.FIELDS:
         assert config.flag_name(name) in out
+
+
+def test_help_fits_80_columns():
+    # typer prints a docstring's line breaks as they are: a long line wraps mid-sentence.
+    out = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "80"}).output
+    rows = {" ".join(line.strip(" │").split()) for line in out.splitlines()}
+    for command in app.registered_commands:
+        summary, *detail = inspect.getdoc(command.callback).splitlines()
+        assert f"{command.name} {summary}" in rows  # the summary on one row of the list
+        assert all(len(line) <= 76 for line in detail), command.name
 
 
 def test_config_prints_effective_values(tmp_path):

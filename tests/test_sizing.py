@@ -67,6 +67,13 @@ def test_reclamation_falling_behind_reaches_the_hard_cap() -> None:
     assert "FALLS BEHIND" in a.lines[0] and "2.7min" in a.lines[0]
 
 
+def test_a_store_that_does_not_grow_says_no_episode_comes() -> None:
+    a = advise(inputs(growth=0))
+    assert a.keeps_pace and a.interval_now_s == float("inf")
+    text = "\n".join(a.lines)
+    assert "no episode (no net growth)" in text and "every never" not in text
+
+
 def test_a_small_gap_is_raised_to_one_publication() -> None:
     a = advise(inputs(growth=MiB, target=60))
     assert a.gap_raised_to_publication and a.gap_for_target_bytes == GiB
