@@ -328,7 +328,8 @@ def fsck_command(
     else:
         for problem in report.problems:
             print(problem)
-        verdict = "ok" if report.ok else f"{len(report.problems)} problems"
+        n = len(report.problems)
+        verdict = "ok" if report.ok else f"{n} problem{'' if n == 1 else 's'}"
         print(
             f"sparkcache fsck: {verdict} roots={report.roots} objects={report.objects} "
             f"quarantined={report.quarantined} pooled={report.pooled_files} "

@@ -302,7 +302,7 @@ def test_status_says_why_it_is_unhealthy(
     a store dir that is missing or not safe, a rank whose index cannot be read, no ranks."""
     if damage == "absent":
         store_dir = store_dir.parent / "nope"
-        why = "No such file or directory"
+        why = f"no store at {store_dir}: nothing was ever stored there"
     elif damage == "unsafe":
         store_dir.chmod(0o777)
         why = "writable by group or others"

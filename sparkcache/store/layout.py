@@ -29,7 +29,7 @@ from pathlib import Path
 
 from sparkcache.filesystems import filesystem_problem
 from sparkcache.identity import KEY_HEX_LEN, require_hex
-from sparkcache.store.records import UnsafeStoreDir
+from sparkcache.store.records import StoreError, UnsafeStoreDir
 
 GENERATION_HEX_LEN = 16
 TEMP_SUFFIX = ".tmp"
@@ -255,7 +255,11 @@ class RankLayout:
 
 def list_ranks(store_dir: Path) -> list[int]:
     """Ranks that have a directory under ``store_dir``, in order."""
-    ensure_dir(store_dir, create=False)
+    try:
+        ensure_dir(store_dir, create=False)
+    except FileNotFoundError:
+        raise StoreError(f"no store at {store_dir}: nothing was ever stored there (a "
+                         "supervisor makes it at its first start)") from None
     ranks = []
     for entry in os.scandir(store_dir):
         m = _RANK_RE.fullmatch(entry.name)
