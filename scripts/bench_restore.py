@@ -4,18 +4,18 @@ both from a cold page cache, measured in one run.
 A store is filled with ``--mib`` of pages of an 8-layer model (8 KV heads, head size 128,
 fp16, 16-token pages: 512 KiB a page), committed straight through ``PageStore``. A real
 supervisor then runs its workers beside an engine whose KV tensors are in shared memory.
-Each round:
+Each round, the three in turn (each goes first as often: the first reader after an
+eviction takes other free memory than the next, and on a guest whose host takes free
+memory back that decides who meets the slow pages), every file evicted before each:
 
 * sequential: every file of the prefix (a pack per 64 pages), in page order, evicted from
-  the page cache (``posix_fadvise(DONTNEED)``), then opened and read whole into one
-  reused buffer: the disk's and the kernel's share of a restore, with no checksum and no
+  the page cache (``posix_fadvise(DONTNEED)``), opened and read whole into one reused
+  buffer: the disk's and the kernel's share of a restore, with no checksum and no
   copy into blocks;
-* restore worker: the same files evicted again, then one ``load`` of the whole prefix
-  into fresh blocks, timed from the call until ``poll_loads`` reports it (the engine
-  thread spends only the ``load`` call on it: ``load_call_ms``); afterwards every block
-  is checked byte for byte;
-* synchronous ``restore`` (the files evicted again), the engine-thread path, for
-  reference.
+* restore worker: one ``load`` of the whole prefix into fresh blocks, timed from the
+  call until ``poll_loads`` reports it (the engine thread spends only the ``load`` call
+  on it: ``load_call_ms``); afterwards every block is checked byte for byte;
+* synchronous ``restore``, the engine-thread path, for reference.
 
 The worker's first load (one page, untimed) comes first: it imports torch and opens the
 registration then. ``--warm`` leaves the files in the page cache: what the CPU allows.
@@ -23,7 +23,7 @@ registration then. ``--warm`` leaves the files in the page cache: what the CPU a
 back to its host (``scripts/guest_memory.py``): memory the host took back is slow at its
 next use, which is what made this bench's slow rounds on such a guest.
 
-Usage: ``python scripts/bench_restore.py [--json] [--dir D] [--mib 256] [--rounds 3]``
+Usage: ``python scripts/bench_restore.py [--json] [--dir D] [--mib 256] [--rounds 6]``
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -163,14 +164,13 @@ def bench(work: Path, mib: int, rounds: int, cold: bool = True) -> dict[str, flo
         buf = bytearray(page + 64)
         seq_s, load_s, sync_s, call_s = [], [], [], []
         out = np.empty(page, np.uint8)
-        for r in range(rounds):
-            if cold:
-                drop_cache(paths)
+
+        def sequential() -> None:
             seq_s.append(sequential_read(paths, buf))
+
+        def worker_load(r: int) -> None:
             for t in kv.tensors:
                 t.zero_()
-            if cold:
-                drop_cache(paths)
             t0 = time.perf_counter()
             if not client.load(f"r{r}", tokens, blocks):
                 raise RuntimeError(f"load refused: {client.counters}")
@@ -183,13 +183,20 @@ def bench(work: Path, mib: int, rounds: int, cold: bool = True) -> dict[str, flo
                 views.gather(b, out)
                 if out.tobytes() != page_bytes(k, page):
                     raise RuntimeError(f"block {b} does not hold page {k}")
-            if cold:
-                drop_cache(paths)
+
+        def sync_restore() -> None:
             t0 = time.perf_counter()
             restored = client.restore(tokens, blocks)
             sync_s.append(time.perf_counter() - t0)
             if restored != len(tokens):
                 raise RuntimeError(f"restore: {restored} of {len(tokens)} tokens")
+
+        for r in range(rounds):
+            steps = [sequential, partial(worker_load, r), sync_restore]
+            for step in steps[r % 3:] + steps[: r % 3]:
+                if cold:
+                    drop_cache(paths)
+                step()
         total = npages * page
         seq, load, sync = (statistics.median(x) for x in (seq_s, load_s, sync_s))
         return {
@@ -223,7 +230,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--dir", type=Path, help="directory on the disk to measure")
     parser.add_argument("--mib", type=int, default=256, help="MiB of stored pages loaded")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds; medians reported")
+    parser.add_argument("--rounds", type=int, default=6,
+                        help="rounds, the sides in turn first; medians reported")
     parser.add_argument("--warm", action="store_true",
                         help="leave the files in the page cache (what the CPU allows)")
     args = parser.parse_args()
