@@ -12,7 +12,7 @@ from typing import Any
 
 import typer
 
-from sparkcache import config, store_cli, supervisor
+from sparkcache import __version__, config, store_cli, supervisor
 from sparkcache.soak import params as soak_params
 from sparkcache.store.fsck import DEFAULT_FSCK_GRACE_SECONDS
 
@@ -21,8 +21,17 @@ from sparkcache.store.fsck import DEFAULT_FSCK_GRACE_SECONDS
 app = typer.Typer(add_completion=False, no_args_is_help=True)
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        typer.echo(f"sparkcache {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="Print the version and exit."),
+) -> None:
     """SparkCache: a KV-cache page store beside vLLM.
 
     Settings come from SPARKCACHE_* variables or the matching --flags.

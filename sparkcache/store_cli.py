@@ -130,7 +130,9 @@ def _supervisor_lines(sup: dict) -> list[str]:
                 "by a supervisor that was killed; the next start replaces it)"]
     workers = sup["workers"]
     up = sum(w["state"] == "RUNNING" for w in workers)
-    lines = [f"sparkcache: supervisor pid={sup['pid']} instance={sup['instance']} "
+    # One that predates this field wrote no version.
+    version = f" version={sup['version']}" if "version" in sup else ""
+    lines = [f"sparkcache: supervisor pid={sup['pid']}{version} instance={sup['instance']} "
              f"workers={up}/{len(workers)} running cores={sup['cpus']}"]
     for w in workers:
         exit_code = "" if w["last_exit"] is None else f" last_exit={w['last_exit']}"

@@ -34,7 +34,7 @@ from shm.segment import (
     read_creator,
     user,
 )
-from sparkcache import runtime, segments
+from sparkcache import __version__, runtime, segments
 from sparkcache.config import AccessMode, Config
 from sparkcache.filesystems import MEMORY_FILESYSTEMS, filesystem_of
 from sparkcache.metrics.carry import Carry
@@ -478,6 +478,8 @@ class Supervisor:
     def runtime(self) -> dict:
         """What ``runtime.json`` says (see ``sparkcache.runtime``)."""
         return {
+            # Which release runs: an engine or a tool of another one reads it (status).
+            "version": __version__,
             "instance": self.cfg.instance,
             "ranks": self.cfg.ranks,
             "pid": os.getpid(),

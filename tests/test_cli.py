@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 import json
 
 from typer.testing import CliRunner
 
-from sparkcache import config
+from sparkcache import __version__, config
 from sparkcache.cli import app
 
 
@@ -25,6 +26,12 @@ def test_help_fits_80_columns():
         summary, *detail = inspect.getdoc(command.callback).splitlines()
         assert f"{command.name} {summary}" in rows  # the summary on one row of the list
         assert all(len(line) <= 76 for line in detail), command.name
+
+
+def test_version_is_the_installed_one():
+    out = CliRunner().invoke(app, ["--version"]).output
+    assert out == f"sparkcache {__version__}\n"
+    assert importlib.metadata.version("sparkcache") == __version__  # pyproject reads it
 
 
 def test_config_prints_effective_values(tmp_path):

@@ -26,7 +26,7 @@ from pipeline_util import SETTINGS, free_port, pipeline, runtime, wait_committed
 from prometheus_client.parser import text_string_to_metric_families
 
 from shm.layouts import DURATION_BUCKETS_S
-from sparkcache import config
+from sparkcache import __version__, config
 from sparkcache.metrics.carry import COUNTER_FIELDS, Carry
 from sparkcache.synthetic import sequences
 
@@ -37,7 +37,7 @@ _wait = functools.partial(wait_for, poll=0.1)
 P = "vllm:sparkcache_"
 # Every family the endpoint serves (counters and histograms by their family name).
 FAMILIES = {
-    "worker_up", "worker_report_age_seconds", "worker_restarts", "worker_item_errors",
+    "build_info", "worker_up", "worker_report_age_seconds", "worker_restarts", "worker_item_errors",
     "worker_dropped_records", "worker_copied_bytes", "capture_slots",
     "publication_pending_rank_slots", "publication_oldest_pending_seconds",
     "publication_pending_bytes", "ring_depth_records", "store_capacity_bytes",
@@ -127,6 +127,7 @@ def test_metrics_and_health_of_a_running_instance(tmp_path: Path, instance: str)
         assert set(types) == FAMILIES, set(types) ^ FAMILIES
         assert types["publications"] == "counter" and types["capture_slots"] == "gauge"
         assert types["commit_duration_seconds"] == "histogram"
+        assert value(s, "build_info", version=__version__) == 1
         for role in ROLES:
             assert value(s, "worker_up", rank="0", role=role) == 1
             assert 0 <= value(s, "worker_report_age_seconds", rank="0", role=role) < 2

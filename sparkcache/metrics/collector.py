@@ -22,6 +22,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from shm.layouts import DROP_REASONS, DURATION_BUCKETS_S
+from sparkcache import __version__
 from sparkcache.metrics import engine, reading
 from sparkcache.metrics.reading import Reading, Source, WorkerReading
 from sparkcache.protocol import CaptureStatus, DurableStatus, LoadStatus, status_name
@@ -101,6 +102,10 @@ class SparkCacheCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         now = reading.read(self.source)
+        build = GaugeMetricFamily(PREFIX + "build_info", "1, labelled with the SparkCache "
+                                  "release serving these metrics.", labels=["version"])
+        build.add_metric([__version__], 1)
+        yield build
         yield from self._workers(now)
         yield from self._ranks(now)
         yield from self._maintenance(now)
