@@ -219,7 +219,8 @@ class WorkerReads:
     def __init__(self, store: PageStore, page_bytes: int) -> None:
         self._plan = store._reader.plan
         layout = store.layout
-        self._pool = _ReaderPool(partial(StoreReader, layout.store_dir, layout.rank), READERS)
+        self._pool = _ReaderPool(
+            lambda direct: StoreReader(layout.store_dir, layout.rank, direct=direct), READERS)
         self._chunk = max(1, CHUNK_BYTES // page_bytes)
         self._staging = [np.empty((self._chunk, page_bytes), np.uint8)
                          for _ in range(STAGED_CHUNKS)]

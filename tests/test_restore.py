@@ -27,8 +27,10 @@ from pipeline_util import (
 
 from shm.segment import SHM_DIR, process_start
 from sparkcache import segments
+from sparkcache.filesystems import MEMORY_FILESYSTEMS, filesystem_of
 from sparkcache.identity import keys_bytes
 from sparkcache.store import PageStore
+from sparkcache.store.direct import mostly_cached
 from sparkcache.store.objects import HEADER_SIZE
 from sparkcache.store.reader import StoreReader
 from sparkcache.store.testing import make_root, object_file, page_bytes
@@ -187,8 +189,13 @@ def test_a_started_worker_reads_the_newest_roots_ahead(tmp_path: Path, instance:
         assert _restore_stats(engine).prefaulted_bytes == 16 * page
 
 
+@pytest.mark.parametrize("cold", [False, True], ids=["cached", "cold"])
 def test_a_corrupt_page_is_reported_zeroed_and_quarantined(
-        tmp_path: Path, instance: str) -> None:
+        tmp_path: Path, instance: str, cold: bool) -> None:
+    """Cached, the worker reads through the page cache; cold, past it
+    (sparkcache.store.direct): the same outcome."""
+    if cold and filesystem_of(tmp_path) in MEMORY_FILESYSTEMS:
+        pytest.skip(f"{tmp_path} is in memory: nothing to evict")
     store = tmp_path / "store"
     with pipeline(store, instance) as engine:
         pt = engine.client.cfg.page_tokens
@@ -202,16 +209,29 @@ def test_a_corrupt_page_is_reported_zeroed_and_quarantined(
         raw = bytearray(path.read_bytes())
         raw[offset + HEADER_SIZE + 9] ^= 0xFF  # a page byte: the header parses, the checksum fails
         path.write_bytes(bytes(raw))
+        if cold:
+            os.sync()
+            for pack in (store / "rank-0" / "objects").rglob("*.*"):
+                fd = os.open(pack, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
         blocks = engine.free[: len(keys)]
         _fill(engine, blocks)
         assert engine.client.load("victim", tokens, blocks)
         r = engine.wait_loaded(["victim"])["victim"]
         assert (r.status, r.bad_page, r.tokens) == ("corrupt", 2, 2 * pt), r
         assert engine.exact_pages(tokens, blocks[:2]) == [True, True]
-        # The engine's KV is host memory, so the restore worker reads each page straight
-        # into its block: the bad page's block was zeroed (no byte of the page is left in
-        # it), and the pages after it, in the same chunk, were never read.
+        # The engine's KV is host memory: the restore worker reads each page straight
+        # into its block (cached) or verifies it in its own buffer first (cold). Either
+        # way the bad page's block was zeroed (no byte of the page is left in it), and
+        # the pages after it, in the same chunk, were never written.
         assert engine.client._reg.views.host_runs
+        if cold:  # read past the page cache: still not in it
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                assert not mostly_cached(fd, 0, path.stat().st_size)
+            finally:
+                os.close(fd)
         assert _holds_sentinel(engine, blocks[2:3], 0) == [True]
         assert _holds_sentinel(engine, blocks[3:]) == [True] * (len(keys) - 3)
         assert engine.client.counters.misses["corrupt"] == 1

@@ -8,14 +8,16 @@ reported it failed and the engine reused its blocks; open the registration (agai
 ``reg_gen`` changes) and bounds-check every block id; plan the stored prefix in the
 index (read-only: this worker never writes the index); then read and verify the pages in
 chunks on a small pool of reader threads, each with its own ``StoreReader``, stopping at
-the first page that is missing or fails verification. Where the engine's KV is host
-memory (vLLM's CPU backend, its KV moved into shared memory) each page is read straight
-into its block's runs and verified there: one copy, from the page cache, where staging
-took two. A page that fails is zeroed before the load is answered, so no block holds an
-unverified byte, and the report counts only the verified prefix (vLLM recomputes every
-block past it, whatever it holds). On a CUDA device each chunk is read into page-locked
-staging, verified, and its verified prefix crosses on this worker's own stream,
-synchronised before the report.
+the first page that is missing or fails verification. A run of a pack's records not in
+the page cache is read past it (``sparkcache.store.direct``): into the reader's own
+buffers, verified there, then copied to its destination. Where the engine's KV is host
+memory (vLLM's CPU backend, its KV moved into shared memory) that destination is the
+page's blocks' runs (a cached run is read straight into them from the page cache): one
+copy, where staging took two. A page that fails is zeroed before the load is answered,
+so no block holds an unverified byte, and the report counts only the verified prefix
+(vLLM recomputes every block past it, whatever it holds). On a CUDA device each chunk
+goes into page-locked staging, verified, and its verified prefix crosses on this
+worker's own stream, synchronised before the report.
 
 The report on ``loaded`` says how many leading pages were written, the status
 (``protocol.LoadStatus``) and, for a verification failure, the index and object of the
@@ -36,7 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,6 +51,7 @@ from sparkcache import registry, segments
 from sparkcache.protocol import LoadStatus, process_gone
 from sparkcache.ratelog import RateLimitedLog
 from sparkcache.store import StoreError, UnsafeStoreDir
+from sparkcache.store.direct import IN_FLIGHT, DirectReads
 from sparkcache.store.layout import RankLayout
 from sparkcache.store.reader import BadObject, PlannedPage, ReadResult, StoreReader
 from workers import lifecycle
@@ -65,12 +68,12 @@ log = logging.getLogger(__name__)
 POLL_S = 0.2
 LOAD_CAPACITY = segments.RINGS["load"][1]  # also the most pages of one load
 # Reader threads: file reads and CRC-32C release the GIL, so a reader runs beside the
-# writes into blocks (which the main thread does, in order). One: a publication's pages
-# are one pack, which one reader reads front to back and the kernel reads ahead of it in
-# large requests; two readers on alternate chunks of it made two streams, and 64-page
-# restores ran at 0.37-0.62 of a sequential read where one reader ran at 0.67-0.70
-# (16 MiB chunks, scripts/bench_store.py's worker path, three runs each; docs/store.md).
-READERS = 1
+# writes into blocks (which the main thread does, in order). Two: a reader reads a pack's
+# records past the page cache with many requests in flight (sparkcache.store.direct), and
+# while one verifies and copies its chunk the other's requests keep the disk busy. (Read
+# through the page cache, one reader did better: two made two streams for the kernel's
+# readahead; docs/store.md, "Reading a pack".) Each holds 34 MiB of buffers for it.
+READERS = 2
 # Bytes read per task; the staging holds STAGED_CHUNKS of them (read ahead of the writes).
 CHUNK_BYTES = 16 << 20
 STAGED_CHUNKS = 2 * READERS
@@ -137,8 +140,11 @@ class _ReaderPool:
     own ``StoreReader`` (an index connection belongs to the thread that opened it; it is
     used only to look up a file found missing)."""
 
-    def __init__(self, open_reader: Callable[[], StoreReader], threads: int) -> None:
-        self._open = open_reader
+    def __init__(self, open_reader: Callable[[DirectReads], StoreReader],
+                 threads: int) -> None:
+        # The requests of every reader's direct reads (sparkcache.store.direct).
+        self._io = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="restore-io")
+        self._open = lambda: open_reader(DirectReads(self._io))
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._run, name=f"restore-read-{i}", daemon=True)
@@ -185,6 +191,7 @@ class _ReaderPool:
             self._jobs.put(None)
         for t in self._threads:
             t.join()
+        self._io.shutdown()
 
 
 class Restore:
@@ -386,8 +393,8 @@ class Restore:
 
     # ------------------------------------------------------------------ one load
 
-    def _open_reader(self) -> StoreReader:
-        reader = StoreReader(self.cfg.store_dir, self.rank)
+    def _open_reader(self, direct: DirectReads | None = None) -> StoreReader:
+        reader = StoreReader(self.cfg.store_dir, self.rank, direct=direct)
         # Not the engine: a reader may wait a little for SQLite's rare exclusive moments.
         reader.conn.execute(f"PRAGMA busy_timeout={READER_BUSY_MS}")
         return reader

@@ -12,16 +12,19 @@ the maintenance worker.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import sqlite3
+import stat
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from sparkcache.identity import require_hex
 from sparkcache.store import index
+from sparkcache.store.direct import DirectReads, Pending, mostly_cached, supported
 from sparkcache.store.fileops import FileOps
 from sparkcache.store.gate import LookupGate
 from sparkcache.store.layout import DIR_FLAGS, RankLayout, fanout, open_subdir
@@ -31,6 +34,7 @@ from sparkcache.store.objects import (
     ObjectCorrupt,
     open_object,
     read_verified,
+    record_span,
 )
 from sparkcache.store.records import StoreError
 
@@ -184,10 +188,15 @@ class StoreReader:
     """Lookups and verified restores of ``<store_dir>/rank-<rank>``."""
 
     def __init__(self, store_dir: Path | str, rank: int, *, readonly: bool = True,
-                 fileops: FileOps | None = None) -> None:
+                 fileops: FileOps | None = None, direct: DirectReads | None = None) -> None:
+        """``direct``: read runs of a pack's records past the page cache with it
+        (``sparkcache.store.direct``; the restore worker's readers), else through it."""
         self.layout = RankLayout(Path(store_dir), rank)
         self.layout.prepare(create=False)
         self._ops = fileops or FileOps()
+        self._direct = direct
+        # Runs of pack records read past the page cache, and through it for being cached.
+        self.direct_runs = self.cached_runs = 0
         self._objects_fd = os.open(self.layout.objects_dir, DIR_FLAGS)
         try:
             self.gate = LookupGate(self.layout.rank_dir, create=False)
@@ -202,6 +211,8 @@ class StoreReader:
             raise
 
     def close(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
         self.conn.close()
         self.gate.close()
         os.close(self._objects_fd)
@@ -324,7 +335,72 @@ class StoreReader:
 
     def _read_plan(self, plan: list[tuple[PlannedPage, memoryview | list[memoryview]]],
                    bad: list[BadObject]) -> int:
-        """Read and verify ``plan`` in order; the number of pages restored.
+        """Read and verify ``plan`` in order; the number of pages restored. With ``direct``,
+        each run of a pack's records laid end to end is read past the page cache."""
+        if self._direct is None:
+            return self._read_buffered(plan, bad)
+        n = 0
+        for run, in_pack in _runs(plan):
+            direct = self._direct  # None from a run that found O_DIRECT refused
+            got = (self._read_run(direct, run, bad) if in_pack and direct is not None
+                   else self._read_buffered(run, bad))
+            n += got
+            if got < len(run):
+                break
+        return n
+
+    def _read_run(self, direct: DirectReads,
+                  run: list[tuple[PlannedPage, memoryview | list[memoryview]]],
+                  bad: list[BadObject]) -> int:
+        """Read ``run``, records of one pack end to end, past the page cache
+        (``DirectReads``); through it where most of it is cached, or where the
+        filesystem takes no ``O_DIRECT``."""
+        first = run[0][0]
+        fd = self._open_file(first, bad)
+        if fd is None:
+            return 0
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                bad.append(BadObject(first.key, first.generation, "not a regular file"))
+                return 0
+            last = run[-1][0]
+            if mostly_cached(fd, first.offset, last.offset + record_span(last.size)
+                             - first.offset):
+                self.cached_runs += 1
+                return self._read_buffered(run, bad)
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+            except OSError as exc:
+                if supported(exc):
+                    raise
+                log.info("the store's filesystem takes no O_DIRECT (%s): restores read "
+                         "through the page cache", exc.strerror)
+                direct.close()
+                self._direct = None
+                return self._read_buffered(run, bad)
+            self.direct_runs += 1
+            done, error = direct.read_run(
+                fd, [Pending(p.key, p.generation, p.size, p.offset, buf) for p, buf in run])
+        except OSError as exc:
+            done, error = 0, exc
+        finally:
+            self._ops.close(fd)
+        if error is None:
+            return done
+        page = run[done][0]
+        if isinstance(error, ObjectCorrupt):
+            if self._still_live(page):
+                bad.append(BadObject(page.key, page.generation, str(error)))
+            # else collected since it was planned (its blocks punched): a miss
+        else:
+            log.warning("object %s.%s unreadable: %s; a miss", page.key, page.generation,
+                        error)
+        return done
+
+    def _read_buffered(self, plan: list[tuple[PlannedPage, memoryview | list[memoryview]]],
+                       bad: list[BadObject]) -> int:
+        """Read and verify ``plan`` in order through the page cache; the number of pages
+        restored.
 
         An object file of its own is opened ahead, up to ``PREFETCH_BYTES`` past the
         current page, and the kernel asked to read it while the current one is verified.
@@ -443,3 +519,20 @@ class StoreReader:
         ).fetchone()
         if row is not None and row[0] == generation and row[2] == "live":
             bad.append(BadObject(key, generation, "file missing"))
+
+
+def _runs(plan: list[tuple[PlannedPage, memoryview | list[memoryview]]],
+          ) -> Iterator[tuple[list[tuple[PlannedPage, memoryview | list[memoryview]]], bool]]:
+    """``plan`` in pieces, in order, each with whether it is a run of one pack's records
+    laid end to end (read past the page cache) or not (object files of their own)."""
+    start = 0
+    for i in range(1, len(plan) + 1):
+        prev = plan[i - 1][0]
+        if i < len(plan):
+            page = plan[i][0]
+            if (prev.file_key is not None) == (page.file_key is not None) and (
+                    prev.file_key is None or (page.file == prev.file and page.offset
+                                              == prev.offset + record_span(prev.size))):
+                continue
+        yield plan[start:i], prev.file_key is not None
+        start = i
