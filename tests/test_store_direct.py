@@ -2,7 +2,7 @@
 records is read with ``O_DIRECT`` into the reader's own buffers, verified there and
 copied out byte-exact; a cached run is read through the page cache; a damaged record
 stops the run with nothing of it copied; a record collected since it was planned is a
-miss; a filesystem without ``O_DIRECT`` is read through the page cache; records
+miss; a filesystem or device without ``O_DIRECT`` is read through the page cache; records
 larger than a request are read one a request."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from eviction_util import FakeClock
 
 from sparkcache.filesystems import MEMORY_FILESYSTEMS, filesystem_of
 from sparkcache.store import PageStore
+from sparkcache.store import direct as direct_module
 from sparkcache.store import reader as reader_module
 from sparkcache.store.direct import REQUEST_BYTES, DirectReads, mostly_cached
 from sparkcache.store.objects import HEADER_SIZE
@@ -200,5 +201,27 @@ def test_a_filesystem_without_o_direct_is_read_through_the_page_cache(
             assert reader.restore(page_keys, bufs).pages == 13
             assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in page_keys]
         assert reader.direct_runs == 0 and len(asked) == 1
+    finally:
+        reader.close()
+
+
+def test_a_device_that_refuses_the_reads_is_read_through_the_page_cache(
+        disk: Path, pool: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As one whose logical blocks are larger than 4 KiB answers each direct read."""
+    page_keys = keys(8)
+    with PageStore(disk / "s", 0) as store:
+        store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
+    evict(disk / "s")
+
+    def refusing(fd: int, bufs: list, offset: int) -> int:
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+    monkeypatch.setattr(direct_module, "_read", refusing)
+    reader = direct_reader(disk / "s", pool)
+    try:
+        bufs = [bytearray(SIZE) for _ in page_keys]
+        result = reader.restore(page_keys, bufs)
+        assert (result.pages, result.bad, reader.direct_runs) == (8, (), 0)
+        assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in page_keys]
     finally:
         reader.close()

@@ -56,6 +56,7 @@ IN_FLIGHT = 16
 _SYS_CACHESTAT = 451
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _HUGE = 2 << 20
+_read = os.preadv  # one request (tests replace it to refuse)
 _libc = ctypes.CDLL(None, use_errno=True)
 _have_cachestat = True
 
@@ -96,7 +97,7 @@ def mostly_cached(fd: int, offset: int, length: int) -> bool:
 
 def supported(error: OSError) -> bool:
     """False for the errors of a filesystem that takes no ``O_DIRECT`` (tmpfs before
-    Linux 6.6)."""
+    Linux 6.6), or a device that takes none at a record's alignment."""
     return error.errno not in (errno.EINVAL, errno.EOPNOTSUPP)
 
 
@@ -136,7 +137,7 @@ class DirectReads:
                 slot = free.pop()
                 view = self._buffers[slot][: _length(group)]
                 inflight.append((group, slot, self._pool.submit(
-                    os.preadv, fd, [view], group[0].offset)))
+                    _read, fd, [view], group[0].offset)))
 
         for _ in range(min(IN_FLIGHT, len(groups))):
             issue()

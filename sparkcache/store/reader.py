@@ -373,11 +373,7 @@ class StoreReader:
             except OSError as exc:
                 if supported(exc):
                     raise
-                log.info("the store's filesystem takes no O_DIRECT (%s): restores read "
-                         "through the page cache", exc.strerror)
-                direct.close()
-                self._direct = None
-                return self._read_buffered(run, bad)
+                return self._refused(exc, run, bad)
             self.direct_runs += 1
             done, error = direct.read_run(
                 fd, [Pending(p.key, p.generation, p.size, p.offset, buf) for p, buf in run])
@@ -387,6 +383,11 @@ class StoreReader:
             self._ops.close(fd)
         if error is None:
             return done
+        if isinstance(error, OSError) and not supported(error):
+            # The open took O_DIRECT but the read did not: a device whose logical blocks
+            # are larger than a record's alignment (4 KiB).
+            self.direct_runs -= 1
+            return done + self._refused(error, run[done:], bad)
         page = run[done][0]
         if isinstance(error, ObjectCorrupt):
             if self._still_live(page):
@@ -396,6 +397,18 @@ class StoreReader:
             log.warning("object %s.%s unreadable: %s; a miss", page.key, page.generation,
                         error)
         return done
+
+    def _refused(self, error: OSError,
+                 run: list[tuple[PlannedPage, memoryview | list[memoryview]]],
+                 bad: list[BadObject]) -> int:
+        """``O_DIRECT`` refused: ``run``, and every read of this reader from now on, through
+        the page cache."""
+        log.info("the store's filesystem takes no O_DIRECT here (%s): restores read "
+                 "through the page cache", error.strerror)
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
+        return self._read_buffered(run, bad)
 
     def _read_buffered(self, plan: list[tuple[PlannedPage, memoryview | list[memoryview]]],
                        bad: list[BadObject]) -> int:
