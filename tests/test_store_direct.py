@@ -13,6 +13,7 @@ import os
 import secrets
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,8 @@ from eviction_util import FakeClock
 
 from sparkcache.filesystems import MEMORY_FILESYSTEMS, filesystem_of
 from sparkcache.store import PageStore
-from sparkcache.store import direct as direct_module
-from sparkcache.store import reader as reader_module
 from sparkcache.store.direct import REQUEST_BYTES, DirectReads, mostly_cached
+from sparkcache.store.fileops import FileOps
 from sparkcache.store.objects import HEADER_SIZE
 from sparkcache.store.reader import StoreReader
 from sparkcache.store.store import PUNCH_DELAY_S
@@ -70,8 +70,9 @@ def cached(path: Path) -> bool:
         os.close(fd)
 
 
-def direct_reader(store_dir: Path, pool: ThreadPoolExecutor) -> StoreReader:
-    return StoreReader(store_dir, 0, direct=DirectReads(pool))
+def direct_reader(store_dir: Path, pool: ThreadPoolExecutor,
+                  fileops: FileOps | None = None) -> closing[StoreReader]:
+    return closing(StoreReader(store_dir, 0, fileops=fileops, direct=DirectReads(pool)))
 
 
 def test_a_cold_pack_is_read_past_the_page_cache_byte_exact(
@@ -81,8 +82,7 @@ def test_a_cold_pack_is_read_past_the_page_cache_byte_exact(
         store.commit(make_root(secrets.token_hex(16), first, SIZE))
         store.commit(make_root(secrets.token_hex(16), first + second, SIZE))  # its own pack
     evict(disk / "s")
-    reader = direct_reader(disk / "s", pool)
-    try:
+    with direct_reader(disk / "s", pool) as reader:
         bufs = [bytearray(SIZE) for _ in first + second]
         result = reader.restore(first + second, bufs)
         assert (result.pages, result.bad) == (64, ())
@@ -96,8 +96,6 @@ def test_a_cold_pack_is_read_past_the_page_cache_byte_exact(
                   for b in out]
         assert reader.read_planned(reader.plan(first), pieces).pages == 40
         assert [bytes(b) for b in out] == [page_bytes(k, SIZE) for k in first]
-    finally:
-        reader.close()
 
 
 def test_a_cached_run_is_read_through_the_page_cache(
@@ -105,14 +103,11 @@ def test_a_cached_run_is_read_through_the_page_cache(
     page_keys = keys(16)
     with PageStore(disk / "s", 0) as store:
         store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
-    reader = direct_reader(disk / "s", pool)  # just committed: in the page cache
-    try:
+    with direct_reader(disk / "s", pool) as reader:  # just committed: in the page cache
         bufs = [bytearray(SIZE) for _ in page_keys]
         assert reader.restore(page_keys, bufs).pages == 16
         assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in page_keys]
         assert (reader.direct_runs, reader.cached_runs) == (0, 1)
-    finally:
-        reader.close()
 
 
 def test_a_damaged_record_stops_the_run_and_nothing_of_it_is_copied(
@@ -125,8 +120,7 @@ def test_a_damaged_record_stops_the_run_and_nothing_of_it_is_copied(
     data[offset + HEADER_SIZE + 11] ^= 0x10
     pack.write_bytes(data)
     evict(disk / "s")
-    reader = direct_reader(disk / "s", pool)
-    try:
+    with direct_reader(disk / "s", pool) as reader:
         bufs = [bytearray(b"\xaa" * SIZE) for _ in page_keys]
         result = reader.restore(page_keys, bufs)
         assert result.pages == 3 and reader.direct_runs == 1
@@ -134,8 +128,6 @@ def test_a_damaged_record_stops_the_run_and_nothing_of_it_is_copied(
         assert [bytes(b) for b in bufs[:3]] == [page_bytes(k, SIZE) for k in page_keys[:3]]
         assert bytes(bufs[3]) == bytes(SIZE)  # zeroed, as a buffered read leaves it
         assert all(bytes(b) == b"\xaa" * SIZE for b in bufs[4:])  # never read
-    finally:
-        reader.close()
 
 
 def test_a_record_collected_after_it_was_planned_is_a_miss(
@@ -146,8 +138,7 @@ def test_a_record_collected_after_it_was_planned_is_a_miss(
         old = secrets.token_hex(16)
         store.commit(make_root(old, shared + own, SIZE))
         store.commit(make_root(secrets.token_hex(16), shared + keys(1), SIZE))
-        reader = direct_reader(disk / "s", pool)
-        try:
+        with direct_reader(disk / "s", pool) as reader:
             plan = reader.plan(shared + own)
             store.remove_roots([old])
             assert store.collect(100).objects == 3
@@ -156,8 +147,6 @@ def test_a_record_collected_after_it_was_planned_is_a_miss(
             evict(disk / "s")
             result = reader.read_planned(plan, [bytearray(SIZE) for _ in plan])
             assert (result.pages, result.bad) == (2, ()) and reader.direct_runs == 1
-        finally:
-            reader.close()
 
 
 def test_records_larger_than_a_request_are_read_one_a_request(
@@ -167,61 +156,57 @@ def test_records_larger_than_a_request_are_read_one_a_request(
     with PageStore(disk / "s", 0) as store:
         store.commit(make_root(secrets.token_hex(16), page_keys, size))
     evict(disk / "s")
-    reader = direct_reader(disk / "s", pool)
-    try:
+    with direct_reader(disk / "s", pool) as reader:
         bufs = [bytearray(size) for _ in page_keys]
         assert reader.restore(page_keys, bufs).pages == 3 and reader.direct_runs == 1
         assert [bytes(b) for b in bufs] == [page_bytes(k, size) for k in page_keys]
-    finally:
-        reader.close()
+
+
+class RefusesDirect(FileOps):
+    """A filesystem that takes no O_DIRECT (tmpfs before Linux 6.6): EINVAL at the switch."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def set_direct(self, fd: int) -> None:
+        self.asked += 1
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+
+class RefusesDirectReads(FileOps):
+    """A device that takes no direct read at a record's alignment (logical blocks larger
+    than 4 KiB): the switch succeeds, every direct read answers EINVAL."""
+
+    def readinto(self, fd: int, bufs: list[memoryview], offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return super().readinto(fd, bufs, offset)
 
 
 def test_a_filesystem_without_o_direct_is_read_through_the_page_cache(
-        tmp_path: Path, pool: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
-    """As one that refuses O_DIRECT answers (EINVAL; tmpfs did before Linux 6.6)."""
+        disk: Path, pool: ThreadPoolExecutor) -> None:
     page_keys = keys(8) + keys(5)
-    with PageStore(tmp_path / "s", 0) as store:
+    with PageStore(disk / "s", 0) as store:
         store.commit(make_root(secrets.token_hex(16), page_keys[:8], SIZE))
         store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))  # a second pack
-    asked = []
-    real = fcntl.fcntl
-
-    def refusing(fd: int, cmd: int, arg: int = 0) -> int:
-        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
-            asked.append(fd)
-            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
-        return real(fd, cmd, arg)
-
-    monkeypatch.setattr(reader_module.fcntl, "fcntl", refusing)
-    monkeypatch.setattr(reader_module, "mostly_cached", lambda *_: False)  # taken for cold
-    reader = direct_reader(tmp_path / "s", pool)
-    try:
-        for _ in range(2):  # the first run finds out, the second does not ask again
+    ops = RefusesDirect()
+    with direct_reader(disk / "s", pool, ops) as reader:
+        for _ in range(2):  # the first run finds out, no later one asks again
+            evict(disk / "s")
             bufs = [bytearray(SIZE) for _ in page_keys]
             assert reader.restore(page_keys, bufs).pages == 13
             assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in page_keys]
-        assert reader.direct_runs == 0 and len(asked) == 1
-    finally:
-        reader.close()
+        assert reader.direct_runs == 0 and ops.asked == 1
 
 
 def test_a_device_that_refuses_the_reads_is_read_through_the_page_cache(
-        disk: Path, pool: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
-    """As one whose logical blocks are larger than 4 KiB answers each direct read."""
+        disk: Path, pool: ThreadPoolExecutor) -> None:
     page_keys = keys(8)
     with PageStore(disk / "s", 0) as store:
         store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
     evict(disk / "s")
-
-    def refusing(fd: int, bufs: list, offset: int) -> int:
-        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
-
-    monkeypatch.setattr(direct_module, "_read", refusing)
-    reader = direct_reader(disk / "s", pool)
-    try:
+    with direct_reader(disk / "s", pool, RefusesDirectReads()) as reader:
         bufs = [bytearray(SIZE) for _ in page_keys]
         result = reader.restore(page_keys, bufs)
         assert (result.pages, result.bad, reader.direct_runs) == (8, (), 0)
         assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in page_keys]
-    finally:
-        reader.close()

@@ -6,10 +6,10 @@ Why: a buffered restore allocates page cache for every byte it reads and the ker
 copies each byte out of it. On the 2-core guest these figures come from, that capped a
 restore at 2.5-2.7 GiB/s, and where the host had taken the guest's free memory back, the
 page cache's first use of it was slow (docs/vllm.md, "The slow rounds are the host
-re-backing memory"). Read direct, the disk writes straight into these buffers: a
-4,096-page restore ran at 3.3-3.5 GiB/s in every round, as fast as the best rounds of one
-file read front to back (docs/store.md, "Reading a pack past the page cache"). It also
-leaves the page cache to the serving host.
+re-backing memory"). Read direct, the disk writes straight into these buffers: the
+worker's path read 4,096 pages at 3.0-3.1 GiB/s with no slow round, 0.85-0.91 of one
+file read front to back in its good rounds (docs/store.md, "Reading a pack past the page
+cache"). It also leaves the page cache to the serving host.
 
 A pack's records start on 4 KiB boundaries and are padded to the next one
 (``objects.RECORD_ALIGN``), so a run of whole records is a block-aligned extent, which
@@ -40,23 +40,24 @@ from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
+from sparkcache.store.fileops import FileOps
 from sparkcache.store.objects import (
     HEADER_SIZE,
     ObjectCorrupt,
     check_header,
     record_span,
+    zero,
 )
 
 # 2 MiB requests, 16 in flight: 3.5-3.6 GiB/s from this guest's disk where 4 in flight
 # read 3.4 and 128 KiB requests 1.9-2.7 (a throwaway probe of 1 GiB, three rounds each;
-# docs/store.md). 32 MiB of buffers per reader.
+# docs/store.md). 34 MiB of buffers per reader (one huge page more, to align them).
 REQUEST_BYTES = 2 << 20
 IN_FLIGHT = 16
 # cachestat(2) (Linux 6.5): the same number on every architecture.
 _SYS_CACHESTAT = 451
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _HUGE = 2 << 20
-_read = os.preadv  # one request (tests replace it to refuse)
 _libc = ctypes.CDLL(None, use_errno=True)
 _have_cachestat = True
 
@@ -120,11 +121,12 @@ class DirectReads:
             self._mapping.close()
             self._mapping = None
 
-    def read_run(self, fd: int, run: Sequence[Pending]) -> tuple[int, Exception | None]:
+    def read_run(self, ops: FileOps, fd: int,
+                 run: Sequence[Pending]) -> tuple[int, Exception | None]:
         """Read ``run`` (records laid end to end in the pack open as ``fd`` with
-        ``O_DIRECT``) and copy each verified payload into its ``into``. Returns how many
-        leading records were copied, and the ``ObjectCorrupt`` or ``OSError`` that
-        stopped it (None if none did)."""
+        ``O_DIRECT``) through ``ops`` and copy each verified payload into its ``into``.
+        Returns how many leading records were copied, and the ``ObjectCorrupt`` or
+        ``OSError`` that stopped it (None if none did)."""
         groups = _requests(run)
         self._ensure(max(_length(g) for g in groups))
         free = list(range(len(self._buffers)))
@@ -137,7 +139,7 @@ class DirectReads:
                 slot = free.pop()
                 view = self._buffers[slot][: _length(group)]
                 inflight.append((group, slot, self._pool.submit(
-                    _read, fd, [view], group[0].offset)))
+                    ops.readinto, fd, [view], group[0].offset)))
 
         for _ in range(min(IN_FLIGHT, len(groups))):
             issue()
@@ -213,8 +215,7 @@ def _verify_and_copy(buf: memoryview, at: int, got: int, rec: Pending) -> None:
         check_header(bytearray(buf[at : at + HEADER_SIZE]), rec.key, rec.generation,
                      rec.size, [payload])
     except ObjectCorrupt:
-        for piece in pieces:
-            piece[:] = bytes(piece.nbytes)
+        zero(pieces)
         raise
     start = 0
     for piece in pieces:

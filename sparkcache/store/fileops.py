@@ -8,6 +8,7 @@ and eviction protocols so a crash test can SIGKILL a child exactly at that step.
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Callable
 
@@ -72,6 +73,11 @@ class FileOps:
     def readinto(self, fd: int, bufs: list[memoryview], offset: int) -> int:
         """Read into ``bufs`` in turn from ``offset`` (one ``preadv``); bytes read."""
         return os.preadv(fd, bufs, offset)
+
+    def set_direct(self, fd: int) -> None:
+        """Read ``fd`` past the page cache from now on (``O_DIRECT``); OSError (EINVAL)
+        where its filesystem takes none."""
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
 
     def punch_hole(self, fd: int, offset: int, length: int) -> bool:
         """Free the blocks of a byte range (``durability.punch_hole``); False if the

@@ -219,9 +219,14 @@ def read_verified(
             raise ObjectCorrupt("short read")
         check_header(header, key, generation, length, body)
     except BaseException:
-        for piece in body:
-            piece[:] = bytes(piece.nbytes)
+        zero(body)
         raise
+
+
+def zero(pieces: list[memoryview]) -> None:
+    """Leave no byte of a page that failed in the caller's buffers."""
+    for piece in pieces:
+        piece[:] = bytes(piece.nbytes)
 
 
 def check_header(

@@ -12,7 +12,6 @@ the maintenance worker.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import sqlite3
@@ -369,34 +368,39 @@ class StoreReader:
                 self.cached_runs += 1
                 return self._read_buffered(run, bad)
             try:
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+                self._ops.set_direct(fd)
             except OSError as exc:
                 if supported(exc):
                     raise
                 return self._refused(exc, run, bad)
-            self.direct_runs += 1
             done, error = direct.read_run(
-                fd, [Pending(p.key, p.generation, p.size, p.offset, buf) for p, buf in run])
-        except OSError as exc:
-            done, error = 0, exc
+                self._ops, fd,
+                [Pending(p.key, p.generation, p.size, p.offset, buf) for p, buf in run])
+        except OSError as exc:  # its stat or its O_DIRECT switch
+            self._failed(first, exc, bad)
+            return 0
         finally:
             self._ops.close(fd)
-        if error is None:
-            return done
         if isinstance(error, OSError) and not supported(error):
             # The open took O_DIRECT but the read did not: a device whose logical blocks
             # are larger than a record's alignment (4 KiB).
-            self.direct_runs -= 1
             return done + self._refused(error, run[done:], bad)
-        page = run[done][0]
+        self.direct_runs += 1
+        if error is not None:
+            self._failed(run[done][0], error, bad)
+        return done
+
+    def _failed(self, page: PlannedPage, error: Exception, bad: list[BadObject]) -> None:
+        """What a read of ``page`` that failed with ``error`` is: damage (reported in
+        ``bad``), or a miss (logged where unreadable)."""
         if isinstance(error, ObjectCorrupt):
-            if self._still_live(page):
+            # A pack's record collected since it was planned reads as zeros (its blocks
+            # punched): a miss, not damage.
+            if page.file_key is None or self._still_live(page):
                 bad.append(BadObject(page.key, page.generation, str(error)))
-            # else collected since it was planned (its blocks punched): a miss
         else:
             log.warning("object %s.%s unreadable: %s; a miss", page.key, page.generation,
                         error)
-        return done
 
     def _refused(self, error: OSError,
                  run: list[tuple[PlannedPage, memoryview | list[memoryview]]],
@@ -447,14 +451,8 @@ class StoreReader:
                 try:
                     read_verified(self._ops, fd, page.key, page.generation, page.size, buf,
                                   page.offset if in_pack else None)
-                except ObjectCorrupt as exc:
-                    if not in_pack or self._still_live(page):
-                        bad.append(BadObject(page.key, page.generation, str(exc)))
-                    # else collected since it was planned (its blocks punched): a miss
-                    break
-                except OSError as exc:
-                    log.warning("object %s.%s unreadable: %s; a miss", page.key,
-                                page.generation, exc)
+                except (ObjectCorrupt, OSError) as exc:
+                    self._failed(page, exc, bad)
                     break
                 finally:
                     if not in_pack:
