@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Capture and restore through CUDA IPC, on KV tensors in vLLM's layouts, through a real
 supervisor: publish sequences, wait until each root is durable, zero the tensors, restore
-every sequence and compare every page byte for byte; then zero them again and load every
-sequence through the restore worker (``load``/``poll_loads``), compared the same way.
-Prints one JSON object.
+every sequence and compare every page byte for byte; then zero them again, drop the store
+from the page cache and load every sequence through the restore worker
+(``load``/``poll_loads``), compared the same way: on a disk, the worker reads past the
+page cache (``load_read_bytes``, by read path). Prints one JSON object.
 
     .venv/bin/python scripts/check_cuda.py [--device cuda] [--sequences 40]
 
@@ -34,12 +35,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from shm.layouts import READ_PATHS
 from sparkcache import config, segments
 from sparkcache.client import SparkCacheClient
+from sparkcache.filesystems import filesystem_of
 from sparkcache.identity import sequence_keys
 from sparkcache.kvmem import SharedKVCaches
 from sparkcache.runtime import RUNTIME_FILE
-from sparkcache.store.testing import page_bytes
+from sparkcache.store.testing import evict_from_page_cache, page_bytes
 from sparkcache.synthetic import sequences
 from workers.lifecycle import Role
 
@@ -99,7 +102,8 @@ def _run(layout: str, device: str, n: int, work: Path) -> dict:
             blocks[s] = list(range(nxt, nxt + len(ks)))
             nxt += len(ks)
             for k, b in zip(ks, blocks[s], strict=True):
-                views.scatter(b, np.frombuffer(page_bytes(k, views.page_bytes), np.uint8))
+                page = bytearray(page_bytes(k, views.page_bytes))  # writable: torch's view
+                views.scatter(b, np.frombuffer(page, np.uint8))
         if device != "cpu":
             torch.cuda.synchronize()
         durable: set[str] = set()
@@ -146,9 +150,12 @@ def _run(layout: str, device: str, n: int, work: Path) -> dict:
             for k, b in zip(ks, blocks[s], strict=True):
                 views.gather(b, out)
                 exact += out.tobytes() == page_bytes(k, views.page_bytes)
-        # The same through the restore worker: every load in flight at once.
+        # The same through the restore worker: every load in flight at once, from a cold
+        # store (on a disk: read past the page cache into the worker's buffers, verified
+        # there, copied to staging and from staging to the blocks).
         for t in tensors:
             t.zero_()
+        evict_from_page_cache(store)
         if device != "cpu":
             torch.cuda.synchronize()
         loaded: dict[str, object] = {}
@@ -179,6 +186,13 @@ def _run(layout: str, device: str, n: int, work: Path) -> dict:
                 loaded_exact += out.tobytes() == page_bytes(k, views.page_bytes)
         with segments.attach_stats(cfg, 0) as stats:
             cap = stats.read(int(Role.CAPTURE))
+            # Written at the worker's next report after the last load.
+            until = time.monotonic() + 10
+            while True:
+                rst = stats.read(int(Role.RESTORE))
+                if rst.copy_bytes >= (pages + 1) * views.page_bytes or time.monotonic() > until:
+                    break
+                time.sleep(0.05)
         return {
             "layout": layout, "contiguous": all(t.is_contiguous() for t in tensors),
             "page_bytes": views.page_bytes, "sequences": len(seqs), "pages": pages,
@@ -192,6 +206,9 @@ def _run(layout: str, device: str, n: int, work: Path) -> dict:
             "loads_ok": sum(getattr(r, "status", "") == "ok" for r in loaded.values()),
             "pages_loaded_byte_exact": loaded_exact,
             "load_gib_s": round(pages * views.page_bytes / t_load / GIB, 3),
+            "load_read_bytes": {path: int(getattr(rst, f"read_bytes_{path}"))
+                                for path in READ_PATHS},
+            "store_filesystem": filesystem_of(store),
             "skipped": dict(client.counters.skipped), "misses": dict(client.counters.misses),
         }
     finally:

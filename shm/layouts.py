@@ -135,6 +135,16 @@ DROP_REASONS = (
     "stale",  # a load addressed to another restore worker (a predecessor, now dead)
 )
 
+# How the restore worker read the pages it restored; one stats counter of bytes each
+# (``read_bytes_<path>``). Append-only, like every stats field:
+READ_PATHS = (
+    "direct",  # past the page cache (sparkcache.store.direct): the cold case
+    "cached",  # through the page cache, for being mostly in it already
+    # through the page cache, for a direct read being impossible there: a filesystem or
+    # device refusing O_DIRECT, or an object file of its own (not a pack)
+    "buffered",
+)
+
 # Upper bounds (seconds) of the buckets of each worker's item durations (capture: one
 # publication; commit: one root; restore: one load; maintenance: one slice), defined once
 # for the workers that count and the metrics that expose them. A worker counts each
@@ -152,10 +162,10 @@ OUTCOMES = 8
 # One slot per worker of a rank (see workers.lifecycle.Role), written by that worker.
 WORKER_STATS = RecordLayout(
     "worker_stats",
-    # 7 had no index_sync; 6 no pooled_bytes; 5 no entries, outcomes or durations; 4 no
-    # lock wait and no maintenance backlog; 3 no roots_superseded; 2 no pid_start and no
-    # drop_stale; 8 had pid_start in wall-clock time (psutil create_time)
-    9,
+    # 9 had no read_bytes; 7 no index_sync; 6 no pooled_bytes; 5 no entries, outcomes or
+    # durations; 4 no lock wait and no maintenance backlog; 3 no roots_superseded; 2 no
+    # pid_start and no drop_stale; 8 had pid_start in wall-clock time (psutil create_time)
+    10,
     np.dtype(
         [
             ("pid", "<u4"),
@@ -214,6 +224,8 @@ WORKER_STATS = RecordLayout(
             # maintenance: bytes of collected files kept for commits to overwrite
             # (sparkcache/store/pool.py), on disk but not in used_bytes; read once a second
             ("pooled_bytes", "<u8"),
+            # restore: bytes of the pages it restored, by how they were read
+            *[(f"read_bytes_{path}", "<u8") for path in READ_PATHS],
         ]
     ),
 )

@@ -33,6 +33,7 @@ from shm import Ring
 from shm.layouts import FREED
 from sparkcache import segments
 from sparkcache.client import SparkCacheClient
+from sparkcache.filesystems import MEMORY_FILESYSTEMS
 from sparkcache.identity import KeyExtras
 from sparkcache.kvmem import SharedKVCaches
 from sparkcache.synthetic import MODEL_ID
@@ -399,3 +400,12 @@ def test_vllm_033_views_publish_and_restore_byte_exact() -> None:
     for r in layouts.values():
         assert r["pages_byte_exact"] == r["pages"] == r["pages_restored"] > 0, r
         assert r["durable"] == r["sequences"], r
+        assert r["pages_loaded_byte_exact"] == r["pages"], r
+        assert r["loads_ok"] == r["sequences"], r
+        # Every page loaded (and the warm-up's one) was read from a cold store: where it
+        # is on a disk, a pack's pages past the page cache (the path a GPU's staging is
+        # fed by), a one-page delta's object file through it.
+        read = r["load_read_bytes"]
+        assert sum(read.values()) == (r["pages"] + 1) * r["page_bytes"], r
+        if r["store_filesystem"] not in MEMORY_FILESYSTEMS:
+            assert read["cached"] == 0 and read["direct"] > read["buffered"], r

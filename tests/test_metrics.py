@@ -25,9 +25,11 @@ import pytest
 from pipeline_util import SETTINGS, free_port, pipeline, runtime, wait_committed, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from shm.layouts import DURATION_BUCKETS_S
+from shm.layouts import DURATION_BUCKETS_S, READ_PATHS
 from sparkcache import __version__, config
+from sparkcache.filesystems import MEMORY_FILESYSTEMS, filesystem_of
 from sparkcache.metrics.carry import COUNTER_FIELDS, Carry
+from sparkcache.store.testing import evict_from_page_cache
 from sparkcache.synthetic import sequences
 
 pytestmark = pytest.mark.slow
@@ -49,8 +51,8 @@ FAMILIES = {
     "cut_roots", "reclaimed_bytes", "collected_objects", "collected_bytes",
     "hard_cap_refused_seconds", "maintenance_episode_seconds", "hard_cap_refusing",
     "commit_lock_wait_seconds", "commit_lock_wait_max_seconds", "publications", "restores",
-    "checksum_failures", "capture_duration_seconds", "commit_duration_seconds",
-    "restore_duration_seconds", "maintenance_slice_duration_seconds",
+    "checksum_failures", "restore_read_bytes", "capture_duration_seconds",
+    "commit_duration_seconds", "restore_duration_seconds", "maintenance_slice_duration_seconds",
     # the engine's counters (tests/test_engine_metrics.py checks their values)
     "engine_report_age_seconds", "engine_lookups", "engine_lookup_tokens",
     "engine_lookup_hit_tokens", "engine_lookup_misses", "engine_publications",
@@ -110,6 +112,7 @@ def test_metrics_and_health_of_a_running_instance(tmp_path: Path, instance: str)
             assert engine.publish(sid, tokens), engine.client.counters
         engine.drain()
         assert wait_committed(engine, settle=5) == {}
+        evict_from_page_cache(store)  # the loads read past the page cache (on a disk)
         loads = []
         for i, tokens in enumerate(list(seqs.values())[:3]):
             blocks = [engine.free.pop() for _ in engine.keys(tokens)]
@@ -148,6 +151,11 @@ def test_metrics_and_health_of_a_running_instance(tmp_path: Path, instance: str)
         assert value(s, "publication_oldest_pending_seconds", rank="0") == 0
         assert value(s, "worker_copied_bytes_total", rank="0", role="capture") > 0
         assert value(s, "worker_copied_bytes_total", rank="0", role="restore") > 0
+        read = {p: value(s, "restore_read_bytes_total", rank="0", path=p) for p in READ_PATHS}
+        assert sum(read.values()) == value(s, "worker_copied_bytes_total", rank="0",
+                                           role="restore"), read
+        if filesystem_of(store) not in MEMORY_FILESYSTEMS:
+            assert read["direct"] > 0, read
         for name, count in (("capture_duration_seconds", len(seqs)),
                             ("commit_duration_seconds", len(seqs)),
                             ("restore_duration_seconds", len(loads))):

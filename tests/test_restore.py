@@ -33,7 +33,7 @@ from sparkcache.store import PageStore
 from sparkcache.store.direct import mostly_cached
 from sparkcache.store.objects import HEADER_SIZE
 from sparkcache.store.reader import StoreReader
-from sparkcache.store.testing import make_root, object_file, page_bytes
+from sparkcache.store.testing import evict_from_page_cache, make_root, object_file, page_bytes
 from workers.lifecycle import KILL_AT_ENV, KILL_FILE_ENV, Role
 
 pytestmark = pytest.mark.slow
@@ -210,11 +210,7 @@ def test_a_corrupt_page_is_reported_zeroed_and_quarantined(
         raw[offset + HEADER_SIZE + 9] ^= 0xFF  # a page byte: the header parses, the checksum fails
         path.write_bytes(bytes(raw))
         if cold:
-            os.sync()
-            for pack in (store / "rank-0" / "objects").rglob("*.*"):
-                fd = os.open(pack, os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
+            evict_from_page_cache(store)
         blocks = engine.free[: len(keys)]
         _fill(engine, blocks)
         assert engine.client.load("victim", tokens, blocks)

@@ -26,7 +26,7 @@ from sparkcache.store.fileops import FileOps
 from sparkcache.store.objects import HEADER_SIZE
 from sparkcache.store.reader import StoreReader
 from sparkcache.store.store import PUNCH_DELAY_S
-from sparkcache.store.testing import make_root, object_file, page_bytes
+from sparkcache.store.testing import evict_from_page_cache, make_root, object_file, page_bytes
 
 SIZE = 3 * 4096 + 100  # records padded to the next block
 
@@ -52,16 +52,6 @@ def packs(store_dir: Path) -> list[Path]:
     return sorted(p for p in (store_dir / "rank-0" / "objects").rglob("*.*") if p.is_file())
 
 
-def evict(store_dir: Path) -> None:
-    os.sync()
-    for path in packs(store_dir):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def cached(path: Path) -> bool:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -81,13 +71,15 @@ def test_a_cold_pack_is_read_past_the_page_cache_byte_exact(
     with PageStore(disk / "s", 0) as store:
         store.commit(make_root(secrets.token_hex(16), first, SIZE))
         store.commit(make_root(secrets.token_hex(16), first + second, SIZE))  # its own pack
-    evict(disk / "s")
+    evict_from_page_cache(disk / "s")
     with direct_reader(disk / "s", pool) as reader:
         bufs = [bytearray(SIZE) for _ in first + second]
         result = reader.restore(first + second, bufs)
         assert (result.pages, result.bad) == (64, ())
         assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in first + second]
-        assert (reader.direct_runs, reader.cached_runs) == (2, 0)
+        # Both packs read past the page cache.
+        assert (result.direct_bytes, result.cached_bytes, result.buffered_bytes) == (
+            64 * SIZE, 0, 0)
         # Nothing was read into the page cache on the way.
         assert not any(cached(p) for p in packs(disk / "s"))
         # Into pieces, as a page goes into its KV blocks' runs.
@@ -105,9 +97,11 @@ def test_a_cached_run_is_read_through_the_page_cache(
         store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
     with direct_reader(disk / "s", pool) as reader:  # just committed: in the page cache
         bufs = [bytearray(SIZE) for _ in page_keys]
-        assert reader.restore(page_keys, bufs).pages == 16
+        result = reader.restore(page_keys, bufs)
+        assert result.pages == 16
         assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in page_keys]
-        assert (reader.direct_runs, reader.cached_runs) == (0, 1)
+        assert (result.direct_bytes, result.cached_bytes, result.buffered_bytes) == (
+            0, 16 * SIZE, 0)
 
 
 def test_a_damaged_record_stops_the_run_and_nothing_of_it_is_copied(
@@ -119,11 +113,11 @@ def test_a_damaged_record_stops_the_run_and_nothing_of_it_is_copied(
     data = bytearray(pack.read_bytes())
     data[offset + HEADER_SIZE + 11] ^= 0x10
     pack.write_bytes(data)
-    evict(disk / "s")
+    evict_from_page_cache(disk / "s")
     with direct_reader(disk / "s", pool) as reader:
         bufs = [bytearray(b"\xaa" * SIZE) for _ in page_keys]
         result = reader.restore(page_keys, bufs)
-        assert result.pages == 3 and reader.direct_runs == 1
+        assert result.pages == 3 and result.direct_bytes == 3 * SIZE
         assert [(b.key, b.reason) for b in result.bad] == [(page_keys[3], "checksum mismatch")]
         assert [bytes(b) for b in bufs[:3]] == [page_bytes(k, SIZE) for k in page_keys[:3]]
         assert bytes(bufs[3]) == bytes(SIZE)  # zeroed, as a buffered read leaves it
@@ -144,9 +138,9 @@ def test_a_record_collected_after_it_was_planned_is_a_miss(
             assert store.collect(100).objects == 3
             clock.now += PUNCH_DELAY_S
             store.collect(100)  # own's records punched: they read as zeros
-            evict(disk / "s")
+            evict_from_page_cache(disk / "s")
             result = reader.read_planned(plan, [bytearray(SIZE) for _ in plan])
-            assert (result.pages, result.bad) == (2, ()) and reader.direct_runs == 1
+            assert (result.pages, result.bad, result.direct_bytes) == (2, (), 2 * SIZE)
 
 
 def test_records_larger_than_a_request_are_read_one_a_request(
@@ -155,10 +149,11 @@ def test_records_larger_than_a_request_are_read_one_a_request(
     page_keys = keys(3)
     with PageStore(disk / "s", 0) as store:
         store.commit(make_root(secrets.token_hex(16), page_keys, size))
-    evict(disk / "s")
+    evict_from_page_cache(disk / "s")
     with direct_reader(disk / "s", pool) as reader:
         bufs = [bytearray(size) for _ in page_keys]
-        assert reader.restore(page_keys, bufs).pages == 3 and reader.direct_runs == 1
+        result = reader.restore(page_keys, bufs)
+        assert (result.pages, result.direct_bytes) == (3, 3 * size)
         assert [bytes(b) for b in bufs] == [page_bytes(k, size) for k in page_keys]
 
 
@@ -192,11 +187,13 @@ def test_a_filesystem_without_o_direct_is_read_through_the_page_cache(
     ops = RefusesDirect()
     with direct_reader(disk / "s", pool, ops) as reader:
         for _ in range(2):  # the first run finds out, no later one asks again
-            evict(disk / "s")
+            evict_from_page_cache(disk / "s")
             bufs = [bytearray(SIZE) for _ in page_keys]
-            assert reader.restore(page_keys, bufs).pages == 13
+            result = reader.restore(page_keys, bufs)
+            assert (result.pages, result.direct_bytes, result.buffered_bytes) == (
+                13, 0, 13 * SIZE)
             assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in page_keys]
-        assert reader.direct_runs == 0 and ops.asked == 1
+        assert ops.asked == 1
 
 
 def test_a_device_that_refuses_the_reads_is_read_through_the_page_cache(
@@ -204,9 +201,10 @@ def test_a_device_that_refuses_the_reads_is_read_through_the_page_cache(
     page_keys = keys(8)
     with PageStore(disk / "s", 0) as store:
         store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
-    evict(disk / "s")
+    evict_from_page_cache(disk / "s")
     with direct_reader(disk / "s", pool, RefusesDirectReads()) as reader:
         bufs = [bytearray(SIZE) for _ in page_keys]
         result = reader.restore(page_keys, bufs)
-        assert (result.pages, result.bad, reader.direct_runs) == (8, (), 0)
+        assert (result.pages, result.bad, result.direct_bytes, result.buffered_bytes) == (
+            8, (), 0, 8 * SIZE)
         assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in page_keys]

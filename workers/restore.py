@@ -46,7 +46,7 @@ import numpy as np
 from posix_ipc import SignalError
 
 from shm import RingClosed, RingEmpty, RingFull
-from shm.layouts import join_key, split_key
+from shm.layouts import READ_PATHS, join_key, split_key
 from sparkcache import registry, segments
 from sparkcache.protocol import LoadStatus, process_gone
 from sparkcache.ratelog import RateLimitedLog
@@ -208,6 +208,7 @@ class Restore:
         self._reader: StoreReader | None = None
         self._pool: _ReaderPool | None = None
         self._unsent: deque[tuple] = deque()
+        life.report.update((f"read_bytes_{path}", 0) for path in READ_PATHS)
         self._rare = RateLimitedLog(log)
         self._warm_at = 0.0
         self._warmed: int | None = None  # the registration the last warm-up opened
@@ -520,6 +521,9 @@ class Restore:
                                                 reg.staging[buf][: result.pages], reg.stream)
                     written += result.pages
                     self.life.copy_bytes += result.pages * reg.views.page_bytes
+                    for path in READ_PATHS:
+                        self.life.report[f"read_bytes_{path}"] += getattr(
+                            result, f"{path}_bytes")
                     lifecycle.checkpoint("restore.written")
                 free.append(buf)
                 if result.pages < len(plan[start : start + size]):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from shm.layouts import DROP_REASONS, DURATION_BUCKETS_S, OUTCOMES
+from shm.layouts import DROP_REASONS, DURATION_BUCKETS_S, OUTCOMES, READ_PATHS
 
 # Cumulative fields of shm.layouts.WORKER_STATS (each counts up from 0 in a new process).
 COUNTER_FIELDS: tuple[str, ...] = (
@@ -26,6 +26,7 @@ COUNTER_FIELDS: tuple[str, ...] = (
     *(f"outcome_{n}" for n in range(OUTCOMES)),
     "dur_count", "dur_sum_s",
     *(f"dur_le_{i}" for i in range(len(DURATION_BUCKETS_S))),
+    *(f"read_bytes_{path}" for path in READ_PATHS),
 )
 
 Incarnation = tuple[int, float]  # (pid, start time) of one worker process

@@ -21,7 +21,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from shm.layouts import DROP_REASONS, DURATION_BUCKETS_S
+from shm.layouts import DROP_REASONS, DURATION_BUCKETS_S, READ_PATHS
 from sparkcache import __version__
 from sparkcache.metrics import engine, reading
 from sparkcache.metrics.reading import Reading, Source, WorkerReading
@@ -261,6 +261,12 @@ class SparkCacheCollector(Collector):
             PREFIX + "checksum_failures",
             "Pages that failed verification in a restore (a miss; the object is "
             "quarantined).", labels=["rank"])
+        read = CounterMetricFamily(
+            PREFIX + "restore_read_bytes",
+            "Bytes of the pages the restore worker restored, by how it read them: direct "
+            "(past the page cache), cached (mostly in the page cache already), buffered "
+            "(through the page cache, direct reads being impossible there).",
+            labels=["rank", "path"])
         for w in r.workers:
             label = _rank(w)
             t = w.totals
@@ -278,7 +284,9 @@ class SparkCacheCollector(Collector):
                     restores.add_metric([label, status_name(LoadStatus, status)],
                                         t[f"outcome_{int(status)}"])
                 checksum.add_metric([label], t[f"outcome_{int(LoadStatus.CORRUPT)}"])
-        yield from (pubs, restores, checksum)
+                for path in READ_PATHS:
+                    read.add_metric([label, path], t[f"read_bytes_{path}"])
+        yield from (pubs, restores, checksum, read)
 
     # ------------------------------------------------------------------ histograms
 

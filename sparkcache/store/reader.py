@@ -78,6 +78,12 @@ class PlannedPage:
 class ReadResult:
     pages: int  # leading pages restored and verified
     bad: tuple[BadObject, ...]
+    # The bytes of those pages by how they were read: past the page cache; through it for
+    # being mostly in it; through it for a direct read being impossible (no ``direct``, a
+    # refusal of O_DIRECT, or an object file of its own).
+    direct_bytes: int = 0
+    cached_bytes: int = 0
+    buffered_bytes: int = 0
 
 
 def stored_prefix(conn: sqlite3.Connection, keys: Sequence[str]) -> int:
@@ -194,8 +200,8 @@ class StoreReader:
         self.layout.prepare(create=False)
         self._ops = fileops or FileOps()
         self._direct = direct
-        # Runs of pack records read past the page cache, and through it for being cached.
-        self.direct_runs = self.cached_runs = 0
+        # The current read_planned's bytes read per path (ReadResult's fields).
+        self._read_bytes = {"direct": 0, "cached": 0, "buffered": 0}
         self._objects_fd = os.open(self.layout.objects_dir, DIR_FLAGS)
         try:
             self.gate = LookupGate(self.layout.rank_dir, create=False)
@@ -330,7 +336,10 @@ class StoreReader:
                 )
             plan.append((page, buf))
         bad: list[BadObject] = []
-        return ReadResult(self._read_plan(plan, bad), tuple(bad))
+        self._read_bytes = dict.fromkeys(self._read_bytes, 0)
+        pages = self._read_plan(plan, bad)
+        by = self._read_bytes
+        return ReadResult(pages, tuple(bad), by["direct"], by["cached"], by["buffered"])
 
     def _read_plan(self, plan: list[tuple[PlannedPage, memoryview | list[memoryview]]],
                    bad: list[BadObject]) -> int:
@@ -365,8 +374,7 @@ class StoreReader:
             last = run[-1][0]
             if mostly_cached(fd, first.offset, last.offset + record_span(last.size)
                              - first.offset):
-                self.cached_runs += 1
-                return self._read_buffered(run, bad)
+                return self._read_buffered(run, bad, "cached")
             try:
                 self._ops.set_direct(fd)
             except OSError as exc:
@@ -381,11 +389,11 @@ class StoreReader:
             return 0
         finally:
             self._ops.close(fd)
+        self._read_bytes["direct"] += sum(page.size for page, _ in run[:done])
         if isinstance(error, OSError) and not supported(error):
             # The open took O_DIRECT but the read did not: a device whose logical blocks
             # are larger than a record's alignment (4 KiB).
             return done + self._refused(error, run[done:], bad)
-        self.direct_runs += 1
         if error is not None:
             self._failed(run[done][0], error, bad)
         return done
@@ -415,9 +423,9 @@ class StoreReader:
         return self._read_buffered(run, bad)
 
     def _read_buffered(self, plan: list[tuple[PlannedPage, memoryview | list[memoryview]]],
-                       bad: list[BadObject]) -> int:
+                       bad: list[BadObject], path: str = "buffered") -> int:
         """Read and verify ``plan`` in order through the page cache; the number of pages
-        restored.
+        restored, whose bytes are counted as read by ``path``.
 
         An object file of its own is opened ahead, up to ``PREFETCH_BYTES`` past the
         current page, and the kernel asked to read it while the current one is verified.
@@ -465,6 +473,7 @@ class StoreReader:
                     self._ops.close(fd)
             for fd in shared:
                 self._ops.close(fd)
+        self._read_bytes[path] += sum(page.size for page, _ in plan[:n])
         return n
 
     def _still_live(self, page: PlannedPage) -> bool:
