@@ -242,19 +242,25 @@ def test_a_corrupt_page_is_reported_zeroed_and_quarantined(
         assert any(p.name == kept for p in (store / "rank-0" / "quarantine").iterdir())
 
 
-def test_restore_worker_killed_with_loads_in_flight(tmp_path: Path, instance: str) -> None:
+@pytest.mark.parametrize("cold", [False, True], ids=["cached", "cold"])
+def test_restore_worker_killed_with_loads_in_flight(tmp_path: Path, instance: str,
+                                                    cold: bool) -> None:
     """Killed after writing the first chunk of the first load (the rest of the batch it
-    popped dies with it): every load is reported, and no write reaches a reported load's
-    blocks afterwards. Then a worker SIGSTOPped with loads queued: nothing is reported
-    while it is merely silent; once the supervisor has killed it (heartbeat limit) every
-    load is, and its successor drops those records as stale (they name the dead process)
-    and writes nothing."""
+    popped dies with it; cold, with direct reads in flight): every load is reported, and
+    no write reaches a reported load's blocks afterwards. Then a worker SIGSTOPped with
+    loads queued: nothing is reported while it is merely silent; once the supervisor has
+    killed it (heartbeat limit) every load is, and its successor drops those records as
+    stale (they name the dead process) and writes nothing."""
+    if cold and filesystem_of(tmp_path) in MEMORY_FILESYSTEMS:
+        pytest.skip(f"{tmp_path} is in memory: nothing to evict")
     store = tmp_path / "store"
     kill = tmp_path / "kill"
     env = {KILL_AT_ENV: "restore.written", KILL_FILE_ENV: str(kill)}
     with pipeline(store, instance, {"heartbeat_timeout_s": str(HEARTBEAT_S)},
                   env=env) as engine:
         seqs = _published(engine, 16, seed=41)
+        if cold:
+            evict_from_page_cache(store)
         first = _worker(store, "restore")["pid"]
         plans: dict[str, list[int]] = {}
         free = list(engine.free)
