@@ -257,6 +257,17 @@ def page_layout(tensors: list[torch.Tensor], block_dim: int) -> str:
     return f"pages/v1:{len(tensors)}:" + ";".join(parts)
 
 
+# An integer type of each element size: a tensor seen through it moves the same bytes, by
+# kernels every dtype's tensor has (fp8 KV has no index_select of its own everywhere).
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _blocks_first(t: torch.Tensor, block_dim: int) -> torch.Tensor:
+    """``t`` with its block dimension first, as integers of its element size: a view,
+    whatever its strides."""
+    return t.movedim(block_dim, 0).view(_SAME_SIZE_INT[t.element_size()])
+
+
 class BlockViews:
     """Block ``b`` of every layer tensor, as one page of bytes: for each tensor in turn,
     its ``outer`` runs of ``inner`` bytes (``outer`` = the product of the dimensions
@@ -267,7 +278,9 @@ class BlockViews:
     then one C-level gather over the blocks (``np.take``; ``index_select`` on a CUDA
     device) instead of a copy per block and run, whose per-call cost is a sixth of
     copying 32 KiB. A page's bytes are its runs in order, so one block gathered alone is
-    its page. Tensors that are not contiguous go through torch block by block. Callers
+    its page. A tensor that is not contiguous is one run per block, in logical order: on a
+    CUDA device gathered and placed with one ``index_select`` / ``index_copy_`` over its
+    blocks like the others, in host memory through torch block by block. Callers
     bounds-check blocks."""
 
     def __init__(self, tensors: list[torch.Tensor], block_dim: int) -> None:
@@ -279,8 +292,10 @@ class BlockViews:
         self._grids: list[torch.Tensor | None] = []
         self._host: list[np.ndarray | None] = []
         self.run_bytes: list[int] = []
+        self._block_bytes: list[int] = []  # per tensor, one block's
         for t in tensors:
             per_block = t.select(block_dim, 0).numel() * t.element_size()
+            self._block_bytes.append(per_block)
             if not t.is_contiguous():
                 self._grids.append(None)
                 self._host.append(None)
@@ -292,7 +307,14 @@ class BlockViews:
             self._host.append(None if t.is_cuda else grid.numpy())
             self.run_bytes += [per_block // outer] * outer
         self.page_bytes = sum(self.run_bytes)
-        self._device = all(t.is_cuda for t in tensors) and all(g is not None for g in self._grids)
+        # On a CUDA device every tensor crosses in one transfer per call, whatever its
+        # strides: a copy per block of a view that is not contiguous (vLLM 0.33's over
+        # LBNHC memory, the FLASH_ATTN default on Hopper) was that many small synchronous
+        # transfers per layer.
+        self._device = all(t.is_cuda for t in tensors)
+        odd = [t.dtype for t in tensors if t.element_size() not in _SAME_SIZE_INT]
+        if self._device and odd:
+            raise ValueError(f"KV tensors of {odd[0]}: elements of 1, 2, 4 or 8 bytes only")
         self._staging: torch.Tensor | None = None
 
     def page_layout(self) -> str:
@@ -342,17 +364,21 @@ class BlockViews:
         to pageable memory returns once the bytes have landed, so the caller may hand the
         slot on at once."""
         n, device = len(blocks), self.tensors[0].device
-        largest = max(g.shape[0] * n * g.shape[2] for g in self._grids)
-        if self._staging is None or self._staging.numel() < largest:
-            self._staging = torch.empty(largest, dtype=torch.uint8, device=device)
+        sizes = [n * size for size in self._block_bytes]
+        if self._staging is None or self._staging.numel() < max(sizes):
+            self._staging = torch.empty(max(sizes), dtype=torch.uint8, device=device)
         idx = torch.tensor(blocks, dtype=torch.long).to(device)
         host = torch.from_numpy(out)
         off = 0
-        for grid in self._grids:
-            outer, _, inner = grid.shape
-            size = outer * n * inner
+        for t, grid, size in zip(self.tensors, self._grids, sizes, strict=True):
             staged = self._staging[:size]
-            torch.index_select(grid, 1, idx, out=staged.view(outer, n, inner))
+            if grid is None:  # one run per block: the block in logical order
+                first = _blocks_first(t, self.block_dim)
+                torch.index_select(first, 0, idx,
+                                   out=staged.view(first.dtype).view(n, *first.shape[1:]))
+            else:
+                outer, _, inner = grid.shape
+                torch.index_select(grid, 1, idx, out=staged.view(outer, n, inner))
             host[off : off + size].copy_(staged)
             off += size
 
@@ -373,13 +399,6 @@ class BlockViews:
             return
         if self._device:
             self._scatter_device(blocks, pages[:n], stream)
-            return
-        if any(t.is_cuda for t in self.tensors):  # not contiguous: block by block
-            stream = stream or torch.cuda.current_stream(self.tensors[0].device)
-            with torch.cuda.stream(stream):
-                for block, page in zip(blocks, pages, strict=False):
-                    self.scatter(block, page)
-            stream.synchronize()
             return
         idx = np.asarray(blocks, dtype=np.intp)
         off = 0
@@ -411,11 +430,16 @@ class BlockViews:
             staged.copy_(torch.from_numpy(pages), non_blocking=True)
             idx = torch.tensor(blocks, dtype=torch.long).to(device, non_blocking=True)
             off = 0
-            for grid in self._grids:
-                outer, _, inner = grid.shape
-                src = staged[:, off : off + outer * inner].view(n, outer, inner)
-                grid.index_copy_(1, idx, src.transpose(0, 1))
-                off += outer * inner
+            for t, grid, size in zip(self.tensors, self._grids, self._block_bytes, strict=True):
+                if grid is None:  # one run per block: the block in logical order
+                    first = _blocks_first(t, self.block_dim)
+                    src = staged[:, off : off + size].view(first.dtype)
+                    first.index_copy_(0, idx, src.view(n, *first.shape[1:]))
+                else:
+                    outer, _, inner = grid.shape
+                    src = staged[:, off : off + size].view(n, outer, inner)
+                    grid.index_copy_(1, idx, src.transpose(0, 1))
+                off += size
         if cuda:  # the host rows may be reused, and the caller reports the blocks written
             stream.synchronize()
 

@@ -3,6 +3,7 @@ bad input, every publication is skipped and counted by reason."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -257,9 +258,9 @@ def test_cuda_descriptor_round_trip() -> None:
     assert desc["kind"] == "cuda" and desc["tensors"][0]["device_uuid"]
 
 
-def _page(tensors: list[torch.Tensor], block: int) -> bytes:
-    return b"".join(t[:, block].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-                    for t in tensors)
+def _page(tensors: list[torch.Tensor], block: int, block_dim: int = 1) -> bytes:
+    return b"".join(t.select(block_dim, block).contiguous().view(-1).view(torch.uint8)
+                    .numpy().tobytes() for t in tensors)
 
 
 def test_block_views_fast_and_strided_paths_agree(instance: str) -> None:
@@ -288,7 +289,7 @@ def test_block_views_fast_and_strided_paths_agree(instance: str) -> None:
 
 def _run_major(views, tensors: list[torch.Tensor], blocks: list[int]) -> bytes:
     """What ``gather_runs`` must produce, built from whole pages: run r of every block."""
-    pages = [np.frombuffer(_page(tensors, b), np.uint8) for b in blocks]
+    pages = [np.frombuffer(_page(tensors, b, views.block_dim), np.uint8) for b in blocks]
     out, at = [], 0
     for size in views.run_bytes:
         out += [p[at : at + size].tobytes() for p in pages]
@@ -296,56 +297,71 @@ def _run_major(views, tensors: list[torch.Tensor], blocks: list[int]) -> bytes:
     return b"".join(out)
 
 
-@pytest.mark.parametrize("path", ["host", "strided", "device"])
-def test_gather_runs_is_run_major(instance: str, path: str) -> None:
-    """Every path lays out many blocks the same way; the device path (staging buffer,
-    ``index_select``, one transfer) runs here on CPU tensors."""
+# How the layer tensors of the block-view tests are made, by path: contiguous
+# [K/V, blocks, ...]; the same transposed (not contiguous); vLLM 0.33's view over LBNHC
+# memory ([blocks, heads, block size, K+V] over [blocks, block size, heads, K+V]). Each
+# also through the device path (staging buffer, one transfer and one index_select or
+# index_copy_ per tensor), run here on CPU tensors; and that view of an fp8 KV cache,
+# which has no index_copy_ of its own.
+VIEW_PATHS = ["host", "strided", "lbnhc", "device", "strided-device", "lbnhc-device",
+              "lbnhc-fp8-device"]
+
+
+@contextlib.contextmanager
+def _block_views(instance: str, path: str):
     from sparkcache.kvmem import BlockViews
 
-    kv = SharedKVCaches.create(instance, 0, [(2, 9, 16, 2, 8), (2, 9, 16, 2, 8)], torch.float16)
+    shape = (9, 16, 2, 16) if path.startswith("lbnhc") else (2, 9, 16, 2, 8)
+    dtype = torch.float8_e4m3fn if "fp8" in path else torch.float16
+    kv = SharedKVCaches.create(instance, 0, [shape, shape], dtype)
     try:
-        for t in kv.tensors:
-            t.normal_()
-        tensors = [t.transpose(3, 4) for t in kv.tensors] if path == "strided" else kv.tensors
-        views = BlockViews(tensors, 1)
-        views._device = path == "device"
+        for t in kv.tensors:  # random bytes (fp8 has no normal_)
+            raw = t.view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
+        block_dim = 0 if path.startswith("lbnhc") else 1
+        tensors = ([t.transpose(3, 4) for t in kv.tensors] if path.startswith("strided")
+                   else [t.permute(0, 2, 1, 3) for t in kv.tensors] if block_dim == 0
+                   else kv.tensors)
+        assert all(t.is_contiguous() for t in tensors) == (path in ("host", "device"))
+        views = BlockViews(tensors, block_dim)
+        views._device = path.endswith("device")
+        yield views, tensors
+    finally:
+        kv.close()
+
+
+@pytest.mark.parametrize("path", VIEW_PATHS)
+def test_gather_runs_is_run_major(instance: str, path: str) -> None:
+    """Every path lays out many blocks the same way."""
+    with _block_views(instance, path) as (views, tensors):
         blocks = [7, 0, 3, 3, 8]
         out = np.zeros(views.page_bytes * len(blocks), np.uint8)
         views.gather_runs(blocks, out)
         assert out.tobytes() == _run_major(views, tensors, blocks)
         with pytest.raises(ValueError, match="expected"):
             views.gather_runs(blocks, out[:-1])
-    finally:
-        kv.close()
 
 
-@pytest.mark.parametrize("path", ["host", "strided", "device"])
+@pytest.mark.parametrize("path", VIEW_PATHS)
 def test_scatter_pages_is_the_inverse_of_gather(instance: str, path: str) -> None:
     """Pages as the store holds them (each page's runs in order) land in their blocks the
-    same way on every path; the device path (one upload, ``index_copy_`` per tensor) runs
-    here on CPU tensors."""
-    from sparkcache.kvmem import BlockViews
-
-    kv = SharedKVCaches.create(instance, 0, [(2, 9, 16, 2, 8), (2, 9, 16, 2, 8)], torch.float16)
-    try:
-        for t in kv.tensors:
-            t.normal_()
-        tensors = [t.transpose(3, 4) for t in kv.tensors] if path == "strided" else kv.tensors
-        views = BlockViews(tensors, 1)
-        views._device = path == "device"
+    same way on every path."""
+    with _block_views(instance, path) as (views, tensors):
+        dim = views.block_dim
         sources, targets = [7, 0, 3, 8], [1, 2, 5, 6]
-        pages = np.stack([np.frombuffer(_page(tensors, b), np.uint8) for b in sources])
+        pages = np.stack([np.frombuffer(_page(tensors, b, dim), np.uint8) for b in sources])
         before = [t.clone() for t in tensors]
         views.scatter_pages(targets, pages)
         for t, old in zip(tensors, before, strict=True):
+            # Compared as integers: random bytes make NaNs, and fp8 has no torch.equal.
+            as_int = {1: torch.uint8, 2: torch.int16}[t.element_size()]
+            t, old = t.view(as_int), old.view(as_int)
             for s, d in zip(sources, targets, strict=True):
-                assert torch.equal(t[:, d], t[:, s])
+                assert torch.equal(t.select(dim, d), t.select(dim, s))
             for b in (0, 3, 4, 7, 8):  # nothing else written
-                assert torch.equal(t[:, b], old[:, b])
+                assert torch.equal(t.select(dim, b), old.select(dim, b))
         with pytest.raises(ValueError, match="expected"):
             views.scatter_pages(targets, pages[:, :-1].copy())
-    finally:
-        kv.close()
 
 
 def test_ring_faults_are_skips_and_misses_never_exceptions(tmp_path: Path, instance: str) -> None:
