@@ -258,7 +258,8 @@ def page_layout(tensors: list[torch.Tensor], block_dim: int) -> str:
 
 
 # An integer type of each element size: a tensor seen through it moves the same bytes, by
-# kernels every dtype's tensor has (an fp8 KV cache has no index_copy_ of its own).
+# kernels every dtype's tensor has (a float8 tensor has no index_copy_ of its own; vLLM
+# keeps fp8 caches as uint8, another engine may not).
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
