@@ -231,6 +231,11 @@ def test_the_last_piece_of_a_file_counts_the_blocks_it_holds(tmp_path: Path) -> 
     assert fsck(store_dir, grace_seconds=0).ok
 
 
+def _data_blocks(path: Path) -> int:
+    """The bytes of the blocks holding ``path``'s data (it has no holes)."""
+    return -(-path.stat().st_size // 4096) * 4096
+
+
 def test_a_file_larger_than_two_slices_bytes_is_cut_a_slice_budget_at_a_time(
         tmp_path: Path) -> None:
     """A collected pack whose half is more than a slice may free (a long conversation's,
@@ -243,7 +248,11 @@ def test_a_file_larger_than_two_slices_bytes_is_cut_a_slice_budget_at_a_time(
         root = rid()
         store.commit(make_root(root, [secrets.token_hex(16) for _ in range(20)], SIZE))
         pack = next(p for p in (store_dir / "rank-0" / "objects").rglob("*") if p.is_file())
-        size, held = pack.stat().st_size, pack.stat().st_blocks * 512
+        # Its data blocks. A file written in several extents (free space fragmented) may
+        # also hold an ext4 extent-tree block, which goes with the file's last piece:
+        # filesystem metadata, not the data a budget counts (1 run in 15-80 here).
+        size, held = pack.stat().st_size, _data_blocks(pack)
+        assert pack.stat().st_blocks * 512 >= held  # written, not sparse
         assert held > 4 * budget_bytes  # half of it is more than a slice may free
         store.remove_roots([root])
         costs, slices, cuts = CostModel(), 0, 0
@@ -251,7 +260,7 @@ def test_a_file_larger_than_two_slices_bytes_is_cut_a_slice_budget_at_a_time(
             meter = SliceMeter(SliceBudget(16, budget_bytes, 60.0), costs, time.monotonic)
             store.collect(16, meter)
             slices += 1
-            now = pack.stat().st_blocks * 512 if pack.exists() else 0
+            now = _data_blocks(pack) if pack.exists() else 0
             assert held - now <= budget_bytes // 4096 * 4096
             assert meter.bytes <= budget_bytes
             held = now
