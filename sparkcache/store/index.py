@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import stat
+import time
 import urllib.parse
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -185,7 +186,7 @@ def connect(path: Path, create: bool, readonly: bool = False,
         else:
             conn = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
             conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            mode = _into_wal(conn)
             conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
         if mode != "wal":
             raise StoreError(f"index {path} is not in WAL mode (mode {mode})")
@@ -196,6 +197,29 @@ def connect(path: Path, create: bool, readonly: bool = False,
         conn.close()
         raise StoreError(f"index {path} has schema version {version}, expected {SCHEMA_VERSION}")
     return conn
+
+
+def _into_wal(conn: sqlite3.Connection) -> str:
+    """Put the index in WAL mode, waiting up to BUSY_TIMEOUT_MS for the lock; the mode it
+    is in. WAL is a property of the file: once made, only read here. Converting a fresh
+    file needs its exclusive lock, and while another connection holds the file's write
+    lock SQLite fails the conversion at once, without its busy handler: two writers
+    opening a new index together (a fresh store's commit and maintenance workers) had one
+    fail with "database is locked", and the supervisor's start with it."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+        if mode == "wal":
+            return mode
+        try:
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+                raise
+        else:
+            if mode == "wal" or time.monotonic() > deadline:
+                return mode  # (another mode refused: the caller says so)
+        time.sleep(0.005)
 
 
 def _schema_version(conn: sqlite3.Connection, path: Path, create: bool) -> str | None:
