@@ -425,10 +425,11 @@ def test_two_workers_opening_a_fresh_store_together_both_open_it(
 
 
 def test_a_writer_opening_an_index_another_is_making_waits_for_it(tmp_path: Path) -> None:
-    """Putting a fresh index into WAL mode takes an exclusive lock, and SQLite runs no
-    busy handler for it: the maintenance worker opening the index the commit worker was
-    making on a fresh store died at start-up with "database is locked" (a CI run), and
-    the supervisor's start failed. Now it waits, as for any lock."""
+    """While another connection holds a fresh index's write lock, SQLite fails putting it
+    into WAL mode at once, without its busy handler: the maintenance worker opening the
+    index the commit worker was making on a fresh store died at start-up with "database
+    is locked" (one local run of the suite in four), and the supervisor's start failed.
+    Now it waits, as for any lock."""
     store_dir = tmp_path / "store"
     PageStore(store_dir, 0).close()
     index_path = store_dir / "rank-0" / "index.sqlite"
@@ -439,14 +440,16 @@ def test_a_writer_opening_an_index_another_is_making_waits_for_it(tmp_path: Path
     # its first journal mode); it lets go from a timer's thread.
     other = sqlite3.connect(index_path, isolation_level=None, check_same_thread=False)
     other.execute("BEGIN IMMEDIATE")
-    threading.Timer(0.3, other.execute, ("COMMIT",)).start()
+    lets_go = threading.Timer(0.3, other.execute, ("COMMIT",))
+    lets_go.start()
     began = time.monotonic()
-    conn = index.connect(index_path, create=True)
     try:
+        conn = index.connect(index_path, create=True)
         assert time.monotonic() - began >= 0.25
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    finally:
         conn.close()
+    finally:
+        lets_go.join()
         other.close()
     with PageStore(store_dir, 0) as store:
         assert store.usage().entries == 0
