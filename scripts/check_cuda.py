@@ -77,6 +77,9 @@ def _run(layout: str, device: str, n: int, work: Path) -> dict:
         "store_dir": str(store), "instance": instance, "capture_slots": "4",
         "capture_slot_bytes": "128MiB", "page_tokens": str(TOKENS), "max_bytes": "64GiB",
         "low_watermark_bytes": "32GiB", "metrics_port": "0", "release_timeout_seconds": "30",
+        # No idle read-ahead: it may warm the pages again after the loads' pass has
+        # dropped them from the page cache, and that pass is to read a cold store.
+        "read_ahead_bytes": "0",
     }
     args = [sys.executable, "-m", "sparkcache", "supervise"]
     for k, v in settings.items():

@@ -98,7 +98,9 @@ def _pids(store: Path) -> dict[str, int]:
 
 def test_metrics_and_health_of_a_running_instance(tmp_path: Path, instance: str) -> None:
     store, port = tmp_path / "store", free_port()
-    with pipeline(store, instance, {"metrics_port": str(port)}) as engine:
+    # No idle read-ahead: the loads below are to read a cold store past the page cache.
+    with pipeline(store, instance, {"metrics_port": str(port), "read_ahead_bytes": "0"}
+                  ) as engine:
         rt = runtime(store)
         assert rt["metrics"] == {"host": "127.0.0.1", "port": port}
         listening = [c.laddr for c in psutil.Process(rt["pid"]).net_connections("tcp")

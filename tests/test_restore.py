@@ -197,7 +197,8 @@ def test_a_corrupt_page_is_reported_zeroed_and_quarantined(
     if cold and filesystem_of(tmp_path) in MEMORY_FILESYSTEMS:
         pytest.skip(f"{tmp_path} is in memory: nothing to evict")
     store = tmp_path / "store"
-    with pipeline(store, instance) as engine:
+    # No idle read-ahead: cold, the load is to find the pack out of the page cache.
+    with pipeline(store, instance, {"read_ahead_bytes": "0"}) as engine:
         pt = engine.client.cfg.page_tokens
         tokens = list(range(1000, 1000 + 6 * pt))
         assert engine.publish("victim", tokens)
