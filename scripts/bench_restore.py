@@ -54,7 +54,7 @@ from sparkcache.identity import sequence_keys
 from sparkcache.kvmem import SharedKVCaches
 from sparkcache.runtime import RUNTIME_FILE
 from sparkcache.store import PageData, PageStore, Root
-from sparkcache.store.testing import object_file, page_bytes
+from sparkcache.store.testing import drop_from_page_cache, object_file, page_bytes
 from workers.lifecycle import Role, State
 
 GIB = 1 << 30
@@ -62,18 +62,6 @@ LAYERS, HEADS, HEAD_DIM, PAGE_TOKENS = 8, 8, 128, 16
 SETTINGS = {"ranks": "1", "capture_slots": "1", "capture_slot_bytes": "16MiB",
             "page_tokens": str(PAGE_TOKENS), "max_bytes": "64GiB",
             "low_watermark_bytes": "32GiB"}
-
-
-def drop_cache(paths: list[Path]) -> None:
-    """``paths`` out of the page cache, and nothing left dirty to be written during the
-    timed read: DONTNEED passes over dirty pages, and the store was just filled."""
-    os.sync()
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def sequential_read(paths: list[Path], buf: bytearray) -> float:
@@ -195,7 +183,7 @@ def bench(work: Path, mib: int, rounds: int, cold: bool = True) -> dict[str, flo
             steps = [sequential, partial(worker_load, r), sync_restore]
             for step in steps[r % 3:] + steps[: r % 3]:
                 if cold:
-                    drop_cache(paths)
+                    drop_from_page_cache(paths)
                 step()
         total = npages * page
         seq, load, sync = (statistics.median(x) for x in (seq_s, load_s, sync_s))

@@ -72,20 +72,11 @@ import numpy as np
 
 from sparkcache.store import PageStore, index, recovery
 from sparkcache.store.reader import StoreReader
-from sparkcache.store.testing import make_root
+from sparkcache.store.testing import drop_from_page_cache, make_root
 from workers.restore import CHUNK_BYTES, READERS, STAGED_CHUNKS, _ReaderPool
 
 MIB = 1 << 20
 PAGES_PER_ROOT = 16
-
-
-def drop_cache(paths: list[Path]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def raw_write(directory: Path, payloads: list[bytes]) -> tuple[float, list[Path]]:
@@ -142,7 +133,7 @@ def bench_io(work: Path, pages: int, rounds: int) -> dict[str, float]:
     buffers = [bytearray(MIB) for _ in range(PAGES_PER_ROOT)]
     restored = 0
     for paths, batch in zip(raw_rounds, root_rounds, strict=True):
-        drop_cache([p for r in raw_rounds for p in r] + object_paths)
+        drop_from_page_cache([p for r in raw_rounds for p in r] + object_paths)
         raw_read_s += raw_read(paths, buf)
         start = time.perf_counter()
         for keys in batch:
@@ -202,12 +193,6 @@ def timed_in_turn(
         result = fn()
         done[fn] = (time.perf_counter() - start, result)
     return [done[fn] for fn in fns]
-
-
-def evict(paths: list[Path]) -> None:
-    """Nothing dirty anywhere, ``paths`` out of the page cache: a cold read follows."""
-    os.sync()
-    drop_cache(paths)
 
 
 class WorkerReads:
@@ -288,7 +273,7 @@ def bench_vs_sequential(
                 (restore_s, n), (sync_s, n_sync), (read_s, _) = timed_in_turn(
                     [partial(reads.restore, keys), partial(store.restore, keys, into),
                      partial(sequential_read, path, bufs[0])],
-                    r, before=partial(evict, [path, *objects]),
+                    r, before=partial(drop_from_page_cache, [path, *objects]),
                 )
                 if (n, n_sync) != (pages, pages):
                     raise RuntimeError(f"restored {n} and {n_sync} of {pages} pages")

@@ -293,7 +293,7 @@ class BlockViews:
         self._grids: list[torch.Tensor | None] = []
         self._host: list[np.ndarray | None] = []
         self.run_bytes: list[int] = []
-        self._block_bytes: list[int] = []  # per tensor, one block's
+        self._block_bytes: list[int] = []  # per tensor, one block's bytes (its runs')
         for t in tensors:
             per_block = t.select(block_dim, 0).numel() * t.element_size()
             self._block_bytes.append(per_block)
@@ -340,9 +340,8 @@ class BlockViews:
             return
         idx = np.asarray(blocks, dtype=np.intp)
         off = 0
-        for t, grid in zip(self.tensors, self._host, strict=True):
+        for t, grid, size in zip(self.tensors, self._host, self._block_bytes, strict=True):
             if grid is None:
-                size = t.select(self.block_dim, 0).numel() * t.element_size()
                 for j, block in enumerate(blocks):
                     at = off + j * size
                     dst = torch.from_numpy(out[at : at + size]).view(t.dtype)
@@ -403,9 +402,8 @@ class BlockViews:
             return
         idx = np.asarray(blocks, dtype=np.intp)
         off = 0
-        for t, host in zip(self.tensors, self._host, strict=True):
+        for t, host, size in zip(self.tensors, self._host, self._block_bytes, strict=True):
             if host is None:  # not contiguous: through torch, block by block
-                size = t.select(self.block_dim, 0).numel() * t.element_size()
                 for j, block in enumerate(blocks):
                     dst = t.select(self.block_dim, block)
                     src = torch.from_numpy(pages[j, off : off + size])
@@ -460,14 +458,13 @@ class BlockViews:
         """The inverse of ``gather``: write the page ``data`` into block ``block``."""
         self._check(data, self.page_bytes)
         off = 0
-        for t, grid, host in zip(self.tensors, self._grids, self._host, strict=True):
+        for t, grid, host, size in zip(self.tensors, self._grids, self._host, self._block_bytes,
+                                       strict=True):
             if grid is None:
                 dst = t.select(self.block_dim, block)
-                size = dst.numel() * t.element_size()
                 dst.copy_(torch.from_numpy(data[off : off + size]).view(t.dtype).view(dst.shape))
             else:
                 outer, _, inner = grid.shape
-                size = outer * inner
                 src = data[off : off + size].reshape(outer, inner)
                 if host is None:
                     grid[:, block].copy_(torch.from_numpy(src))  # one transfer per tensor

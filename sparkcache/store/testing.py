@@ -7,6 +7,7 @@ import hashlib
 import os
 import signal
 import sqlite3
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -33,18 +34,24 @@ def object_file(objects_dir: Path, conn: sqlite3.Connection, key: str) -> tuple[
     return objects_dir / fanout(name_key) / object_name(name_key, generation), offset
 
 
-def evict_from_page_cache(store_dir: Path, rank: int = 0) -> None:
-    """Write back every object file of ``rank``'s store, then drop them from the page
-    cache (``DONTNEED`` passes over dirty pages, hence the sync first): the next read of
-    them is a cold one. Does nothing on a filesystem in memory."""
+def drop_from_page_cache(paths: Iterable[Path]) -> None:
+    """Write back everything dirty, then drop ``paths`` from the page cache (``DONTNEED``
+    passes over dirty pages, hence the sync first): the next read of them is a cold one.
+    Does nothing on a filesystem in memory."""
     os.sync()
-    for path in (Path(store_dir) / f"rank-{rank}" / "objects").rglob("*.*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def evict_from_page_cache(store_dir: Path, rank: int = 0) -> None:
+    """Every object file of ``rank``'s store out of the page cache
+    (``drop_from_page_cache``)."""
+    objects = Path(store_dir) / f"rank-{rank}" / "objects"
+    drop_from_page_cache(p for p in objects.rglob("*.*") if p.is_file())
 
 
 def make_root(root_id: str, keys: list[str], size: int) -> Root:
