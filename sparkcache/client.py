@@ -56,6 +56,7 @@ from sparkcache.protocol import (
     LoadStatus,
     RequestKind,
     process_gone,
+    release_seconds,
     status_name,
     worker_alive,
 )
@@ -497,7 +498,11 @@ class SparkCacheClient:
             return "too_large"
         root = hashlib.blake2b(reg.seed + str(seq_id).encode(), digest_size=16).digest()
         pub_id = next(self._pub_ids)
-        deadline = time.monotonic() + self.cfg.release_timeout_seconds
+        # A publication larger than the arena goes to commit a slot at a time; its blocks
+        # are lent for longer, in proportion (capture checks the same bound).
+        deadline = time.monotonic() + release_seconds(
+            self.cfg.release_timeout_seconds, n * reg.views.page_bytes,
+            conn.arena.slots * conn.arena.slot_bytes)
         recs = _PUBLISH_SHARED.batch(n, pub_id, int.from_bytes(root[:8], "little"),
                                      int.from_bytes(root[8:], "little"), deadline,
                                      reg.reg_gen, n)

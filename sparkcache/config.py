@@ -86,12 +86,18 @@ class Config:
         default=AccessMode.READ_WRITE,
         metadata=_help("read-write, restore-only (no capture) or off."),
     )
+    # 4 x 240 MiB: with the rings, under 1 GiB of /dev/shm per rank. A publication larger
+    # than a slot goes in parts, so the slots bound the memory, not what may be stored.
     capture_slots: int = field(
-        default=2, metadata=_help("Capture slots per rank: publications in flight, >= 1.")
+        default=4,
+        metadata=_help("Capture slots per rank: parts of publications in flight, >= 1."),
     )
     capture_slot_bytes: int = field(
-        default=3 * GiB,
-        metadata=_help("Bytes of one capture slot; must hold at least one page."),
+        default=240 * MiB,
+        metadata=_help(
+            "Bytes of one capture slot: a publication larger than one goes a slot at a "
+            "time; must hold at least one page."
+        ),
     )
     lease_seconds: float = field(
         default=300.0,

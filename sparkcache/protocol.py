@@ -61,6 +61,18 @@ class RequestKind(IntEnum):
     QUARANTINE = 3
 
 
+def release_seconds(timeout_s: float, publication_bytes: int, arena_bytes: int) -> float:
+    """How long the engine lends a publication's blocks to capture: ``timeout_s``
+    (``release_timeout_seconds``) for each arena's worth of its pages. Capture copies a
+    publication larger than its slots a slot at a time, each after commit has written one
+    before it (docs/pipeline.md, "Publications in parts"), so a fixed timeout would expire
+    every publication past a few slots long; this one assumes commit writes an arena's
+    bytes within ``timeout_s``. Client and capture compute the same bound: the client
+    sets the deadline, capture refuses one later than this."""
+    arenas = -(-max(publication_bytes, 1) // max(arena_bytes, 1))
+    return timeout_s * arenas
+
+
 def status_name(enum: type[IntEnum], value: int) -> str:
     """``captured``, ``commit_failed``...; an unknown number is named as such, never raised."""
     try:

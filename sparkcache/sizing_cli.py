@@ -112,7 +112,7 @@ def inputs_from(flags: dict[str, Figure], settings: dict[str, float], where: str
                         "(bytes a second, such as 50MiB) or run it beside a supervisor")
     largest_default = Figure(settings["capture_slot_bytes"],
                              f"config{where} SPARKCACHE_CAPTURE_SLOT_BYTES: the most one "
-                             "publication can add")
+                             "commit adds at once (a publication goes in parts of a slot)")
     inputs = SizingInputs(
         net_growth_bytes_per_s=growth,
         reclaim_bytes_per_s=pick("reclaim_bytes_per_s", reclaim_capacity(settings, where)),

@@ -8,6 +8,12 @@ delta) into a free slot, re-check the deadline (a copy that ended late may have 
 engine reusing the blocks: dropped), hand the slot to commit and tell the engine its
 blocks are free. Statuses (``protocol.CaptureStatus``) travel on the completion ring.
 
+A delta larger than a slot goes in parts, a slot each, in page order (``slotfmt.plan_parts``):
+capture fills the next slot while commit writes the one before, and commit stages every
+part but the last, which publishes the root. Pages an earlier attempt staged are held, not
+copied again, so a publication cut short by a kill or its deadline is finished by the
+next one.
+
 Hand-overs are announced to commit on the ``filled`` ring in the order they were made,
 and again after ``REMIND_AFTER_S`` for a slot commit still holds (``workers.announce``):
 a commit that died after popping a record finds the slot through the repeat
@@ -29,7 +35,7 @@ from shm import FREE, RingClosed, RingEmpty, RingFull
 from shm.arena import writer_dead
 from shm.layouts import join_key
 from sparkcache import kvmem, registry, segments
-from sparkcache.protocol import CaptureStatus, process_gone
+from sparkcache.protocol import CaptureStatus, process_gone, release_seconds
 from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT
 from sparkcache.store import PageStore
 from sparkcache.store.index import OutcomeUnknown
@@ -51,14 +57,14 @@ OWNER_CHECK_S = 1.0
 _UNIFORM = ("pub_id", "root_hi", "root_lo", "reg_gen", "npages", "deadline")
 
 
-def split_publications(batch: np.ndarray, capacity: int, latest_deadline: float,
+def split_publications(batch: np.ndarray, capacity: int,
                        ) -> list[tuple[np.ndarray, str | None]]:
     """The publications in a popped batch, each with the reason it is malformed or None
-    (``workers.batches.split_batches``); a deadline must be finite and no later than
-    ``latest_deadline``."""
+    (``workers.batches.split_batches``); a deadline must be finite (how far ahead it may
+    be depends on the publication's bytes: ``Capture._capture`` checks that once it has
+    the registration)."""
     def deadline(recs: np.ndarray) -> str | None:
-        ok = np.isfinite(recs["deadline"]).all() and (recs["deadline"] <= latest_deadline).all()
-        return None if ok else "deadline"
+        return None if np.isfinite(recs["deadline"]).all() else "deadline"
 
     return split_batches(batch, capacity, _UNIFORM, deadline)
 
@@ -131,8 +137,7 @@ class Capture:
         except (RingEmpty, RingClosed, SignalError):
             self._drop_dead_registration()
             return False
-        latest = time.monotonic() + self.cfg.release_timeout_seconds + _DEADLINE_SLACK_S
-        for recs, malformed in split_publications(batch, PUBLISH_CAPACITY, latest):
+        for recs, malformed in split_publications(batch, PUBLISH_CAPACITY):
             pub_id = int(recs["pub_id"][0])
             copied = 0
             if malformed is not None:
@@ -158,6 +163,12 @@ class Capture:
         return True
 
     # ------------------------------------------------------------------ one publication
+
+    def _release_s(self, reg: _Registered, npages: int) -> float:
+        """The longest the engine lends ``npages`` pages' blocks (``release_seconds``)."""
+        return release_seconds(self.cfg.release_timeout_seconds,
+                               npages * reg.views.page_bytes,
+                               self.arena.slots * self.arena.slot_bytes)
 
     def _registration(self, reg_gen: int) -> _Registered | None:
         if self.reg is not None and self.reg.reg_gen == reg_gen:
@@ -246,17 +257,23 @@ class Capture:
         reg = self._registration(int(recs["reg_gen"][0]))
         if reg is None:
             return CaptureStatus.UNREGISTERED, 0
+        n = len(recs)
+        if deadline > time.monotonic() + self._release_s(reg, n) + _DEADLINE_SLACK_S:
+            self.life.drop("deadline", f"publication {int(recs['pub_id'][0])} of {n} pages")
+            return CaptureStatus.MALFORMED, 0
         blocks = recs["block_id"]
         if (blocks < 0).any() or (blocks >= reg.views.num_blocks).any():
             self.life.drop("block", f"publication with block ids outside "
                            f"0-{reg.views.num_blocks - 1}")
             return CaptureStatus.BAD_BLOCK, 0
         keys = [join_key(h, lo) for h, lo in zip(recs["key_hi"], recs["key_lo"], strict=True)]
-        n = len(keys)
         # Leased, not only looked up: under pressure the root holding these pages could
-        # otherwise be evicted before commit, which then has no bytes for them.
+        # otherwise be evicted before commit, which then has no bytes for them. Pages an
+        # earlier attempt staged (a kill or a deadline in the middle of its parts) are
+        # held likewise and not copied again.
         try:
             stored = self.store.lease_prefix(keys, self.cfg.lookup_lease_seconds)
+            staged = self.store.hold_staged(keys[stored:], self.store.stage_hold_s)
         except OutcomeUnknown:
             # The lease's COMMIT failed (the disk full for a moment, say): a StoreError,
             # which would end capture for good, while only this publication fails, unless
@@ -264,15 +281,28 @@ class Capture:
             self.store.check_usable()
             self.life.item_error("lease")
             return CaptureStatus.FAILED, 0
-        if slotfmt.needed(n, n - stored, reg.views.run_bytes) > self.arena.slot_bytes:
+        delta = [i for i in range(stored, n) if keys[i] not in staged]
+        parts = slotfmt.plan_parts(n, delta, self.arena.slot_bytes, reg.views.run_bytes)
+        if parts is None:
             return CaptureStatus.TOO_LARGE, 0
+        for part, pages in enumerate(parts):
+            status = self._capture_part(recs, reg, pages, part, len(parts), deadline)
+            if status != CaptureStatus.CAPTURED:
+                # Parts handed over are staged: the next attempt copies only the rest.
+                return status, 0
+        return CaptureStatus.CAPTURED, len(delta)
+
+    def _capture_part(self, recs: np.ndarray, reg: _Registered, pages: list[int], part: int,
+                      parts: int, deadline: float) -> CaptureStatus:
+        """Copy ``pages`` (indices into ``recs``) into a slot and hand it to commit: part
+        ``part`` of ``parts``."""
         slot = self._take_slot(deadline)
         if slot is None:
-            return CaptureStatus.NO_SLOT, 0
+            return CaptureStatus.NO_SLOT
         self.arena.hand_over(slot, FREE, OWNER_CAPTURE)
         lifecycle.checkpoint("capture.slot_taken")
         try:
-            status = self._fill(slot, recs, reg, stored, deadline)
+            status = self._fill(slot, recs, reg, pages, part, parts, deadline)
         except ENVIRONMENT_FAULTS:
             raise
         except Exception:
@@ -281,31 +311,37 @@ class Capture:
         if status != CaptureStatus.CAPTURED:
             self.arena.hand_over(slot, OWNER_CAPTURE, FREE)
             self.free.add(slot)
-            return status, 0
-        return CaptureStatus.CAPTURED, n - stored
+        return status
 
-    def _fill(self, slot: int, recs: np.ndarray, reg: _Registered, stored: int,
-              deadline: float) -> CaptureStatus:
-        n, runs = len(recs), reg.views.run_bytes
+    def _fill(self, slot: int, recs: np.ndarray, reg: _Registered, pages: list[int],
+              part: int, parts: int, deadline: float) -> CaptureStatus:
+        runs = reg.views.run_bytes
+        last = part == parts - 1
+        # Every part but the last carries only its own pages; the last, every page's entry.
+        entries = recs if last else recs[pages]
+        copied = np.full(len(entries), -1, np.int64)
+        copied[pages if last else slice(None)] = np.arange(len(pages))
         buf = self.arena.slot_array(slot)
         # CPU time, not wall: on a host without spare cores the wall clock would also
         # count the time the scheduler gave the engine or commit.
         t0 = time.thread_time()
-        reg.views.gather_runs(recs["block_id"][stored:].tolist(),
-                              slotfmt.data(buf, n, n - stored, runs))
+        reg.views.gather_runs(recs["block_id"][pages].tolist(),
+                              slotfmt.data(buf, len(entries), len(pages), runs))
         self.life.copy_seconds += time.thread_time() - t0
-        self.life.copy_bytes += (n - stored) * reg.views.page_bytes
+        self.life.copy_bytes += len(pages) * reg.views.page_bytes
         if time.monotonic() >= deadline:
             return CaptureStatus.EXPIRED  # the engine may have reused the blocks meanwhile
         root = (int(recs["root_hi"][0]), int(recs["root_lo"][0]))
-        slotfmt.write_header(buf, int(recs["pub_id"][0]), root, recs, stored, runs)
-        used = slotfmt.needed(n, n - stored, runs)
+        slotfmt.write_header(buf, int(recs["pub_id"][0]), root, entries, copied, runs,
+                             part, parts)
+        used = slotfmt.needed(len(entries), len(pages), runs)
         lifecycle.checkpoint("capture.copied")
         self.arena.hand_over(slot, OWNER_CAPTURE, OWNER_COMMIT, used)
         lifecycle.checkpoint("capture.handed")
         self.filled_records.add(slot)
         lifecycle.checkpoint("capture.filled")
-        self.life.processed += 1
+        if last:
+            self.life.processed += 1
         return CaptureStatus.CAPTURED
 
 

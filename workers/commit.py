@@ -174,6 +174,7 @@ class Commit:
     def _commit_slot(self, slot: int) -> None:
         buf = self.arena.slot_array(slot)
         pub_id, status = None, DurableStatus.BAD_SLOT
+        part_only = False  # a part before the last: its publication is reported with that
         started = time.perf_counter()
         try:
             contents = slotfmt.read(buf)
@@ -189,11 +190,18 @@ class Commit:
             ]
             root_id = join_key(*contents.root)
             t0 = time.perf_counter()
-            result = self.store.commit(Root(root_id, pages))
-            status = DurableStatus.DURABLE
-            self.life.processed += 1
-            self.life.roots_superseded += result.roots_superseded
-            log.debug("committed %s in %.3fs: %s", root_id, time.perf_counter() - t0, result)
+            if not contents.last:
+                part_only = True
+                result = self.store.stage(Root(root_id, pages))
+                log.debug("staged part %d of %d of %s in %.3fs: %s", contents.part + 1,
+                          contents.parts, root_id, time.perf_counter() - t0, result)
+            else:
+                result = self.store.commit(Root(root_id, pages))
+                status = DurableStatus.DURABLE
+                self.life.processed += 1
+                self.life.roots_superseded += result.roots_superseded
+                log.debug("committed %s in %.3fs: %s", root_id, time.perf_counter() - t0,
+                          result)
         except ValueError as exc:
             self.life.failed += 1
             log.warning("slot %d holds no readable publication: %s", slot, exc)
@@ -207,8 +215,10 @@ class Commit:
             self.life.failed += 1
             self.life.item_error("slot", slot)
             self.store.check_usable()
-        self.life.timed(time.perf_counter() - started)
-        self.life.outcome(int(status))
+        if not part_only:
+            # A publication's outcome and duration are its last part's (its root's).
+            self.life.timed(time.perf_counter() - started)
+            self.life.outcome(int(status))
         counters = self.store.counters
         self.life.report.update(lock_wait_s=counters.lock_wait_s,
                                 lock_wait_max_s=counters.lock_wait_max_s)
@@ -217,7 +227,7 @@ class Commit:
         # two leaves the slot held, so its successor redoes it and acknowledges again
         # (the client settles a publication once, and ignores the second). Freed first, a
         # kill between lost the acknowledgement for good.
-        if pub_id is not None:
+        if pub_id is not None and not part_only:
             try:
                 self.durable.try_push((pub_id, int(status), 0))
             except RingFull:

@@ -2,8 +2,8 @@
 
 tmpfs allocates (and zeroes) a page the first time it is touched, so a slot's first
 publication would pay for faulting its whole length inside its deadline. Capture used to
-touch every slot before it reported READY: with the default 2 x 3 GiB per rank that took
-tens of seconds on a small host and put the whole arena in capture's RSS before the
+touch every slot before it reported READY: with the default of then, 2 x 3 GiB a rank,
+that took tens of seconds on a small host and put the whole arena in capture's RSS before the
 supervisor even saw it start. Now a thread does it after READY, slot by slot in bounded
 chunks, and reports its progress (``Lifecycle.prefaulted_bytes``, published in the stats
 block by the worker's own beats). A publication that arrives first is still taken: its

@@ -93,7 +93,8 @@ CREATE TABLE IF NOT EXISTS objects(
     state TEXT NOT NULL CHECK (state IN ('live', 'quarantined')),
     created REAL NOT NULL,
     file_key TEXT,
-    file_offset INTEGER NOT NULL DEFAULT 0
+    file_offset INTEGER NOT NULL DEFAULT 0,
+    hold_until REAL
 ) WITHOUT ROWID;
 -- Collection reads only unreferenced objects; a partial index makes that O(n collected).
 CREATE INDEX IF NOT EXISTS objects_garbage ON objects(key) WHERE refcount = 0;
@@ -241,6 +242,7 @@ def _schema_version(conn: sqlite3.Connection, path: Path, create: bool) -> str |
         conn.execute(_QUARANTINED_INDEX)
         _upgrade(conn)
         _upgrade_packs(conn)
+        _upgrade_hold(conn)
     row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
     return None if row is None else row[0]
 
@@ -268,6 +270,21 @@ def _upgrade_packs(conn: sqlite3.Connection) -> None:
         conn.execute(_PACKS_INDEX)
         conn.execute("UPDATE meta SET value = ? WHERE name = 'schema_version'",
                      (SCHEMA_VERSION,))
+
+
+def _upgrade_hold(conn: sqlite3.Connection) -> None:
+    """Add ``hold_until`` to an index made before it: NULL holds nothing, which is what
+    every row written before it means. Code that predates it ignores the column (it may
+    collect a staged page early, which only costs that publication its commit), so the
+    schema version stays."""
+    def has_hold() -> bool:
+        return any(row[1] == "hold_until" for row in conn.execute("PRAGMA table_info(objects)"))
+
+    if has_hold():
+        return
+    with write_txn(conn):
+        if not has_hold():
+            conn.execute("ALTER TABLE objects ADD COLUMN hold_until REAL")
 
 
 class OutcomeUnknown(StoreError):

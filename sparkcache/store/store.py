@@ -101,6 +101,8 @@ PUNCH_DELAY_S = 10.0
 # "Recycled files").
 HALVE_ABOVE_BYTES = 1 << 20
 DEFAULT_GRACE_SECONDS = 60.0
+# The least time a staged page (``stage``) is kept from collection, whatever the lease.
+MIN_STAGE_HOLD_S = 60.0
 
 
 @dataclass
@@ -108,6 +110,7 @@ class StoreCounters:
     """Process-local counters; the metrics layer reads them."""
 
     commits: int = 0
+    stages: int = 0  # chunks of publications larger than a capture slot (``stage``)
     commits_failed: int = 0
     commit_retries: int = 0
     quarantined: int = 0
@@ -167,6 +170,10 @@ class PageStore:
         self.layout = RankLayout(Path(store_dir), rank)
         self.layout.prepare(create)
         self.lease_seconds = lease_seconds
+        # A staged chunk's root follows within its publication's deadline; the lease is
+        # what protects a new root, and the floor keeps a zero lease from collecting the
+        # chunks of a publication still being captured.
+        self.stage_hold_s = max(lease_seconds, MIN_STAGE_HOLD_S)
         self.counters = StoreCounters()
         self._ops = fileops or FileOps()
         self._hook = hook
@@ -261,6 +268,38 @@ class PageStore:
 
     def commit(self, root: Root) -> CommitResult:
         """Store ``root``'s page delta and publish the root with a lease; see module doc."""
+        return self._store(root, place=True)
+
+    def stage(self, root: Root) -> CommitResult:
+        """Store the pages of one chunk of a publication larger than a capture slot, durably
+        but unreferenced, each held from collection for ``stage_hold_s``. Lookups see only
+        referenced pages, so nothing of the publication is visible until its last chunk
+        commits the root (``commit``), which adopts them as it adopts any live page,
+        without writing them again; a publication that never ends leaves them for
+        collection once their hold is over. ``root.root_id`` only names the publication in
+        logs and errors."""
+        return self._store(root, place=False)
+
+    def hold_staged(self, keys: Sequence[str], seconds: float) -> set[str]:
+        """Which of ``keys`` are staged (stored, unreferenced: a chunk of an earlier attempt
+        at a publication, or of one still being committed), each now held at least
+        ``seconds`` more, in one write transaction: a capture copies only the others, and
+        the commit of its root finds these."""
+        keys = [require_hex(k, "page key") for k in keys]
+        if not any(rc == 0 and st == "live"
+                   for rc, st in index.rows_for_keys(self._rconn, "refcount, state",
+                                                      keys).values()):
+            return set()  # nothing staged: no write transaction
+        with index.write_txn(self._wconn) as conn:
+            staged = [k for k, (rc, st) in
+                      index.rows_for_keys(conn, "refcount, state", keys).items()
+                      if rc == 0 and st == "live"]
+            conn.executemany(
+                "UPDATE objects SET hold_until = max(coalesce(hold_until, 0), ?) "
+                "WHERE key = ?", [(self._clock() + seconds, k) for k in staged])
+        return set(staged)
+
+    def _store(self, root: Root, place: bool) -> CommitResult:
         pieces = [p.pieces() for p in root.pages]
         keys = [p.key for p in root.pages]
         data = dict(zip(keys, pieces, strict=True))
@@ -273,7 +312,8 @@ class PageStore:
                 delta = [k for k in data if k not in live and k not in written]
                 self._writer.write(delta, data, written)
                 try:
-                    placement = self._publish(root.root_id, keys, pieces, written, surplus)
+                    placement = self._publish(root.root_id, keys, pieces, written, surplus,
+                                              place)
                     break
                 except _Conflict as exc:
                     conflict = exc.keys
@@ -303,7 +343,10 @@ class PageStore:
             raise
         # Published. Keys another committer stored first: our copies are unreferenced.
         self._writer.release(surplus, written)
-        self.counters.commits += 1
+        if place:
+            self.counters.commits += 1
+        else:
+            self.counters.stages += 1
         self.counters.roots_superseded += placement.superseded
         self.counters.commits_covered += placement.covered
         pages_written = len(written)
@@ -329,9 +372,11 @@ class PageStore:
         pieces: list[list[memoryview]],
         written: dict[str, WrittenFile],
         surplus: list[str],
+        place: bool,
     ) -> _Placement:
         """Step 3: the index transaction. Raises ``_Conflict`` (rolled back) with the keys
-        that vanished, to be written again.
+        that vanished, to be written again. ``place``: the root too; else the pages are
+        staged (``stage``).
 
         Fills ``surplus`` with keys we wrote that another committer stored first.
         """
@@ -344,7 +389,13 @@ class PageStore:
             self.counters.lock_wait_s += waited
             self.counters.lock_wait_max_s = max(self.counters.lock_wait_max_s, waited)
             self._adopt_objects(conn, sizes, written, surplus, now)
-            placement = self._place_root(conn, root_id, keys, sizes, now)
+            if place:
+                placement = self._place_root(conn, root_id, keys, sizes, now)
+            else:
+                placement = _Placement(superseded=0, covered=False)
+                conn.executemany(
+                    "UPDATE objects SET hold_until = max(coalesce(hold_until, 0), ?) "
+                    "WHERE key = ? AND refcount = 0", [(now + self.stage_hold_s, k) for k in keys])
             self._hook("commit.index_txn")
         return placement
 
@@ -967,9 +1018,11 @@ class PageStore:
         the write lock while commits wait (``sync_collected`` makes it durable)."""
         with (index.unsynced(self._wconn) if budget is not None else contextlib.nullcontext(),
               index.write_txn(self._wconn) as conn):
+            # Staged pages (``stage``) wait for their root while their hold lasts.
             rows = conn.execute(
                 "SELECT key, generation, bytes, file_key, file_offset FROM objects "
-                "WHERE refcount = 0 LIMIT ?", (n,)
+                "WHERE refcount = 0 AND (hold_until IS NULL OR hold_until <= ?) LIMIT ?",
+                (self._clock(), n),
             ).fetchall()
             if budget is not None:
                 rows = eviction.fitting_rows(rows, budget, size=2)

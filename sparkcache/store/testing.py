@@ -141,7 +141,7 @@ def populate(store_conn: sqlite3.Connection, roots: int, pages: int, page_bytes:
         # Keys and ids as 32 hex digits, in order, so that b-tree inserts are appends.
         conn.execute(
             "INSERT INTO objects SELECT printf('%032x', i), '0000000000000000', ?, 1, "
-            "'live', ?, NULL, 0 FROM seq", (page_bytes, now))
+            "'live', ?, NULL, 0, NULL FROM seq", (page_bytes, now))
         conn.execute(
             "INSERT INTO roots SELECT printf('%032x', i), ?, ?, ?, a, a FROM "
             "(SELECT i, ? - ? + i AS a FROM seq WHERE i < ?)",

@@ -13,6 +13,7 @@ import pytest
 from tests.pipeline_util import start_supervisor, stop_supervisor
 from tests.with_vllm.engine_util import (
     BLOCK,
+    CONFIG,
     engine_installed,
     stored_prefix_pages,
     wait_until,
@@ -25,6 +26,7 @@ if not engine_installed():
                 allow_module_level=True)
 
 PREFIX_PAGES = 8
+SLOT_BYTES = "160KiB"
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,10 @@ def engine(tmp_path_factory):
     os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                        "VLLM_CACHE_ROOT": str(root / "vllm-cache"), "HF_HUB_OFFLINE": "1"})
     ckpt = write_checkpoint(root / "model")
-    sup = start_supervisor(store, instance, "--page-tokens", str(BLOCK))
+    # Slots of two pages (64 KiB each: 2 layers, K and V, 32 tokens, 2 heads of 64 fp32):
+    # every turn here is a publication of several parts (docs/pipeline.md).
+    sup = start_supervisor(store, instance, "--page-tokens", str(BLOCK),
+                           "--capture-slot-bytes", SLOT_BYTES)
     llm = None
     try:
         llm = LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="float32",
@@ -92,6 +97,29 @@ def test_second_turn_restores_the_prefix_and_matches_recompute(engine) -> None:
     save_turn(llm, store, [*prefix, 7, 8, 9], PREFIX_PAGES)
     tokens, lp, cached = generate(llm, turn_b)
     assert cached >= PREFIX_PAGES * BLOCK, cached
+    assert tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(lp, want_lp, strict=True)) < 1e-3, (lp, want_lp)
+
+
+def test_a_first_turn_several_slots_long_is_stored_and_the_next_restores_it(engine) -> None:
+    """Before publications went in parts, a first turn larger than a capture slot was
+    refused whole (``too_large``), and so was every later turn of its conversation."""
+    from sparkcache.config import parse_size
+    from workers import slotfmt
+
+    llm, store = engine
+    pages = 24
+    prefix = [(i * 41) % 500 + 3 for i in range(pages * BLOCK)]
+    turn_b = [*prefix, 31, 32, 33]
+    want_tokens, want_lp, _ = generate(llm, turn_b, salt="recompute-3")
+    save_turn(llm, store, [*prefix, 4, 5], pages)
+    # A run per layer and K/V: a block's tokens x heads x head size, fp32.
+    run = BLOCK * CONFIG["num_key_value_heads"] * CONFIG["head_dim"] * 4
+    runs = [run] * (2 * CONFIG["num_hidden_layers"])
+    parts = slotfmt.plan_parts(pages, list(range(pages)), parse_size(SLOT_BYTES), runs)
+    assert parts is not None and len(parts) >= 6, parts
+    tokens, lp, cached = generate(llm, turn_b)
+    assert cached >= pages * BLOCK, cached
     assert tokens == want_tokens
     assert max(abs(a - b) for a, b in zip(lp, want_lp, strict=True)) < 1e-3, (lp, want_lp)
 
