@@ -33,6 +33,17 @@ turns alone, the commits that wrote exactly ``--pages`` pages
 ``baseline_vs_empty_p99_turns``: the same commit, slowed or not by maintenance beside it),
 and how many commits wrote more (``rewrites_<scenario>``).
 
+With ``--leased-at-cap``, one more scenario after the rounds, on its own (no ratio):
+
+* leased: the store filled to ``max_bytes`` with the default lease (``lease_seconds``,
+  300 s, or ``--set lease_seconds=...``), and the writer publishing at once, so every root
+  is still leased as the store fills past its cap far faster than leases run out; each
+  publication admitted as the engine's client admits one (refused as ``store_full`` while
+  the used bytes maintenance last reported stand at the hard cap, read at most every
+  ``ADMISSION_READ_S``): ``refused_publications_at_cap`` (target 0) of
+  ``publications_at_cap``, and the roots maintenance evicted while their lease still ran
+  (``yielded_roots_at_cap``; docs/maintenance.md, "Leases at the cap").
+
 The scenarios run in alternating rounds (``--rounds``), so drift in a shared disk's speed
 falls on each alike. Both kinds of maintenance run as the supervisor starts maintenance
 (nice 10, best-effort I/O at its lowest level). From the full runs: the longest slice the
@@ -53,6 +64,7 @@ Usage: ``python scripts/bench_maintenance.py [--json] [--dir D] [--seconds S] ..
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -64,6 +76,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,6 +94,9 @@ MIB = 1 << 20
 # What the supervisor gives maintenance (sparkcache.supervisor.MAINTENANCE_NICE; not
 # imported: that module loads torch, and so would every process spawned from here).
 NICE = 10
+# How long the engine's client trusts the used bytes it read before admitting a
+# publication (sparkcache.client.HEALTH_CACHE_S; not imported: that module loads torch).
+ADMISSION_READ_S = 0.25
 
 
 @dataclass
@@ -176,6 +192,8 @@ class Run:
     written_pages: list[int] = field(default_factory=list)  # of each commit
     # The longest fsync of the index after a slice that collected (outside slices).
     index_sync_max_s: float = 0.0
+    refused: int = 0  # publications refused at the hard cap (only when admission is on)
+    yielded: int = 0  # roots maintenance evicted while their lease still ran
 
     def __add__(self, other: Run) -> Run:
         """Two rounds of one scenario as one."""
@@ -185,17 +203,37 @@ class Run:
                    self.collected + other.collected, self.refused_s + other.refused_s,
                    self.evicted + other.evicted, self.files + other.files,
                    self.recycled + other.recycled, self.written_pages + other.written_pages,
-                   max(self.index_sync_max_s, other.index_sync_max_s))
+                   max(self.index_sync_max_s, other.index_sync_max_s),
+                   self.refused + other.refused, self.yielded + other.yielded)
 
     def turns_of(self, pages: int) -> list[float]:
         """The commit times of the turns that wrote exactly ``pages`` pages."""
         return [t for t, n in zip(self.commits, self.written_pages, strict=True) if n == pages]
 
 
+def admission(segs: segments.RankSegments, hard_cap: int) -> Callable[[], bool]:
+    """Whether a publication is taken now, as the engine's client decides (its
+    ``store_full``): the used bytes maintenance reported, read at most every
+    ``ADMISSION_READ_S``, below the hard cap."""
+    read_at, full = float("-inf"), False
+
+    def admit() -> bool:
+        nonlocal read_at, full
+        now = time.monotonic()
+        if now - read_at >= ADMISSION_READ_S:
+            read_at = now
+            full = segs.stats.read(int(Role.MAINTENANCE)).used_bytes >= hard_cap
+        return not full
+
+    return admit
+
+
 def write(store: PageStore, convs: Conversations, page: bytes, rate: float,
-          seconds: float) -> Run:
-    """Commit a turn every 1/rate s (never catching up in bursts) for ``seconds``."""
+          seconds: float, admit: Callable[[], bool] = lambda: True) -> Run:
+    """Commit a turn every 1/rate s (never catching up in bursts) for ``seconds``; a turn
+    ``admit`` refuses is counted, not committed."""
     period, commits, waits, published, files, sizes = 1.0 / rate, [], [], 0, 0, []
+    refused = 0
     taken = store.pool.taken_files if store.pool else 0
     start = time.monotonic()
     due = start
@@ -203,6 +241,10 @@ def write(store: PageStore, convs: Conversations, page: bytes, rate: float,
         if now < due:
             time.sleep(due - now)
         root_id, keys = convs.next_turn()
+        if not admit():
+            refused += 1
+            due = max(due + period, time.monotonic())
+            continue
         waited = store.counters.lock_wait_s
         t0 = time.perf_counter()
         result = store.commit(make_root(root_id, keys, page))
@@ -214,7 +256,7 @@ def write(store: PageStore, convs: Conversations, page: bytes, rate: float,
         due = max(due + period, time.monotonic())
     recycled = (store.pool.taken_files if store.pool else 0) - taken
     return Run(commits, waits, published, time.monotonic() - start, files=files,
-               recycled=recycled, written_pages=sizes)
+               recycled=recycled, written_pages=sizes, refused=refused)
 
 
 def fill(store: PageStore, convs: Conversations, page: bytes, upto: int) -> None:
@@ -253,6 +295,7 @@ def scenario(work: Path, name: str, args: argparse.Namespace, page: bytes,
              ctx: mp.context.SpawnContext) -> Run:
     store_dir = work / name
     full = name != "empty"
+    leased = name == "leased"
     max_bytes = args.max_mib * MIB if full else 1 << 50
     cfg = config.load(env={}, overrides={
         "store_dir": str(store_dir), "instance": "b" + uuid.uuid4().hex[:12],
@@ -260,14 +303,17 @@ def scenario(work: Path, name: str, args: argparse.Namespace, page: bytes,
         "lease_seconds": str(args.lease_s), "capture_slots": "1",
         "capture_slot_bytes": "1MiB", **args.settings,
     })
+    if leased:
+        cfg = dataclasses.replace(cfg, lease_seconds=args.cap_lease_s)
     convs = Conversations(args.pages, args.conversations, args.turns,
                           [os.urandom(16).hex() for _ in range(args.prompt_pages)])
-    store = PageStore(store_dir, 0, lease_seconds=args.lease_s)
+    store = PageStore(store_dir, 0, lease_seconds=cfg.lease_seconds)
     segs = segments.RankSegments.create(cfg, 0, len(Role))
     proc = None
     try:
         if full:
             fill(store, convs, page, max_bytes)
+        if full and not leased:
             time.sleep(args.lease_s)  # what the fill published is evictable now
         if name == "baseline":
             proc = ctx.Process(target=baseline, args=(str(store_dir), max_bytes,
@@ -278,7 +324,8 @@ def scenario(work: Path, name: str, args: argparse.Namespace, page: bytes,
             proc = start_worker(cfg, segs, ctx)
         before = psutil.Process(proc.pid).cpu_times()
         report0 = segs.stats.read(int(Role.MAINTENANCE))
-        run = write(store, convs, page, args.rate, args.seconds)
+        admit = admission(segs, cfg.hard_cap_bytes) if leased else (lambda: True)
+        run = write(store, convs, page, args.rate, args.seconds, admit)
         after = psutil.Process(proc.pid).cpu_times()
         run.cpu_s = (after.user + after.system) - (before.user + before.system)
         if name != "baseline":
@@ -288,6 +335,7 @@ def scenario(work: Path, name: str, args: argparse.Namespace, page: bytes,
             run.collected = report.collected_bytes - report0.collected_bytes
             run.refused_s = report.refused_s - report0.refused_s
             run.evicted = report.evicted_roots - report0.evicted_roots
+            run.yielded = report.yielded_roots - report0.yielded_roots
         stop(proc)
         proc = None
     finally:
@@ -350,11 +398,15 @@ def main() -> int:
     parser.add_argument("--max-mib", type=int, default=512, help="max_bytes of the full runs")
     parser.add_argument("--low-mib", type=int, default=384, help="low watermark")
     parser.add_argument("--lease-s", type=float, default=2.0, help="a new root's lease")
+    parser.add_argument("--leased-at-cap", action="store_true",
+                        help="one more scenario: the store at its cap with the default "
+                        "lease, publications admitted as the client admits them")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="a setting of the maintenance worker, e.g. maintenance_slice_ms=50")
     args = parser.parse_args()
     args.settings = dict(item.split("=", 1) for item in args.set)
     settings = config.load(env={}, overrides=args.settings, check_store_dir=False)
+    args.cap_lease_s = settings.lease_seconds
     page = os.urandom(args.page_kib * 1024)
     live_max = args.conversations * (args.prompt_pages + args.turns * args.pages) * len(page)
     if live_max > args.low_mib * MIB:
@@ -375,6 +427,7 @@ def main() -> int:
                 run = scenario(work, name, args, page, ctx)
                 runs[name] = runs[name] + run if name in runs else run
                 rounds.setdefault(name, []).append(round(percentile(run.commits, 0.99), 4))
+        at_cap = scenario(work, "leased", args, page, ctx) if args.leased_at_cap else None
     finally:
         shutil.rmtree(work)
     empty, full, base = runs["empty"], runs["full"], runs["baseline"]
@@ -417,6 +470,16 @@ def main() -> int:
         "low_watermark_bytes": args.low_mib * MIB,
         **units,
     }
+    if at_cap is not None:
+        result |= {
+            "lease_s_at_cap": args.cap_lease_s,
+            "publications_at_cap": len(at_cap.commits) + at_cap.refused,
+            "refused_publications_at_cap": at_cap.refused,
+            "refused_s_at_cap": at_cap.refused_s,
+            "evicted_roots_at_cap": at_cap.evicted,
+            "yielded_roots_at_cap": at_cap.yielded,
+            "commit_p99_at_cap_s": percentile(at_cap.commits, 0.99),
+        }
     result = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
     if args.json:
         print(json.dumps(result))

@@ -162,10 +162,11 @@ OUTCOMES = 8
 # One slot per worker of a rank (see workers.lifecycle.Role), written by that worker.
 WORKER_STATS = RecordLayout(
     "worker_stats",
-    # 9 had no read_bytes; 7 no index_sync; 6 no pooled_bytes; 5 no entries, outcomes or
-    # durations; 4 no lock wait and no maintenance backlog; 3 no roots_superseded; 2 no
-    # pid_start and no drop_stale; 8 had pid_start in wall-clock time (psutil create_time)
-    10,
+    # 10 had no leased or yielded bytes; 9 no read_bytes; 7 no index_sync; 6 no
+    # pooled_bytes; 5 no entries, outcomes or durations; 4 no lock wait and no maintenance
+    # backlog; 3 no roots_superseded; 2 no pid_start and no drop_stale; 8 had pid_start in
+    # wall-clock time (psutil create_time)
+    11,
     np.dtype(
         [
             ("pid", "<u4"),
@@ -226,6 +227,14 @@ WORKER_STATS = RecordLayout(
             ("pooled_bytes", "<u8"),
             # restore: bytes of the pages it restored, by how they were read
             *[(f"read_bytes_{path}", "<u8") for path in READ_PATHS],
+            # maintenance (docs/maintenance.md, "Leases at the cap"): roots whose
+            # conversation lease still runs and their bytes, counted once a second; roots
+            # removed whole while theirs ran, and bytes eviction made collectable from
+            # such roots, in all
+            ("leased_roots", "<u8"),
+            ("leased_bytes", "<u8"),
+            ("yielded_roots", "<u8"),
+            ("yielded_bytes", "<u8"),
         ]
     ),
 )

@@ -101,7 +101,10 @@ class Config:
     )
     lease_seconds: float = field(
         default=300.0,
-        metadata=_help("Seconds a new or restoring root is protected from eviction, >= 0."),
+        metadata=_help(
+            "Seconds a new or restoring root is kept from eviction, >= 0; at the cap the "
+            "oldest leases yield."
+        ),
     )
     lookup_lease_seconds: float = field(
         default=30.0,

@@ -179,7 +179,8 @@ def _reports(sup: dict, rank: int) -> dict:
         "collectable_objects", "collectable_bytes", "slice_last_s", "slice_max_s",
         "evicted_roots", "cut_roots", "skipped_roots", "reclaimed_bytes",
         "collected_objects", "collected_bytes", "io_bytes", "duty", "refusing_since",
-        "refused_s", "pooled_bytes")})
+        "refused_s", "pooled_bytes", "leased_roots", "leased_bytes", "yielded_roots",
+        "yielded_bytes")})
     out["commit_lock_wait_s"] = c.lock_wait_s if c is not None else 0.0
     out["commit_lock_wait_max_s"] = c.lock_wait_max_s if c is not None else 0.0
     return out
@@ -208,6 +209,8 @@ def _report_line(r: dict, now: float) -> str:
         f"evicted={r['evicted_roots']} reclaimed={_size(r['reclaimed_bytes'])} "
         f"collected={r['collected_objects']}/{_size(r['collected_bytes'])} "
         f"pooled={_size(r['pooled_bytes'])} "
+        f"leased={r['leased_roots']}/{_size(r['leased_bytes'])} "
+        f"yielded={r['yielded_roots']}/{_size(r['yielded_bytes'])} "
         f"slice={r['slice_last_s'] * 1e3:.1f}/{r['slice_max_s'] * 1e3:.1f}ms "
         f"duty={r['duty']:.0%} commit_lock_wait_max={r['commit_lock_wait_max_s'] * 1e3:.1f}ms "
         f"refusing={_since(r['refusing_since'], now)} refused={r['refused_s']:.0f}s"

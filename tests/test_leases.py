@@ -1,7 +1,10 @@
 """Leases where the data is relied on, with a real supervisor whose store sits at its cap
 and evicts all the time (every root's own lease is zero): a publication whose prefix the
 store held at capture time commits (capture leased it), and a restore made within a
-lookup's lease gets the whole prefix the lookup counted."""
+lookup's lease gets the whole prefix the lookup counted. And leases at the cap
+(docs/maintenance.md, "Leases at the cap"): a store whose roots are all younger than the
+default 300 s lease keeps taking publications, the oldest leases yielding first, while
+a lookup's lease is honoured."""
 
 from __future__ import annotations
 
@@ -12,7 +15,9 @@ from pathlib import Path
 import pytest
 from pipeline_util import pipeline, sequences, wait_for
 
+from sparkcache import segments
 from sparkcache.store import PageStore
+from workers.lifecycle import Role
 
 pytestmark = pytest.mark.slow
 
@@ -75,3 +80,63 @@ def test_at_the_cap_relied_on_pages_and_looked_up_prefixes_stay(
         failed = {s: why for s, why in engine.not_durable.items() if s in relied}
         assert failed == {}, (failed, counters)
         assert restores_full == lookups
+
+
+LEASED_AT_THE_CAP = {
+    # 16 KiB pages, conversations of 2 pages (32 KiB): 10 of them between max_bytes and
+    # the hard cap (960 KiB). lease_seconds is left at its default (300 s): every root the
+    # test publishes is still leased at its end.
+    "max_bytes": "640KiB", "low_watermark_bytes": "320KiB", "lookup_lease_seconds": "120",
+    "capture_slots": "2",
+}
+
+
+def test_at_the_cap_with_every_root_leased_publications_go_on(
+        tmp_path: Path, instance: str) -> None:
+    rng = random.Random(11)
+    store = tmp_path / "store"
+    with pipeline(store, instance, LEASED_AT_THE_CAP) as engine:
+        cfg = engine.client.cfg
+        assert cfg.lease_seconds == 300
+        page = cfg.page_tokens
+
+        def conversation() -> list[int]:
+            return [rng.randrange(50000) for _ in range(2 * page)]
+
+        # The oldest root, under a lookup's lease (120 s): the first victim, were it not.
+        looked_up = conversation()
+        assert engine.publish("looked-up", looked_up, tries=1)
+        engine.drain(timeout=30)
+        assert engine.client.lookup(looked_up) == len(looked_up)
+        # Three times what the hard cap holds, a publication every 50 ms or so: far
+        # faster than 300 s leases run out, slowly enough for maintenance's slices.
+        pair_bytes = 2 * engine.client._reg.views.page_bytes
+        order, n = [], 3 * cfg.hard_cap_bytes // pair_bytes
+        for i in range(n):
+            sid = f"c{i}"
+            if engine.publish(sid, conversation(), tries=1):
+                order.append(sid)
+            engine.drain(timeout=30)
+            time.sleep(0.05)
+        counters = engine.client.counters
+        assert counters.skipped["store_full"] == 0, counters
+        assert len(order) == n and not engine.not_durable, counters
+        with segments.attach_stats(cfg, 0) as stats:
+            rec = stats.read(int(Role.MAINTENANCE))
+        with PageStore(store, 0, create=False) as ps:
+            now = time.time()
+            unleased = ps._rconn.execute(
+                "SELECT count(*) FROM roots WHERE lease_until <= ?", (now,)).fetchone()[0]
+            kept = [ps.lookup(engine.keys(engine.accepted[sid])) for sid in order]
+            kept_looked_up = ps.lookup(engine.keys(looked_up))
+    # Every root was under its conversation lease, and most were evicted all the same,
+    # the oldest leases first: what is kept is the newest publications, the boundary one
+    # perhaps cut short.
+    assert unleased == 0
+    assert kept == sorted(kept) and kept[0] == 0 and kept[-1] == 2, kept
+    evicted = sum(k < 2 for k in kept)
+    assert evicted >= len(order) - cfg.hard_cap_bytes // pair_bytes, kept
+    assert rec.yielded_roots >= evicted - 1 and rec.yielded_bytes > 0
+    assert rec.refused_s == 0 and rec.leased_roots > 0
+    # The lookup's lease held: the oldest root of all is whole.
+    assert kept_looked_up == 2

@@ -18,6 +18,7 @@ from sparkcache.store import PageData, PageStore, Root, StoreError, UnsafeStoreD
 from sparkcache.store.fsck import fsck
 from sparkcache.store.layout import fanout, object_name
 from sparkcache.store.objects import HEADER_SIZE
+from sparkcache.store.reader import StoreReader
 from sparkcache.store.testing import make_root, object_file, page_bytes
 
 SIZE = 4096
@@ -534,5 +535,27 @@ def test_an_index_made_before_the_garbage_totals_gains_them(tmp_path: Path) -> N
         assert (usage.collectable_objects, usage.collectable_bytes) == (4, 4 * SIZE)
         assert store.collect(2).objects == 2
         assert store.usage().collectable_objects == 2
+    report = fsck(tmp_path / "s", grace_seconds=0)
+    assert report.ok, report.problems
+
+
+def test_an_index_made_before_read_leases_gains_them(tmp_path: Path) -> None:
+    """An index made before read leases is read as it is, and the first writer adds the
+    table and its trigger; a lease taken then protects the root from removal."""
+    keys = [secrets.token_hex(16) for _ in range(2)]
+    with PageStore(tmp_path / "s", 0, lease_seconds=0) as store:
+        root = rid()
+        store.commit(make_root(root, keys, SIZE))
+        store._wconn.execute("DROP TRIGGER roots_del_read_lease")
+        store._wconn.execute("DROP TABLE read_leases")
+    reader = StoreReader(tmp_path / "s", 0)
+    try:
+        assert reader.lookup(keys) == 2
+    finally:
+        reader.close()
+    with PageStore(tmp_path / "s", 0, lease_seconds=0) as store:
+        assert store.lease_prefix(keys, 60) == 2
+        assert store.select_victims(10) == []
+        assert store.remove_roots([root]).skipped == (root,)
     report = fsck(tmp_path / "s", grace_seconds=0)
     assert report.ok, report.problems

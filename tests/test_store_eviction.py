@@ -1,6 +1,7 @@
 """Bounded eviction (``PageStore.evict``, ``store/eviction.py``) and budgeted collection:
 roots cut from their end stay valid, bytes freed are counted apart from roots evicted,
-roots that free nothing are passed over, leased roots are never taken, no step exceeds
+roots that free nothing are passed over, read-leased roots are never taken while
+conversation leases yield at the cap, oldest first, no step exceeds
 its budget (injected clock), every query is an index walk, and a step costs the same
 with 10,000 roots as with 1,000,000."""
 
@@ -162,29 +163,88 @@ def test_roots_that_free_nothing_are_passed_over_while_bytes_are_needed(
     assert_clean(store)
 
 
-def test_leased_roots_are_never_taken(store: PageStore, lease_clock: LeaseClock) -> None:
+def read_leased(store: PageStore, now: float) -> set[str]:
+    return {r for (r,) in store._rconn.execute(
+        "SELECT root_id FROM read_leases WHERE until > ?", (now,))}
+
+
+def conversation_leased(store: PageStore, now: float) -> set[str]:
+    return {r for (r,) in store._rconn.execute(
+        "SELECT id FROM roots WHERE lease_until > ?", (now,))}
+
+
+def test_read_leased_roots_are_never_taken(store: PageStore, lease_clock: LeaseClock) -> None:
+    """Lookups and captures lease prefixes (read leases) while eviction, needing more than
+    the store holds, takes every other root, conversation leases and all."""
     rng = random.Random(5)
     chains = {commit(store, chain(f"r{i}", rng.randint(1, 6)), lease_clock): i
               for i in range(30)}
     plan = EvictionPlan()
+    taken_under_lease = 0
     for _ in range(60):
-        lease_clock.now += rng.uniform(0, 6)
-        # Leases come and go: restores renew roots, lookups lease prefixes.
+        lease_clock.now += rng.uniform(0, 0.5)  # conversation leases (10 s) mostly run
         for root_id in rng.sample(sorted(chains), 3):
             keys = pages_of(store).get(root_id)
             if keys:
                 store.lease_prefix(keys, rng.uniform(1, 20))
         before = pages_of(store)
-        leased = {r for r, (until,) in ((r, store._rconn.execute(
-            "SELECT lease_until FROM roots WHERE id = ?", (r,)).fetchone()) for r in before)
-            if until > lease_clock.now}
-        store.evict(meter(roots=rng.randint(1, 3), nbytes=rng.randint(1, 8) * SIZE), plan,
-                    UNLIMITED)
+        protected = read_leased(store, lease_clock.now)
+        leased = conversation_leased(store, lease_clock.now)
+        result = store.evict(meter(roots=rng.randint(1, 3), nbytes=rng.randint(1, 8) * SIZE),
+                             plan, UNLIMITED)
         store.collect(rng.randint(0, 10))
         after = pages_of(store)
-        for r in leased:
-            assert after.get(r) == before[r], "a leased root lost pages"
+        for r in protected:
+            assert after.get(r) == before[r], "a read-leased root lost pages"
+        taken_under_lease += sum(after.get(r) != before[r] for r in leased - protected)
+        assert result.yielded_bytes <= result.reclaimed_bytes
+    assert taken_under_lease > 0, "no conversation lease yielded: the test proves nothing"
     assert_clean(store)
+
+
+def test_at_the_cap_conversation_leases_yield_oldest_first(
+        tmp_path: Path, lease_clock: LeaseClock) -> None:
+    """Roots whose lease is over go first, least recently used first; then, while the goal
+    is not met, the roots whose 300 s lease still runs, the oldest lease first, each
+    counted as yielded; a read-leased root among them stays."""
+    with PageStore(tmp_path / "s", 0, lease_seconds=300, clock=lease_clock) as store:
+        old = [commit(store, chain(f"old{i}", 2), lease_clock) for i in range(2)]
+        lease_clock.now += 400  # their leases are over
+        young_keys = [chain(f"young{i}", 2) for i in range(5)]
+        young = [commit(store, keys, lease_clock) for keys in young_keys]
+        assert conversation_leased(store, lease_clock.now) == set(young)
+        assert store.lease_prefix(young_keys[0], 30) == 2  # the oldest lease: read-leased
+        plan = EvictionPlan()
+        first = store.evict(meter(), plan, 2 * 2 * SIZE)
+        assert first.removed == tuple(old) and first.yielded_roots == 0
+        second = store.evict(meter(), plan, 2 * 2 * SIZE)
+        assert second.removed == (young[1], young[2])
+        assert (second.yielded_roots, second.yielded_bytes) == (2, 4 * SIZE)
+        assert second.read_leased == 1
+        assert set(pages_of(store)) == {young[0], young[3], young[4]}
+        # Once its read lease is over, it goes as the oldest lease it is.
+        lease_clock.now += 31
+        third = store.evict(meter(), EvictionPlan(), 2 * SIZE)
+        assert third.removed == (young[0],) and third.yielded_roots == 1
+        assert_clean(store)
+
+
+def test_a_read_lease_on_a_prefix_passes_to_the_root_superseding_it(
+        tmp_path: Path, lease_clock: LeaseClock) -> None:
+    """A capture relying on a stored prefix leases it; the commit of the longer turn drops
+    the prefix root, and its read lease protects the new root until it runs out."""
+    with PageStore(tmp_path / "s", 0, lease_seconds=300, clock=lease_clock) as store:
+        keys = chain("conv", 6)
+        commit(store, keys[:3], lease_clock)
+        assert store.lease_prefix(keys[:3], 30) == 3
+        turn = commit(store, keys, lease_clock)
+        assert pages_of(store) == {turn: keys}
+        assert read_leased(store, lease_clock.now) == {turn}
+        assert not store.evict(meter(), EvictionPlan(), UNLIMITED).pages
+        lease_clock.now += 30
+        assert store.evict(meter(), EvictionPlan(), UNLIMITED).removed == (turn,)
+        assert store._rconn.execute("SELECT count(*) FROM read_leases").fetchone() == (0,)
+        assert_clean(store)
 
 
 def test_a_victim_leased_after_it_was_planned_is_dropped(

@@ -1,6 +1,8 @@
 """The maintenance worker of one rank: ``reconcile()`` at start, then slices of bounded
-work: during a pressure episode, eviction of least recently used unleased roots from
-``max_bytes`` down to the low watermark; collection of unreferenced objects; and what the
+work: during a pressure episode, eviction from ``max_bytes`` down to the low watermark,
+in lease order (roots whose lease is over, least recently used first, then the oldest
+conversation leases; a read lease is never overridden: docs/maintenance.md, "Leases at
+the cap"); collection of unreferenced objects; and what the
 engine asks on the request rings (the engine only reads the index): restore touches,
 lookup leases, quarantines.
 
@@ -52,8 +54,10 @@ IDLE_S = 0.2
 # with its longest step: the budget is an estimate, and an overrun that large is worth
 # an operator's look (a disk stalled, or a unit far slower than any seen before).
 OVERRUN_WARN = 2.0
-# How often the report lists the pool of collected files for its size (store/pool.py).
+# How often the report lists the pool of collected files for its size (store/pool.py),
+# and counts the roots under a running conversation lease (``PageStore.leased``).
 POOL_READ_S = 1.0
+LEASED_READ_S = 1.0
 # A request's page position is below the most pages one publication can carry.
 _MAX_POS = segments.RINGS["publish"][1]
 # Clocks of two processes: an access stamped this far in the future is still believed.
@@ -67,7 +71,8 @@ RESWEEP_AFTER_S = DEFAULT_GRACE_SECONDS
 SWEEP = "sweep"  # a unit of a slice's work: one fan-out directory swept
 # Cumulative counters of the stats record (WORKER_STATS names).
 _TOTALS = ("evicted_roots", "cut_roots", "skipped_roots", "reclaimed_bytes",
-           "collected_objects", "collected_bytes", "io_bytes")
+           "collected_objects", "collected_bytes", "io_bytes", "yielded_roots",
+           "yielded_bytes")
 
 
 def written_bytes() -> int:
@@ -102,6 +107,8 @@ class Maintenance:
         self.clock = clock
         self.pooled_bytes = 0
         self._pool_read_at = float("-inf")
+        self.leased_roots = self.leased_bytes = 0
+        self._leased_read_at = float("-inf")
         self.limits = Limits.from_config(cfg)
         self.costs = CostModel()
         self._rare = RateLimitedLog(log)
@@ -203,6 +210,8 @@ class Maintenance:
         t["collected_objects"] += collected.objects
         t["collected_bytes"] += collected.bytes
         t["io_bytes"] += io
+        t["yielded_roots"] += evicted.yielded_roots
+        t["yielded_bytes"] += evicted.yielded_bytes
         self.life.processed += 1
         return True
 
@@ -238,7 +247,7 @@ class Maintenance:
             duty=self.pacing.duty.used(now),
             refusing_since=self._wall(self.hard_cap.since, now),
             refused_s=self.hard_cap.total_s, entries=usage.entries,
-            pooled_bytes=self._pooled(now), **self.totals,
+            pooled_bytes=self._pooled(now), **self._leased(now), **self.totals,
         )
         self.life.beat()
 
@@ -249,6 +258,14 @@ class Maintenance:
             self.pooled_bytes = pool.pooled_bytes()
             self._pool_read_at = now
         return self.pooled_bytes
+
+    def _leased(self, now: float) -> dict[str, int]:
+        """The roots under a running conversation lease and their bytes, counted at most
+        once a second: a walk of those roots, outside any slice."""
+        if now - self._leased_read_at >= LEASED_READ_S:
+            self.leased_roots, self.leased_bytes = self.store.leased()
+            self._leased_read_at = now
+        return {"leased_roots": self.leased_roots, "leased_bytes": self.leased_bytes}
 
     def _watch(self, used: int, now: float) -> None:
         """The watermarks seen at ``now``; a new episode considers every root again."""

@@ -63,6 +63,10 @@ MAINTENANCE_GAUGES = (
     ("store_pooled_bytes", "Bytes of collected files kept for commits to overwrite: on "
      "disk, not in store_used_bytes (cap: SPARKCACHE_MAINTENANCE_POOL_BYTES).",
      "pooled_bytes"),
+    ("store_leased_roots", "Roots whose conversation lease (SPARKCACHE_LEASE_SECONDS) "
+     "still runs; counted once a second.", "leased_roots"),
+    ("store_leased_bytes", "Bytes of the roots whose conversation lease still runs; above "
+     "the low watermark, an episode takes the oldest of them.", "leased_bytes"),
 )
 # Counters of maintenance's record (name without _total, help, field).
 MAINTENANCE_COUNTERS = (
@@ -73,6 +77,10 @@ MAINTENANCE_COUNTERS = (
     ("collected_objects", "Objects deleted from the index and unlinked.",
      "collected_objects"),
     ("collected_bytes", "Bytes of the objects collected.", "collected_bytes"),
+    ("lease_yielded_roots", "Roots eviction removed whole while their conversation lease "
+     "still ran (the store at its cap, no unleased root left).", "yielded_roots"),
+    ("lease_yielded_bytes", "Bytes eviction made collectable from roots whose "
+     "conversation lease still ran.", "yielded_bytes"),
     ("hard_cap_refused_seconds",
      "Seconds used bytes stood at the hard cap, where publications are refused.",
      "refused_s"),

@@ -19,6 +19,15 @@ elsewhere frees nothing at all (another root extends it); planning passes over s
 while bytes are still needed (``EvictionPlan.cursor`` remembers how far the walk went, so
 no slice walks the same ones again), at most ``WALK_FACTOR`` times the slice's root budget
 per plan.
+
+Why leases yield at the cap, oldest first (docs/maintenance.md, "Leases at the cap"). The
+walk is in lease order, ``(lease_until, last_access)``, over every root: roots whose lease
+is over come first, least recently used first, then, only if they do not cover the goal,
+roots whose conversation lease still runs, the oldest lease first. A conversation lease
+refusing eviction outright let a store whose roots were all younger than the lease refuse
+every new publication until leases ran out. Read leases (``read_leases``: a lookup's
+before its restore, capture's until its commit) are never overridden: such a root is
+passed over and its pages stay.
 """
 
 from __future__ import annotations
@@ -76,6 +85,10 @@ class Candidate:
     bytes: int
     reclaim: int  # bytes of the pages it alone holds when planned
 
+    def leased(self, now: float) -> bool:
+        """Its conversation lease still runs: taking it is that lease yielding."""
+        return self.lease_until > now
+
 
 @dataclass
 class EvictionPlan:
@@ -105,7 +118,10 @@ class Progress:
     reclaimed_objects: int = 0
     reclaimed_bytes: int = 0
     skipped: int = 0
+    read_leased: int = 0  # roots passed over for a read lease
     dropped: int = 0
+    yielded_roots: int = 0  # roots removed whole while their conversation lease ran
+    yielded_bytes: int = 0  # bytes made collectable from roots under a running lease
     left_cut: bool = False  # the last root worked on is still there, shorter
 
 
@@ -135,23 +151,29 @@ def exclusive_bytes(conn: sqlite3.Connection, root_id: str, pages: int, nbytes: 
 
 def plan(conn: sqlite3.Connection, victims: EvictionPlan, need: int, budget: Budget,
          now: float, progress: Progress) -> None:
-    """Add unleased roots, least recently used first from the cursor, until their
-    reclaimable bytes cover ``need`` or the slice's root budget is planned. An index walk
-    of at most ``WALK_FACTOR`` x that budget rows, each with O(log pages) probes."""
+    """Add roots in lease order from the cursor (those whose lease is over first, least
+    recently used first, then the oldest leases), passing over those under a read lease,
+    until their reclaimable bytes cover ``need`` or the slice's root budget is planned. An
+    index walk of at most ``WALK_FACTOR`` x that budget rows, each with a probe of its read
+    lease and O(log pages) probes."""
     room = min(budget.roots_left(), PLAN_MAX)
     if room <= 0:
         return
     limit = WALK_FACTOR * room
     rows = conn.execute(
-        "SELECT id, lease_until, last_access, pages, bytes FROM roots "
-        "WHERE lease_until <= ? AND (lease_until, last_access, id) > (?, ?, ?) "
-        "ORDER BY lease_until, last_access, id LIMIT ?",
-        (now, *(victims.cursor or _START), limit),
+        "SELECT r.id, r.lease_until, r.last_access, r.pages, r.bytes, coalesce(l.until, 0) "
+        "FROM roots r LEFT JOIN read_leases l ON l.root_id = r.id "
+        "WHERE (r.lease_until, r.last_access, r.id) > (?, ?, ?) "
+        "ORDER BY r.lease_until, r.last_access, r.id LIMIT ?",
+        (*(victims.cursor or _START), limit),
     ).fetchall()
     examined = 0
-    for root_id, lease_until, last_access, pages, nbytes in rows:
+    for root_id, lease_until, last_access, pages, nbytes, read_until in rows:
         examined += 1
         victims.cursor = (lease_until, last_access, root_id)
+        if read_until > now:
+            progress.read_leased += 1
+            continue
         reclaim = exclusive_bytes(conn, root_id, pages, nbytes)
         if reclaim == 0:
             progress.skipped += 1
@@ -162,18 +184,20 @@ def plan(conn: sqlite3.Connection, victims: EvictionPlan, need: int, budget: Bud
         if need <= 0 or victims.roots >= room:
             break
     if examined == len(rows) < limit:
-        victims.cursor = None  # the walk reached the last unleased root: start over
+        victims.cursor = None  # the walk reached the last root: start over
 
 
 def _still_victim(conn: sqlite3.Connection, v: Candidate, now: float) -> bool:
-    """Re-checked under the write lock: a lease taken or an access made since planning
-    (a lookup's lease, a restore's touch) keeps the root."""
+    """Re-checked under the write lock: a read lease taken or an access made since
+    planning (a lookup's lease, a restore's touch, a later turn) keeps the root."""
     row = conn.execute(
-        "SELECT lease_until, last_access, pages, bytes FROM roots WHERE id = ?", (v.root_id,)
+        "SELECT r.lease_until, r.last_access, r.pages, r.bytes, coalesce(l.until, 0) "
+        "FROM roots r LEFT JOIN read_leases l ON l.root_id = r.id WHERE r.id = ?",
+        (v.root_id,),
     ).fetchone()
-    if row is None or row[0] > now or row[1] != v.last_access:
+    if row is None or row[4] > now or row[1] != v.last_access:
         return False
-    v.pages, v.bytes = int(row[2]), int(row[3])
+    v.lease_until, v.pages, v.bytes = float(row[0]), int(row[2]), int(row[3])
     return True
 
 
@@ -246,9 +270,13 @@ def evict(conn: sqlite3.Connection, victims: EvictionPlan, need: int, budget: Bu
             victims.victims.popleft()
             progress.dropped += 1
             continue
+        reclaimed = progress.reclaimed_bytes
         if not cut(conn, v, need - progress.reclaimed_bytes, budget, progress):
             break  # the budget allowed nothing more
         budget.take_root()
+        if v.leased(now):
+            progress.yielded_bytes += progress.reclaimed_bytes - reclaimed
+            progress.yielded_roots += not v.pages
         if v.pages:
             progress.cut += 1
             progress.left_cut = True

@@ -77,6 +77,22 @@ END;""",
     "INSERT OR IGNORE INTO totals SELECT 'garbage', count(*), coalesce(sum(bytes), 0) "
     "FROM objects WHERE refcount = 0;",
 )
+# Read leases (docs/maintenance.md, "Leases at the cap"): a lookup's lease of the prefix
+# it counted, until its restore, and capture's of the prefix it did not copy, until its
+# commit. Kept apart from ``roots.lease_until`` (the conversation's lease, which yields at
+# the cap, oldest first) because eviction must always honour them. A row goes with its
+# root (the trigger), so none outlives it. Added after stores existed: a writer's
+# connect(create=True) adds them to an older index (``_upgrade_read_leases``), and code
+# that predates them reads and writes such an index as before.
+_READ_LEASES_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS read_leases(
+    root_id TEXT PRIMARY KEY,
+    until REAL NOT NULL
+) WITHOUT ROWID;""",
+    """CREATE TRIGGER IF NOT EXISTS roots_del_read_lease AFTER DELETE ON roots BEGIN
+    DELETE FROM read_leases WHERE root_id = OLD.id;
+END;""",
+)
 # totals rows that are not object states (usage() sums the states into used bytes).
 TOTALS_NOT_STATES = frozenset({"roots", "garbage"})
 
@@ -140,7 +156,7 @@ END;
 CREATE TRIGGER IF NOT EXISTS roots_del AFTER DELETE ON roots BEGIN
     UPDATE totals SET count = count - 1, bytes = bytes - OLD.bytes WHERE name = 'roots';
 END;
-""" + "\n".join(_GARBAGE_SCHEMA)
+""" + "\n".join(_GARBAGE_SCHEMA + _READ_LEASES_SCHEMA)
 
 
 def _check_index_file(path: Path, create: bool) -> None:
@@ -243,6 +259,7 @@ def _schema_version(conn: sqlite3.Connection, path: Path, create: bool) -> str |
         _upgrade(conn)
         _upgrade_packs(conn)
         _upgrade_hold(conn)
+        _upgrade_read_leases(conn)
     row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
     return None if row is None else row[0]
 
@@ -285,6 +302,14 @@ def _upgrade_hold(conn: sqlite3.Connection) -> None:
     with write_txn(conn):
         if not has_hold():
             conn.execute("ALTER TABLE objects ADD COLUMN hold_until REAL")
+
+
+def _upgrade_read_leases(conn: sqlite3.Connection) -> None:
+    """Add the read leases to an index made before them (see ``_READ_LEASES_SCHEMA``)."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'trigger' "
+                    "AND name = 'roots_del_read_lease'").fetchone():
+        return
+    conn.executescript("BEGIN IMMEDIATE;" + "\n".join(_READ_LEASES_SCHEMA) + "COMMIT;")
 
 
 class OutcomeUnknown(StoreError):

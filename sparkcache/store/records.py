@@ -90,7 +90,10 @@ class EvictResult:
     reclaimed_objects: int = 0  # objects whose last reference went: now collectable
     reclaimed_bytes: int = 0
     skipped: int = 0  # LRU roots passed over because evicting them frees nothing
-    dropped: int = 0  # planned victims leased or used again since they were planned
+    dropped: int = 0  # planned victims read-leased or used again since they were planned
+    read_leased: int = 0  # roots passed over for a read lease (a lookup's, capture's)
+    yielded_roots: int = 0  # roots removed whole while their conversation lease ran
+    yielded_bytes: int = 0  # bytes made collectable from roots under a running lease
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ untouched. Superseding in the same transaction is crash-safe for the same reason
 the COMMIT the superseded roots are all there, after it the new root holds every page they
 held, so none of those pages ever has no reference.
 
-Eviction protocol (invariant 2): ``evict`` cuts unleased roots from their end within a
-slice's budget, least recently used first, in one transaction that re-checks leases
-(``store/eviction.py``; unsynced: a power cut may undo it whole, never part of it;
+Eviction protocol (invariant 2): ``evict`` cuts roots from their end within a slice's
+budget, in lease order (unleased roots least recently used first, then the oldest
+conversation leases; never a root under a read lease), in one transaction that re-checks
+them (``store/eviction.py``; unsynced: a power cut may undo it whole, never part of it;
 ``select_victims`` and ``remove_roots`` are the unbounded primitives); ``collect`` deletes
 unreferenced object rows in one durable transaction (which makes every earlier one durable
 too) and only then removes exactly those ``<key>.<generation>`` files: into the pool of
@@ -78,6 +79,12 @@ from sparkcache.store.writer import ObjectWriter, WrittenFile
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_SECONDS = 300.0
+# A read lease on the roots holding page ``pos`` with ``key`` (chained keys: the prefix
+# and every root extending it), kept if it runs longer than one they have.
+_READ_LEASE_SQL = (
+    "INSERT INTO read_leases SELECT root_id, ?1 FROM root_pages WHERE key = ?2 AND pos = ?3 "
+    "ON CONFLICT(root_id) DO UPDATE SET until = max(until, excluded.until)"
+)
 _QUARANTINE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # A record collected from a pack that other rows still name is not punched at once: the
 # rest of its pack usually follows within a few slices (eviction cuts a root from its
@@ -421,11 +428,12 @@ class PageStore:
         # References are netted: a superseded root's pages are the new root's too, so
         # dropping one and adding the other leaves their refcounts as they were.
         refs = Counter(keys)
-        last_access, superseded = now, 0
-        for old_id, old_lease, old_access in self._prefix_roots(conn, keys):
+        last_access, read_until, superseded = now, 0.0, 0
+        for old_id, old_lease, old_access, old_read in self._prefix_roots(conn, keys):
             # A lease taken on the old prefix (a lookup about to restore it, a capture
             # relying on it) must keep protecting those pages, now held by the new root.
             lease_until = max(lease_until, old_lease)
+            read_until = max(read_until, old_read)
             last_access = max(last_access, old_access)
             self._unlink_root(conn, old_id, refs)
             superseded += old_id != root_id
@@ -440,6 +448,8 @@ class PageStore:
             "INSERT INTO root_pages VALUES (?, ?, ?)",
             [(root_id, pos, key) for pos, key in enumerate(keys)],
         )
+        if read_until > now:
+            conn.execute("INSERT INTO read_leases VALUES (?, ?)", (root_id, read_until))
         self._add_refs(conn, refs)
         return _Placement(superseded=superseded, covered=False)
 
@@ -460,8 +470,9 @@ class PageStore:
 
     def _prefix_roots(
         self, conn: sqlite3.Connection, keys: list[str]
-    ) -> list[tuple[str, float, float]]:
-        """``(id, lease_until, last_access)`` of the roots that are prefixes of ``keys``
+    ) -> list[tuple[str, float, float, float]]:
+        """``(id, lease_until, last_access, read lease until)`` of the roots that are
+        prefixes of ``keys``
         (the whole of it included): ``p`` pages, the last of them ``keys[p-1]``.
 
         Only one length is looked at: the longest prefix of ``keys`` any root holds. A
@@ -474,8 +485,9 @@ class PageStore:
         if n == 0:
             return []
         return conn.execute(
-            "SELECT r.id, r.lease_until, r.last_access FROM root_pages rp "
-            "JOIN roots r ON r.id = rp.root_id "
+            "SELECT r.id, r.lease_until, r.last_access, coalesce(l.until, 0) "
+            "FROM root_pages rp JOIN roots r ON r.id = rp.root_id "
+            "LEFT JOIN read_leases l ON l.root_id = r.id "
             "WHERE rp.key = ? AND rp.pos = ? AND r.pages = ?",
             (keys[n - 1], n - 1, n),
         ).fetchall()
@@ -787,7 +799,8 @@ class PageStore:
 
     def record_lease(self, key: str, pos: int, until: float) -> None:
         """Batch a lease another process's lookup took: protects the roots holding page
-        ``pos`` with ``key`` until ``until`` without counting as an access."""
+        ``pos`` with ``key`` until ``until`` without counting as an access; a read lease,
+        which eviction always honours (docs/maintenance.md, "Leases at the cap")."""
         require_hex(key, "page key")
         self._leases[(key, pos)] = max(until, self._leases.get((key, pos), 0.0))
 
@@ -807,56 +820,55 @@ class PageStore:
             [(when, when + self.lease_seconds, key, pos)
              for (key, pos), when in self._touches.items()],
         )
-        conn.executemany(
-            "UPDATE roots SET lease_until = max(lease_until, ?) WHERE id IN "
-            "(SELECT root_id FROM root_pages WHERE key = ? AND pos = ?)",
-            [(until, key, pos) for (key, pos), until in self._leases.items()],
-        )
+        conn.executemany(_READ_LEASE_SQL,
+                         [(until, key, pos) for (key, pos), until in self._leases.items()])
         written = len(self._touches) + len(self._leases)
         self._touches, self._leases, self._touches_since = {}, {}, 0.0
         return written
 
     def lease_prefix(self, keys: Sequence[str], seconds: float) -> int:
         """The stored prefix of ``keys`` (as ``lookup``), protected from eviction for
-        ``seconds``, in one write transaction: what a capture that copies only the rest
-        relies on is then still there when its commit comes."""
+        ``seconds`` by a read lease, in one write transaction: what a capture that copies
+        only the rest relies on is then still there when its commit comes."""
         keys = [require_hex(k, "page key") for k in keys]
         if not self._reader.lookup(keys):
             return 0  # nothing to protect: no write transaction
         with index.write_txn(self._wconn) as conn:
             n = stored_prefix(conn, keys)
             if n:
-                conn.execute(
-                    "UPDATE roots SET lease_until = max(lease_until, ?) WHERE id IN "
-                    "(SELECT root_id FROM root_pages WHERE key = ? AND pos = ?)",
-                    (self._clock() + seconds, keys[n - 1], n - 1),
-                )
+                conn.execute(_READ_LEASE_SQL, (self._clock() + seconds, keys[n - 1], n - 1))
         return n
 
     # ------------------------------------------------------------------ eviction
 
     def select_victims(self, k: int) -> list[str]:
-        """Up to ``k`` unleased roots, least recently used first (an index walk, no sort).
+        """Up to ``k`` roots under no lease of either kind, least recently used first (an
+        index walk, no sort).
 
         Every commit and restore sets ``lease_until = last_access + lease_seconds``, so
         lease order is access order and the ``(lease_until, last_access)`` index yields LRU.
         """
+        now = self._clock()
         rows = self._rconn.execute(
-            "SELECT id FROM roots WHERE lease_until <= ? ORDER BY lease_until, last_access LIMIT ?",
-            (self._clock(), k),
+            "SELECT id FROM roots WHERE lease_until <= ? AND NOT EXISTS (SELECT 1 FROM "
+            "read_leases WHERE root_id = roots.id AND until > ?) "
+            "ORDER BY lease_until, last_access LIMIT ?",
+            (now, now, k),
         ).fetchall()
         self._hook("evict.select")
         return [r[0] for r in rows]
 
     def remove_roots(self, ids: Sequence[str]) -> RemoveResult:
-        """Durably remove unleased roots and drop their references (before any collection)."""
+        """Durably remove roots under no lease of either kind and drop their references
+        (before any collection)."""
         ids = [require_hex(i, "root id", ROOT_ID_HEX_LEN) for i in ids]
         removed, skipped, freed = [], [], 0
         with index.write_txn(self._wconn) as conn:
             now = self._clock()
             for root_id in ids:
                 row = conn.execute(
-                    "SELECT lease_until FROM roots WHERE id = ?", (root_id,)
+                    "SELECT max(r.lease_until, coalesce(l.until, 0)) FROM roots r "
+                    "LEFT JOIN read_leases l ON l.root_id = r.id WHERE r.id = ?", (root_id,)
                 ).fetchone()
                 # Re-checked under the write lock: a restore may have renewed the lease.
                 if row is None or row[0] > now:
@@ -871,8 +883,9 @@ class PageStore:
               take_requests: Callable[[], object] = lambda: None) -> EvictResult:
         """One eviction step, as one transaction under the lookup gate (``store.gate``):
         ``take_requests()`` moves the accesses and leases waiting for this store in
-        (``record_access``, ``record_lease``), they are written, then unleased roots are cut
-        from their end and removed, least recently used first (``store/eviction.py``), until
+        (``record_access``, ``record_lease``), they are written, then roots are cut
+        from their end and removed in lease order, least recently used first, a read lease
+        never overridden (``store/eviction.py``), until
         ``need`` bytes became collectable or ``budget`` is spent. ``plan`` carries the
         victims chosen and not yet removed from one step to the next. ``need <= 0`` only
         writes the requests."""
@@ -899,7 +912,8 @@ class PageStore:
             removed=tuple(progress.removed), cut=progress.cut, pages=progress.pages,
             bytes=progress.bytes, reclaimed_objects=progress.reclaimed_objects,
             reclaimed_bytes=progress.reclaimed_bytes, skipped=progress.skipped,
-            dropped=progress.dropped,
+            dropped=progress.dropped, read_leased=progress.read_leased,
+            yielded_roots=progress.yielded_roots, yielded_bytes=progress.yielded_bytes,
         )
 
     def verify_and_quarantine(self, key: str, generation: str, reason: str) -> bool:
@@ -1181,3 +1195,13 @@ class PageStore:
             collectable_objects=totals["garbage"][0],
             collectable_bytes=totals["garbage"][1],
         )
+
+    def leased(self) -> tuple[int, int]:
+        """Roots whose conversation lease still runs, and their bytes: an index range
+        walk over those roots alone (``roots_lru``), so it grows with the roots published
+        or restored within a lease, not with the store."""
+        count, nbytes = self._rconn.execute(
+            "SELECT count(*), coalesce(sum(bytes), 0) FROM roots WHERE lease_until > ?",
+            (self._clock(),),
+        ).fetchone()
+        return int(count), int(nbytes)
