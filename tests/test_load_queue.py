@@ -1,5 +1,7 @@
-"""Loads with a real supervisor and restore worker: the restore worker serves loads in
-turn, so a one-page load asked for after a large one ends first."""
+"""Loads never fail for room, with a real supervisor and restore worker: more loads at once
+than the load ring and the client's limit of loads in flight hold (and one larger than
+the ring) wait in the client's queue, and every one loads byte-exact; the restore worker
+serves loads in turn, so a one-page load asked for after a large one ends first."""
 
 from __future__ import annotations
 
@@ -22,13 +24,15 @@ from pipeline_util import (
     wait_for,
 )
 
-from sparkcache import config
+from sparkcache import client as client_mod
+from sparkcache import config, segments
 from sparkcache.store import PageStore
 from sparkcache.store.testing import make_root
 from workers import restore as restore_mod
 
 pytestmark = pytest.mark.slow
 
+RING_PAGES = segments.RINGS["load"][1]
 ROOT_PAGES = 1024  # pages committed as one root (a pack) when the store is filled
 
 
@@ -59,6 +63,55 @@ def stored_prefix(store: Path, instance: str, pages: int, blocks: int,
         engine.close()
         if sup is not None:
             check_stopped(stop_supervisor(sup), store, instance)
+
+
+def test_loads_beyond_the_ring_and_the_load_limit_all_load(tmp_path: Path,
+                                                           instance: str) -> None:
+    """At once: one load larger than the ring, loads that together are larger than it,
+    and more one-page loads than MAX_LOADS. None is refused or fails; every page lands
+    byte-exact; the waits are counted and published with the engine's counters."""
+    big = RING_PAGES + client_mod.PART_PAGES // 2  # sent in parts
+    mid, mids = RING_PAGES // 4 + 1, 5  # five of them are more than the ring holds
+    ones = client_mod.MAX_LOADS + 40
+    blocks = big + mid * mids + ones
+    store = tmp_path / "store"
+    # One-token pages (1 KiB): the figures above take 66 MiB of KV and of store.
+    with stored_prefix(store, instance, big, blocks, page_tokens="1",
+                       max_bytes="1GiB") as (engine, tokens):
+        c = engine.client
+        free = list(range(blocks))
+        plans: dict[str, tuple[list[int], list[int]]] = {"big": (tokens, free[:big])}
+        at = big
+        for i in range(mids):
+            plans[f"mid{i}"] = (tokens[:mid], free[at : at + mid])
+            at += mid
+        for i in range(ones):
+            plans[f"one{i}"] = (tokens[:1], free[at : at + 1])
+            at += 1
+        for lid, (toks, blks) in plans.items():
+            assert engine._timed(c.load, lid, toks, blks), (lid, c.counters.misses)
+        assert c.loads_waiting > 0 and c.loads_in_flight == len(plans)
+        results = engine.wait_loaded(list(plans), timeout=600)
+        for lid, (toks, blks) in plans.items():
+            r = results[lid]
+            assert (r.status, r.tokens, r.bad_page) == ("ok", len(toks), None), (lid, r)
+            assert all(engine.exact_pages(toks, blks)), lid
+        assert not c.counters.misses, c.counters.misses  # nothing refused, nothing failed
+        assert c.counters.load_status == {"ok": len(plans)}
+        assert c.loads_in_flight == 0 and c.loads_waiting == 0
+        assert c.counters.loads_queued > 0 and c.counters.load_queue_seconds > 0
+        assert c.counters.loaded_pages == sum(len(b) for _, b in plans.values())
+        # The waits and the (now empty) queue reach the engine stats block the
+        # supervisor serves.
+        with segments.attach_engine_stats(c.cfg, 0) as block:
+            def published():
+                engine.poll()
+                rec = block.read(0)
+                return rec if rec is not None and \
+                    rec.loads_queued == c.counters.loads_queued else None
+            rec = wait_for(published, 10, "the queue's counters to be published")
+        assert rec.load_queue_depth == 0 and rec.load_queue_seconds > 0
+        assert rec.load_ok == len(plans)
 
 
 def test_a_one_page_load_ends_before_a_large_one_asked_first(tmp_path: Path,
