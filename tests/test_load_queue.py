@@ -1,7 +1,8 @@
 """Loads never fail for room, with a real supervisor and restore worker: more loads at once
 than the load ring and the client's limit of loads in flight hold (and one larger than
 the ring) wait in the client's queue, and every one loads byte-exact; the restore worker
-serves loads in turn, so a one-page load asked for after a large one ends first."""
+serves loads in turn, so a one-page load asked for after a large one ends first; a load
+sent in parts ends at a corrupt page of a later part."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ from pipeline_util import (
 from sparkcache import client as client_mod
 from sparkcache import config, segments
 from sparkcache.store import PageStore
-from sparkcache.store.testing import make_root
+from sparkcache.store.objects import HEADER_SIZE
+from sparkcache.store.reader import StoreReader
+from sparkcache.store.testing import make_root, object_file
 from workers import restore as restore_mod
 
 pytestmark = pytest.mark.slow
@@ -136,3 +139,32 @@ def test_a_one_page_load_ends_before_a_large_one_asked_first(tmp_path: Path,
         assert order == ["one", "large"], order
         assert all(engine.exact_pages(tokens, list(range(large))))
         assert all(engine.exact_pages(tokens[:page], [large]))
+
+
+def test_a_load_in_parts_ends_at_a_corrupt_page_of_a_later_part(tmp_path: Path,
+                                                                 instance: str) -> None:
+    """A load larger than PART_PAGES goes in parts; a page that fails verification in a
+    later part ends the load there: reported with its index in the whole load, the pages
+    before it loaded, the page quarantined."""
+    pages = client_mod.PART_PAGES + 8
+    bad = client_mod.PART_PAGES + 3
+    store = tmp_path / "store"
+    with stored_prefix(store, instance, pages, pages, page_tokens="1",
+                       max_bytes="1GiB") as (engine, tokens):
+        keys = engine.keys(tokens)
+        reader = StoreReader(store, 0)
+        try:
+            path, offset = object_file(reader.layout.objects_dir, reader.conn, keys[bad])
+        finally:
+            reader.close()
+        raw = bytearray(path.read_bytes())
+        raw[offset + HEADER_SIZE + 5] ^= 0xFF  # the header parses, the checksum fails
+        path.write_bytes(bytes(raw))
+        assert engine.client.load("parts", tokens, list(range(pages)))
+        r = engine.wait_loaded(["parts"], timeout=300)["parts"]
+        assert (r.status, r.bad_page, r.tokens) == ("corrupt", bad, bad), r
+        assert all(engine.exact_pages(tokens[:bad], list(range(bad))))
+        assert engine.client.counters.loaded_pages == bad
+        quarantine = store / "rank-0" / "quarantine"
+        wait_for(lambda: any(p.name.startswith(keys[bad]) for p in quarantine.iterdir()),
+                 30, "the corrupt page to be quarantined")
