@@ -17,6 +17,11 @@ memory back that decides who meets the slow pages), every file evicted before ea
   on it: ``load_call_ms``); afterwards every block is checked byte for byte;
 * synchronous ``restore``, the engine-thread path, for reference.
 
+With the restore worker's load, a one-page load is asked for just after it, into a spare
+block: ``one_page_behind_ms`` is the time until it is reported, ``one_page_vs_load`` that
+time over the large load's (about 1 where the worker serves loads one at a time; far
+below where it serves them in turn).
+
 The worker's first load (one page, untimed) comes first: it imports torch and opens the
 registration then. ``--warm`` leaves the files in the page cache: what the CPU allows.
 ``guest_reports_free_memory``: whether this machine is a VM that hands its free memory
@@ -49,7 +54,7 @@ import numpy as np
 import torch
 
 from sparkcache import config, segments
-from sparkcache.client import SparkCacheClient
+from sparkcache.client import LoadResult, SparkCacheClient
 from sparkcache.identity import sequence_keys
 from sparkcache.kvmem import SharedKVCaches
 from sparkcache.runtime import RUNTIME_FILE
@@ -105,14 +110,18 @@ def start_supervisor(store: Path, instance: str) -> subprocess.Popen:
     return proc
 
 
-def wait_reported(client: SparkCacheClient, load_id: str, timeout: float = 300):
+def wait_reported(client: SparkCacheClient, load_ids: list[str],
+                  timeout: float = 300) -> dict[str, tuple[LoadResult, float]]:
+    """Each load's report and when it came (``time.perf_counter``)."""
     deadline = time.monotonic() + timeout
+    got: dict[str, tuple[LoadResult, float]] = {}
     while time.monotonic() < deadline:
         for result in client.poll_loads():
-            if result.load_id == load_id:
-                return result
+            got[result.load_id] = (result, time.perf_counter())
+        if set(load_ids) <= set(got):
+            return got
         time.sleep(0.0005)
-    raise RuntimeError(f"load {load_id} not reported: {client.counters}")
+    raise RuntimeError(f"loads {load_ids} not reported: {client.counters}")
 
 
 def bench(work: Path, mib: int, rounds: int, cold: bool = True) -> dict[str, float]:
@@ -148,9 +157,9 @@ def bench(work: Path, mib: int, rounds: int, cold: bool = True) -> dict[str, flo
         # Not timed: the worker imports torch and opens the registration at its first load.
         if not client.load("warm-up", tokens[:PAGE_TOKENS], blocks[:1]):
             raise RuntimeError(f"load refused: {client.counters}")
-        wait_reported(client, "warm-up")
+        wait_reported(client, ["warm-up"])
         buf = bytearray(page + 64)
-        seq_s, load_s, sync_s, call_s = [], [], [], []
+        seq_s, load_s, sync_s, call_s, one_s = [], [], [], [], []
         out = np.empty(page, np.uint8)
 
         def sequential() -> None:
@@ -163,10 +172,15 @@ def bench(work: Path, mib: int, rounds: int, cold: bool = True) -> dict[str, flo
             if not client.load(f"r{r}", tokens, blocks):
                 raise RuntimeError(f"load refused: {client.counters}")
             call_s.append(time.perf_counter() - t0)
-            result = wait_reported(client, f"r{r}")
-            load_s.append(time.perf_counter() - t0)
-            if (result.status, result.tokens) != ("ok", len(tokens)):
-                raise RuntimeError(f"load: {result}")
+            # A one-page load asked just after it, into a spare block: how long it waits.
+            if not client.load(f"one{r}", tokens[:PAGE_TOKENS], [npages]):
+                raise RuntimeError(f"load refused: {client.counters}")
+            ends = wait_reported(client, [f"r{r}", f"one{r}"])
+            (result, end), (one, one_end) = ends[f"r{r}"], ends[f"one{r}"]
+            load_s.append(end - t0)
+            one_s.append(one_end - t0)
+            if (result.status, result.tokens) != ("ok", len(tokens)) or one.status != "ok":
+                raise RuntimeError(f"load: {result}, {one}")
             for k, b in zip(keys, blocks, strict=True):
                 views.gather(b, out)
                 if out.tobytes() != page_bytes(k, page):
@@ -200,6 +214,8 @@ def bench(work: Path, mib: int, rounds: int, cold: bool = True) -> dict[str, flo
             "sequential_gib_s_each": [round(total / GIB / s, 3) for s in seq_s],
             "sync_restore_gib_s": total / GIB / sync,
             "load_call_ms": statistics.median(call_s) * 1000,
+            "one_page_behind_ms": statistics.median(one_s) * 1000,
+            "one_page_vs_load": statistics.median(one_s) / load,
         }
     finally:
         client.close()

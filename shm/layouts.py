@@ -251,16 +251,19 @@ SKIP_REASONS = (
     "ring_full", "error", "other",
 )
 # A reported load's status: sparkcache.protocol.LoadStatus in lower case, and the
-# client's own ``worker_gone`` (the worker died with it).
+# client's own: ``worker_gone`` (the worker died with it), ``supervisor_absent`` and
+# ``restore_down`` (none to hand it over to after it waited in the client's queue).
 LOAD_RESULTS = (
     "ok", "partial", "corrupt", "unregistered", "bad_block", "failed", "malformed", "stale",
-    "worker_gone", "other",
+    "worker_gone", "supervisor_absent", "restore_down", "other",
 )
 # Why a load or a synchronous restore the engine asked for missed.
+# No room (the load ring, the client's loads in flight) is none: such a load waits in the
+# client's queue.
 LOAD_MISS_REASONS = (
-    "mode_off", "unregistered", "duplicate_load", "load_limit", "empty_load", "too_large",
-    "bad_block", "bad_request", "supervisor_absent", "restore_down", "ring_full", "error",
-    "not_stored", "corrupt", "worker_gone", "other",
+    "mode_off", "unregistered", "duplicate_load", "empty_load", "bad_block", "bad_request",
+    "supervisor_absent", "restore_down", "error", "not_stored", "corrupt", "worker_gone",
+    "other",
 )
 
 # One slot per engine-side writer of a rank (sparkcache.engine_stats: slot 0 the rank's
@@ -269,7 +272,8 @@ LOAD_MISS_REASONS = (
 # count from 0 in each engine process.
 ENGINE_STATS = RecordLayout(
     "engine_stats",
-    2,  # 1 had pid_start in wall-clock time (psutil create_time)
+    # 1 had pid_start in wall-clock time (psutil create_time); 2 had no load queue
+    3,
     np.dtype(
         [
             ("pid", "<u4"),
@@ -292,6 +296,9 @@ ENGINE_STATS = RecordLayout(
             ("checksum_failures", "<u8"),  # pages the engine saw fail verification
             ("requests_dropped", "<u8"),  # requests to maintenance that found no room
             ("ring_errors", "<u8"),  # ring faults (the client reconnected)
+            ("loads_queued", "<u8"),  # loads that waited in the client's queue for room
+            ("load_queue_seconds", "<f8"),  # the time they waited there, summed
+            ("load_queue_depth", "<u8"),  # a gauge: loads waiting there now
         ]
     ),
 )

@@ -19,7 +19,10 @@ a lookup takes, the access a restore records and the quarantine of a corrupt obj
 finds are requests to the maintenance worker.
 
 ``load`` hands a restore to the rank's restore worker, which reads, verifies and writes
-the pages into the blocks while the engine serves; ``poll_loads`` reports each load once
+the pages into the blocks while the engine serves; a load the load ring or ``MAX_LOADS``
+has no room for waits in the client's queue until ``poll_loads`` hands it over (room is
+never a reason to refuse one), and a load larger than ``PART_PAGES`` goes in parts, one
+after the other. ``poll_loads`` reports each load once
 the worker writes nothing more into its blocks: it answered, or it is known dead (its
 process gone, never only silent). Each load is addressed to the worker process the stats
 block names, and any other process refuses it (``stale``), so a restarted worker never
@@ -83,9 +86,14 @@ DURABLE_TIMEOUT_S = 120.0
 SETTLED_KEPT = 65536
 # Publications released by their deadline whose late completion is still taken.
 EXPIRED_KEPT = 1024
-# Loads handed to the restore worker and not yet reported; fewer than the loaded ring
-# holds, so the worker's reports never wait for room while the engine polls.
+# Loads (parts of loads) handed to the restore worker and not yet answered; fewer than
+# the loaded ring holds, so the worker's reports never wait for room while the engine
+# polls. More wait in the client's queue.
 MAX_LOADS = 256
+# The most pages handed to the restore worker as one part of a load: a larger load goes
+# in parts, each once the one before it ended whole, so that no load is too large for the
+# load ring and several loads fit in it at once.
+PART_PAGES = segments.RINGS["load"][1] // 4
 # How often poll_loads looks whether the restore worker of a load in flight is gone:
 # psutil reads /proc twice (~0.3 ms), which at 0.1 s was the engine step's slowest call
 # once in ~50 steps; a dead worker's loads are rare and a supervisor restart is slower.
@@ -124,9 +132,14 @@ class ClientCounters:
     misses: Counter = field(default_factory=Counter)
     requests_dropped: int = 0
     ring_errors: int = 0
-    loads: int = 0  # handed to the restore worker
+    loads: int = 0  # taken for the restore worker (at once, or through the queue)
     loaded_pages: int = 0  # written into blocks by it
     load_status: Counter = field(default_factory=Counter)  # reported loads, by status
+    # Loads (and later parts of large ones) that waited in the queue for room (the ring,
+    # MAX_LOADS), and how long, summed.
+    loads_queued: int = 0
+    load_queue_seconds: float = 0.0
+    load_queue_depth: int = 0  # a gauge: loads waiting in the queue now
 
 
 @dataclass(frozen=True)
@@ -155,8 +168,11 @@ class LoadResult:
     0..n-1 verified and written). ``status``: ``ok`` (all asked for), ``partial`` (the
     store held less), ``corrupt`` (page ``bad_page`` failed verification; it was never
     written, and maintenance is asked to quarantine it), ``worker_gone`` (the worker died
-    with it: nothing about the blocks is known), or why the worker refused it
-    (``unregistered``, ``bad_block``, ``failed``, ``malformed``, ``stale``)."""
+    with it: nothing is known about the blocks past ``tokens``), why the worker refused
+    it (``unregistered``, ``bad_block``, ``failed``, ``malformed``, ``stale``), or why the
+    client could not hand it (or its next part) over once it had waited in the queue
+    (``supervisor_absent``, ``restore_down``). A load larger than ``PART_PAGES`` pages
+    ends with its last part's status; ``tokens`` counts every part."""
 
     load_id: Hashable
     tokens: int
@@ -168,8 +184,13 @@ class LoadResult:
 class _Load:
     load_id: Hashable
     keys: np.ndarray  # (pages, 2): the page keys' u64 halves, as the ring carries them
+    blocks: np.ndarray  # one per page
     ntokens: int
-    worker: tuple[int, float]  # the restore worker asked: pid, start time
+    waiting_since: float  # monotonic: when it (its next part) joined the queue
+    done: int = 0  # leading pages of the parts answered ``ok``
+    part: int = 0  # pages of the part with the restore worker
+    worker: tuple[int, float] | None = None  # the restore worker asked: pid, start time
+    queued: bool = False  # waiting for room, counted in ``loads_queued``
 
 
 @dataclass
@@ -295,8 +316,12 @@ class SparkCacheClient:
         self._store_full = False
         self._pub_ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
         self._scratch = np.empty(0, np.uint8)
-        self._loads: dict[int, _Load] = {}  # wire id -> load in flight
-        self._load_ids: set[Hashable] = set()  # the engine's ids of those loads
+        self._loads: dict[int, _Load] = {}  # wire id -> load (part) with the worker
+        # Loads (or their next parts) waiting for room in the ring and under MAX_LOADS,
+        # in the order they came. Bounded by the engine: one load per request it holds
+        # blocks for (vLLM: its running requests), never refused for room.
+        self._waiting: deque[_Load] = deque()
+        self._load_ids: set[Hashable] = set()  # the engine's ids of both
         self._load_results: list[LoadResult] = []
         self._load_wire_ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
         self._reap_at = 0.0
@@ -784,9 +809,11 @@ class SparkCacheClient:
              max_pages: int | None = None) -> bool:
         """Queue a load of the stored prefix of ``token_ids`` (with the request's
         ``extra``; at most ``max_pages`` pages, one per block of ``block_ids``) into those
-        blocks. True if the restore worker was asked: the blocks are then the worker's
-        until ``poll_loads`` reports ``load_id``. False if not (counted in
-        ``counters.misses`` by reason); never raises, never waits."""
+        blocks. True if taken: the blocks are then SparkCache's until ``poll_loads``
+        reports ``load_id``. A load the ring or ``MAX_LOADS`` has no room for now waits in
+        the client's queue, and ``poll_loads`` hands it over as room frees: room is never
+        a reason to refuse. False if refused (counted in ``counters.misses`` by reason);
+        never raises, never waits."""
         try:
             keys = []
             if self._reg is not None and self.cfg.access_mode is not AccessMode.OFF:
@@ -823,7 +850,8 @@ class SparkCacheClient:
 
     def _queue_load(self, load_id: Hashable, halves: np.ndarray, ntokens: int,
                     block_ids: Sequence[int]) -> str | None:
-        """Queue a load of the pages whose keys' halves are ``halves`` (``key_halves``)."""
+        """Take a load of the pages whose keys' halves are ``halves`` (``key_halves``)
+        into the queue and hand over what there is room for."""
         reg = self._reg
         if self.cfg.access_mode is AccessMode.OFF:
             return "mode_off"
@@ -831,16 +859,28 @@ class SparkCacheClient:
             return "unregistered"
         if load_id in self._load_ids:
             return "duplicate_load"
-        if len(self._loads) >= MAX_LOADS:
-            return "load_limit"
         n = len(halves)
         if n == 0:
             return "empty_load"
-        if n > segments.RINGS["load"][1]:
-            return "too_large"
         blocks = np.asarray(block_ids[:n], dtype=np.int64)
         if (blocks < 0).any() or (blocks >= reg.views.num_blocks).any():
             return "bad_block"
+        target = self._restore_target()
+        if isinstance(target, str):
+            return target
+        self._waiting.append(_Load(load_id, halves, blocks, ntokens, time.monotonic()))
+        self._load_ids.add(load_id)
+        self.counters.loads += 1
+        try:
+            self._send_waiting(*target)
+        except Exception:
+            # Taken all the same: the next poll_loads hands it over, or ends it.
+            self._ring_fault("load")
+        return None
+
+    def _restore_target(self) -> tuple[_Connection, tuple[int, float]] | str:
+        """The connection and the live restore worker to hand loads to, or why there are
+        none (``supervisor_absent``, ``restore_down``)."""
         conn = self._connection()
         if conn is None:
             return "supervisor_absent"
@@ -850,25 +890,61 @@ class SparkCacheClient:
             # in flight keep theirs; only its death reports them.
             conn = self._attach_again()
             worker = self._restore_worker(conn) if conn is not None else None
-            if worker is None:
+            if conn is None or worker is None:
                 return "restore_down"  # asked again after RESTORE_CACHE_S
-        wire_id = next(self._load_wire_ids)
-        recs = _LOAD_SHARED.batch(n, wire_id, worker[1], worker[0], reg.reg_gen, n)
-        recs["key_hi"], recs["key_lo"] = halves[:, 0], halves[:, 1]
-        recs["block_id"] = blocks
-        recs["page_index"] = _PAGE_INDEX[:n]
-        try:
-            conn.load.push_batch(recs)
-        except RingFull:
-            return "ring_full"
-        self._loads[wire_id] = _Load(load_id, halves, ntokens, worker)
-        self._load_ids.add(load_id)
-        self.counters.loads += 1
-        return None
+        return conn, worker
+
+    def _send_waiting(self, conn: _Connection, worker: tuple[int, float]) -> None:
+        """Hand the waiting loads to ``worker``, in order, while the ring and MAX_LOADS
+        have room; the rest wait for the next poll, each counted once with its wait."""
+        reg = self._reg
+        assert reg is not None
+        now = time.monotonic()
+        while self._waiting and len(self._loads) < MAX_LOADS:
+            entry = self._waiting[0]
+            n = min(PART_PAGES, len(entry.keys) - entry.done)
+            part = slice(entry.done, entry.done + n)
+            wire_id = next(self._load_wire_ids)
+            recs = _LOAD_SHARED.batch(n, wire_id, worker[1], worker[0], reg.reg_gen, n)
+            recs["key_hi"], recs["key_lo"] = entry.keys[part, 0], entry.keys[part, 1]
+            recs["block_id"] = entry.blocks[part]
+            recs["page_index"] = _PAGE_INDEX[:n]
+            try:
+                conn.load.push_batch(recs)
+            except RingFull:
+                break
+            self._waiting.popleft()
+            entry.part, entry.worker = n, worker
+            self._loads[wire_id] = entry
+            if entry.queued:
+                entry.queued = False
+                self.counters.load_queue_seconds += now - entry.waiting_since
+        for entry in self._waiting:
+            if not entry.queued:
+                entry.queued = True
+                self.counters.loads_queued += 1
+        self.counters.load_queue_depth = len(self._waiting)
+
+    def _send_or_end_waiting(self) -> None:
+        """Hand waiting loads over as room frees; with no restore worker to take them,
+        they end as a load would be refused (``restore_down``, ``supervisor_absent``),
+        with the pages of their parts already loaded."""
+        if not self._waiting:
+            return
+        target = self._restore_target()
+        if not isinstance(target, str):
+            self._send_waiting(*target)
+            return
+        while self._waiting:
+            entry = self._waiting.popleft()
+            self.counters.misses[target] += 1
+            self._end_load(entry, entry.done, target)
+        self.counters.load_queue_depth = 0
 
     def poll_loads(self) -> list[LoadResult]:
         """Loads whose blocks the restore worker is done with (see ``LoadResult``): it
-        answered, or the process asked is gone. Never raises."""
+        answered, or the process asked is gone. Hands waiting loads over as room frees.
+        Never raises."""
         try:
             conn = self._connection()
             if conn is not None:
@@ -879,6 +955,10 @@ class SparkCacheClient:
             self._reap_loads()
         except Exception:
             log.warning("checking the restore worker failed", exc_info=True)
+        try:
+            self._send_or_end_waiting()
+        except Exception:
+            self._ring_fault("load")
         self._publish_counters()
         done, self._load_results = self._load_results, []
         return done
@@ -892,21 +972,23 @@ class SparkCacheClient:
                 # Another process answered for the one asked, which must be gone; but only
                 # its death, checked by the reaper, releases the blocks.
                 continue
-            pages = min(pages, len(entry.keys))
-            what = status_name(LoadStatus, status)
+            del self._loads[wire_id]
+            pages = min(pages, entry.part)
+            self.counters.loaded_pages += pages
+            if status == LoadStatus.OK and entry.done + pages < len(entry.keys):
+                # Its next part goes first: it held its place in the queue.
+                entry.done += pages
+                entry.waiting_since = time.monotonic()
+                self._waiting.appendleft(entry)
+                continue
             bad = None
             if status == LoadStatus.CORRUPT:
-                bad = bad_index
+                bad = entry.done + bad_index
                 self.counters.misses["corrupt"] += 1
                 self._request(RequestKind.QUARANTINE, join_key(hi, lo), gen)
             elif status == LoadStatus.PARTIAL:
                 self.counters.misses["not_stored"] += 1
-            if pages:
-                self.counters.loaded_pages += pages
-                # Only an access time is lost if this cannot be sent.
-                self._request(RequestKind.TOUCH, join_key(*entry.keys[pages - 1]), pages - 1)
-            tokens = min(pages * self.cfg.page_tokens, entry.ntokens)
-            self._report_load(wire_id, LoadResult(entry.load_id, tokens, what, bad))
+            self._end_load(entry, entry.done + pages, status_name(LoadStatus, status), bad)
 
     def _reap_loads(self) -> None:
         """Report the loads whose restore worker is gone (after reading its answers):
@@ -920,22 +1002,35 @@ class SparkCacheClient:
         # (~0.3 ms) only for the others.
         live = self._restore_worker(self._conn) if self._conn is not None else None
         workers = {entry.worker for entry in self._loads.values()} - {live}
-        gone = {w for w in workers if process_gone(*w)}
+        gone = {w for w in workers if w is not None and process_gone(*w)}
         for wire_id, entry in list(self._loads.items()):
             if entry.worker in gone:
+                del self._loads[wire_id]
                 self.counters.misses["worker_gone"] += 1
-                self._report_load(wire_id, LoadResult(entry.load_id, 0, "worker_gone"))
+                # The parts answered before stay loaded; nothing is known of this one.
+                self._end_load(entry, entry.done, "worker_gone")
 
-    def _report_load(self, wire_id: int, result: LoadResult) -> None:
-        entry = self._loads.pop(wire_id)
+    def _end_load(self, entry: _Load, pages: int, status: str,
+                  bad_page: int | None = None) -> None:
+        """Report ``entry`` with its ``pages`` leading pages loaded, and touch them."""
+        if pages:
+            # Only an access time is lost if this cannot be sent.
+            self._request(RequestKind.TOUCH, join_key(*entry.keys[pages - 1]), pages - 1)
         self._load_ids.discard(entry.load_id)
-        self.counters.load_status[result.status] += 1
-        self._load_results.append(result)
+        self.counters.load_status[status] += 1
+        tokens = min(pages * self.cfg.page_tokens, entry.ntokens)
+        self._load_results.append(LoadResult(entry.load_id, tokens, status, bad_page))
 
     @property
     def loads_in_flight(self) -> int:
-        """Loads whose blocks the restore worker may still write."""
-        return len(self._loads)
+        """Loads not yet reported: their blocks are SparkCache's (the restore worker may
+        write them, or they wait in the queue)."""
+        return len(self._load_ids)
+
+    @property
+    def loads_waiting(self) -> int:
+        """Loads (or their next parts) waiting in the client's queue for room."""
+        return len(self._waiting)
 
     def close(self) -> None:
         """Detach from the rings (without closing them: a new client may attach)."""

@@ -92,6 +92,9 @@ def client_fields(c: ClientCounters) -> dict[str, float]:
         "checksum_failures": c.misses["corrupt"],
         "requests_dropped": c.requests_dropped,
         "ring_errors": c.ring_errors,
+        "loads_queued": c.loads_queued,
+        "load_queue_seconds": c.load_queue_seconds,
+        "load_queue_depth": c.load_queue_depth,
     }
 
 

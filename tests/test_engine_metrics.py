@@ -106,6 +106,11 @@ def test_engine_counters_are_served_by_the_supervisor(tmp_path: Path, instance: 
         assert value(s, "engine_load_misses_total", reason="bad_block", **on) == 1
         assert value(s, "engine_loaded_pages_total", **on) == sum(map(len, loads))
         assert value(s, "engine_checksum_failures_total", **on) == 0
+        # Two loads had room at once: none waited in the client's queue.
+        assert value(s, "engine_loads_queued_total", **on) == c.loads_queued == 0
+        assert value(s, "engine_load_queue_seconds_total", **on) == 0
+        assert value(s, "engine_load_queue_depth", **on) == 0
+        assert types["engine_load_queue_depth"] == "gauge"
         # wait_committed looked every sequence up through the client.
         assert value(s, "engine_lookups_total", **on) == c.lookups > 0
         assert value(s, "engine_lookup_tokens_total", **on) == c.lookup_tokens

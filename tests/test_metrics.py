@@ -60,7 +60,8 @@ FAMILIES = {
     "engine_published_pages", "engine_publication_skips", "engine_publications_expired",
     "engine_loads", "engine_load_results", "engine_loaded_pages", "engine_restored_pages",
     "engine_load_misses", "engine_checksum_failures", "engine_requests_dropped",
-    "engine_ring_errors",
+    "engine_ring_errors", "engine_loads_queued", "engine_load_queue_seconds",
+    "engine_load_queue_depth",
 }
 ROLES = ("capture", "commit", "maintenance", "restore")
 

@@ -8,7 +8,10 @@ reported it failed and the engine reused its blocks; open the registration (agai
 ``reg_gen`` changes) and bounds-check every block id; plan the stored prefix in the
 index (read-only: this worker never writes the index); then read and verify the pages in
 chunks on a small pool of reader threads, each with its own ``StoreReader``, stopping at
-the first page that is missing or fails verification. A run of a pack's records not in
+the first page that is missing or fails verification. Several loads are served at once,
+a chunk of each in turn (round robin), so a one-page load does not wait behind a load of
+gigabytes: each is answered when its own last write is done. Loads that come while
+others are served join the turn at the next chunk. A run of a pack's records not in
 the page cache is read past it (``sparkcache.store.direct``): into the reader's own
 buffers, verified there, then copied to its destination. Where the engine's KV is host
 memory (vLLM's CPU backend, its KV moved into shared memory) that destination is the
@@ -30,7 +33,6 @@ One the full ring refuses waits, in order, and no new load is taken meanwhile.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import queue
@@ -135,6 +137,21 @@ class _Outcome:
         return (load_id, int(self.status), self.pages, self.bad_index, 0, hi, lo, gen)
 
 
+@dataclass
+class _Active:
+    """A load being served: its plan read chunk by chunk, in turn with the others."""
+
+    load_id: int
+    npages: int  # pages asked for
+    plan: list[PlannedPage]  # the stored prefix of them
+    blocks: list[int]
+    started: float  # perf_counter
+    submitted: int = 0  # leading pages of the plan handed to the readers
+    written: int = 0  # leading pages verified and written into their blocks
+    reading: int = 0  # its chunks with the readers
+    outcome: _Outcome | None = None  # set when it ended before its plan did
+
+
 class _ReaderPool:
     """Threads that read and verify planned pages into staging or blocks, each through its
     own ``StoreReader`` (an index connection belongs to the thread that opened it; it is
@@ -208,6 +225,16 @@ class Restore:
         self._reader: StoreReader | None = None
         self._pool: _ReaderPool | None = None
         self._unsent: deque[tuple] = deque()
+        # Loads popped and not yet planned, in the order they came.
+        self._popped: deque[np.ndarray] = deque()
+        self._active: list[_Active] = []  # planned, not yet answered
+        self._turn: deque[_Active] = deque()  # those with chunks left to read, in turn
+        # Chunks handed to the readers, in the order they were: (load, first page,
+        # staging token, future).
+        self._reading: deque[tuple[_Active, int, int, Future]] = deque()
+        # Staging tokens: a staging buffer each, or (read in place) only the bound on
+        # the chunks read ahead.
+        self._free = list(range(STAGED_CHUNKS))
         life.report.update((f"read_bytes_{path}", 0) for path in READ_PATHS)
         self._rare = RateLimitedLog(log)
         self._warm_at = 0.0
@@ -342,7 +369,23 @@ class Restore:
         self._flush()
 
     def _take(self, timeout: float) -> bool:
-        """Do the loads waiting in the ring; False when there were none."""
+        """Do the loads waiting in the ring, and those that come while they are served, to
+        their end; False when there were none."""
+        if not self._pop(timeout):
+            return False
+        while self._popped or self._active:
+            t0 = time.perf_counter()
+            self._serve_chunk()
+            self.life.copy_seconds += time.perf_counter() - t0
+            # Loads that came meanwhile join the turn at once, not after these end; none
+            # while reports wait for room.
+            if self._flush():
+                self._pop(0)
+        return True
+
+    def _pop(self, timeout: float) -> bool:
+        """Take the loads waiting in the ring: malformed ones and those meant for another
+        process are answered at once, the rest wait in ``_popped``. False if none came."""
         try:
             batch = self.loads.pop_batch(LOAD_CAPACITY, timeout=timeout)
         except (RingEmpty, RingClosed, SignalError):
@@ -356,33 +399,177 @@ class Restore:
                 # run into the next, and an unanswered load holds its blocks.
                 for other in dict.fromkeys(recs["load_id"][1:].tolist()):
                     if other != load_id:
-                        self._answer(int(other), _Outcome(LoadStatus.MALFORMED))
-                outcome = _Outcome(LoadStatus.MALFORMED)
+                        self._end(int(other), _Outcome(LoadStatus.MALFORMED))
+                self._end(load_id, _Outcome(LoadStatus.MALFORMED))
             elif (int(recs["worker_pid"][0]), float(recs["worker_start"][0])) != self.me:
                 # Meant for a predecessor: its client may have reported it failed when that
                 # process died, and the engine may be using the blocks again.
                 self.life.drop("stale", f"load {load_id} for pid {int(recs['worker_pid'][0])}")
-                outcome = _Outcome(LoadStatus.STALE)
+                self._end(load_id, _Outcome(LoadStatus.STALE))
             else:
-                t0 = time.perf_counter()
-                try:
-                    outcome = self._load(recs)
-                except ENVIRONMENT_FAULTS:
-                    raise
-                except Exception:
-                    self.life.item_error("load", load_id)
-                    self._check_usable()
-                    outcome = _Outcome(LoadStatus.FAILED)
-                self.life.copy_seconds += time.perf_counter() - t0
-                self.life.timed(time.perf_counter() - t0)
-            self.life.outcome(int(outcome.status))
-            if outcome.status in (LoadStatus.OK, LoadStatus.PARTIAL):
-                self.life.processed += 1
-            else:
-                self.life.failed += 1
-            self._answer(load_id, outcome)
-            lifecycle.checkpoint("restore.answered")
+                self._popped.append(recs)
         return True
+
+    def _end(self, load_id: int, outcome: _Outcome, seconds: float | None = None) -> None:
+        """Count a load's end (``seconds``: how long it was served) and answer it."""
+        if seconds is not None:
+            self.life.timed(seconds)
+        self.life.outcome(int(outcome.status))
+        if outcome.status in (LoadStatus.OK, LoadStatus.PARTIAL):
+            self.life.processed += 1
+        else:
+            self.life.failed += 1
+        self._answer(load_id, outcome)
+        lifecycle.checkpoint("restore.answered")
+
+    def _serve_chunk(self) -> None:
+        """Start the loads popped, hand chunks to the readers in turn, one of each load
+        with pages left (round robin), and write the oldest chunk read into its blocks."""
+        self._start_popped()
+        self._submit_in_turn()
+        if self._reading:
+            self._complete(*self._reading.popleft())
+
+    def _start_popped(self) -> None:
+        """Plan the popped loads; one of another registration than the loads being served
+        waits for them to end (opening it closes theirs). New loads take their first turn
+        before the loads already served take their next: a short load then ends within a
+        few chunks of its arrival."""
+        new: list[_Active] = []
+        while self._popped:
+            recs = self._popped[0]
+            if self._active and self.reg is not None and \
+                    int(recs["reg_gen"][0]) != self.reg.reg_gen:
+                break
+            self._popped.popleft()
+            load_id = int(recs["load_id"][0])
+            t0 = time.perf_counter()
+            try:
+                started = self._start(recs)
+            except ENVIRONMENT_FAULTS:
+                raise
+            except Exception:
+                self.life.item_error("load", load_id)
+                self._check_usable()
+                started = _Outcome(LoadStatus.FAILED)
+            if isinstance(started, _Outcome):
+                self._end(load_id, started, time.perf_counter() - t0)
+            else:
+                self._active.append(started)
+                if started.plan:
+                    new.append(started)
+                self._finish_if_done(started)
+        self._turn.extendleft(reversed(new))
+
+    def _start(self, recs: np.ndarray) -> _Active | _Outcome:
+        """The load's plan of the stored prefix, or why it ends without one."""
+        reg = self._registration(int(recs["reg_gen"][0]))
+        if reg is None:
+            return _Outcome(LoadStatus.UNREGISTERED)
+        blocks = recs["block_id"]
+        if (blocks < 0).any() or (blocks >= reg.views.num_blocks).any():
+            self.life.drop("block", f"load with block ids outside "
+                           f"0-{reg.views.num_blocks - 1}")
+            return _Outcome(LoadStatus.BAD_BLOCK)
+        reader = self._store()
+        if reader is None:
+            return _Outcome(LoadStatus.PARTIAL)
+        keys = [join_key(h, lo) for h, lo in zip(recs["key_hi"], recs["key_lo"], strict=True)]
+        plan = reader.plan(keys)
+        # A page of another size than the engine's is not its page (a staging row would
+        # also keep an earlier page's bytes past it): the load ends before it.
+        fits = next((i for i, p in enumerate(plan) if p.size != reg.views.page_bytes),
+                    len(plan))
+        if fits < len(plan):
+            self._rare.warning("size", "page %s holds %d bytes, not the engine's %d; "
+                               "the load ends there", plan[fits].key, plan[fits].size,
+                               reg.views.page_bytes)
+        return _Active(int(recs["load_id"][0]), len(keys), plan[:fits], blocks.tolist(),
+                       time.perf_counter())
+
+    def _submit_in_turn(self) -> None:
+        """Hand the readers a chunk of each load in turn while staging is free (up to
+        STAGED_CHUNKS read ahead of the writes, across loads)."""
+        reg = self.reg
+        if not self._turn:
+            return  # (and reg may be None: every load popped ended at its start)
+        assert self._pool is not None and reg is not None
+        size = reg.chunk_pages
+        while self._free and self._turn:
+            load = self._turn.popleft()
+            start = load.submitted
+            pages = load.plan[start : start + size]
+            load.submitted += len(pages)
+            buf = self._free.pop()
+            into = reg.staging[buf] if not reg.in_place else [
+                reg.views.page_runs(b) for b in load.blocks[start : start + len(pages)]]
+            fut = self._pool.submit(pages, into)
+            load.reading += 1
+            self._reading.append((load, start, buf, fut))
+            if load.submitted < len(load.plan):
+                self._turn.append(load)
+
+    def _complete(self, load: _Active, start: int, buf: int, fut: Future) -> None:
+        """Write a chunk's verified prefix into its load's blocks (read in place: it is
+        there already); the load ends at the first page that could not be read or
+        verified, or with its last chunk."""
+        reg = self.reg
+        assert reg is not None
+        try:
+            result: ReadResult = self._wait(fut, quiet=load.outcome is not None)
+            if load.outcome is None:
+                self._write(reg, load, start, buf, result)
+        except ENVIRONMENT_FAULTS:
+            raise
+        except Exception:
+            self.life.item_error("load", load.load_id)
+            self._check_usable()
+            self._stop(load, _Outcome(LoadStatus.FAILED))
+        finally:
+            self._free.append(buf)
+            load.reading -= 1
+        self._finish_if_done(load)
+
+    def _write(self, reg: _Registered, load: _Active, start: int, buf: int,
+               result: ReadResult) -> None:
+        if result.pages:
+            if not reg.in_place:
+                reg.views.scatter_pages(load.blocks[start : start + result.pages],
+                                        reg.staging[buf][: result.pages], reg.stream)
+            load.written += result.pages
+            self.life.copy_bytes += result.pages * reg.views.page_bytes
+            for path in READ_PATHS:
+                self.life.report[f"read_bytes_{path}"] += getattr(result, f"{path}_bytes")
+            lifecycle.checkpoint("restore.written")
+        if result.pages < len(load.plan[start : start + reg.chunk_pages]):
+            # The page it stopped at; pages opened ahead of it may be reported too.
+            stop = load.plan[start + result.pages].key
+            bad = next((b for b in result.bad if b.key == stop), None)
+            self._stop(load, _Outcome(LoadStatus.PARTIAL, load.written) if bad is None
+                       else _Outcome(LoadStatus.CORRUPT, load.written, load.written, bad))
+
+    def _stop(self, load: _Active, outcome: _Outcome) -> None:
+        """End ``load`` early: no more of its chunks are read; those the readers have
+        begun are waited for (nothing may read into its blocks, or into staging another
+        load takes, once it is answered)."""
+        load.outcome = outcome
+        with contextlib.suppress(ValueError):
+            self._turn.remove(load)
+        for entry in [e for e in self._reading if e[0] is load and e[3].cancel()]:
+            self._reading.remove(entry)
+            self._free.append(entry[2])
+            load.reading -= 1
+
+    def _finish_if_done(self, load: _Active) -> None:
+        """Answer ``load`` once its last chunk is written (or it ended) and none of its
+        chunks is still being read."""
+        if load.reading or (load.outcome is None and load.submitted < len(load.plan)):
+            return
+        outcome = load.outcome or _Outcome(
+            LoadStatus.OK if load.written == load.npages else LoadStatus.PARTIAL,
+            load.written)
+        self._active.remove(load)
+        self._end(load.load_id, outcome, time.perf_counter() - load.started)
 
     def _check_usable(self) -> None:
         """StoreError (an environment fault: exit 4) if the store's directories are gone
@@ -461,88 +648,6 @@ class Restore:
         if "error" in box:
             raise box["error"]  # type: ignore[misc]
         return box["value"]  # type: ignore[return-value]
-
-    def _load(self, recs: np.ndarray) -> _Outcome:
-        reg = self._registration(int(recs["reg_gen"][0]))
-        if reg is None:
-            return _Outcome(LoadStatus.UNREGISTERED)
-        blocks = recs["block_id"]
-        if (blocks < 0).any() or (blocks >= reg.views.num_blocks).any():
-            self.life.drop("block", f"load with block ids outside "
-                           f"0-{reg.views.num_blocks - 1}")
-            return _Outcome(LoadStatus.BAD_BLOCK)
-        reader = self._store()
-        if reader is None:
-            return _Outcome(LoadStatus.PARTIAL)
-        keys = [join_key(h, lo) for h, lo in zip(recs["key_hi"], recs["key_lo"], strict=True)]
-        plan = reader.plan(keys)
-        # A page of another size than the engine's is not its page (a staging row would
-        # also keep an earlier page's bytes past it): the load ends before it.
-        fits = next((i for i, p in enumerate(plan) if p.size != reg.views.page_bytes),
-                    len(plan))
-        if fits < len(plan):
-            self._rare.warning("size", "page %s holds %d bytes, not the engine's %d; "
-                               "the load ends there", plan[fits].key, plan[fits].size,
-                               reg.views.page_bytes)
-        outcome = self._read_and_write(reg, plan[:fits], blocks.tolist())
-        if outcome.pages == len(keys):
-            outcome.status = LoadStatus.OK
-        return outcome
-
-    def _read_and_write(self, reg: _Registered, plan: list[PlannedPage],
-                        blocks: list[int]) -> _Outcome:
-        """Read ``plan`` chunk by chunk on the reader pool (up to STAGED_CHUNKS ahead) and
-        write each chunk's verified prefix into its blocks, in order, up to the first page
-        that could not be read or verified."""
-        assert self._pool is not None
-        size = reg.chunk_pages
-        starts = iter(range(0, len(plan), size))
-        # Tokens for the chunks in flight: staging buffers, or (in place) only the bound.
-        free = list(range(STAGED_CHUNKS))
-        inflight: deque[tuple[int, int, Future]] = deque()
-
-        def submit(start: int) -> None:
-            buf = free.pop()
-            pages = plan[start : start + size]
-            into = reg.staging[buf] if not reg.in_place else [
-                reg.views.page_runs(b) for b in blocks[start : start + len(pages)]]
-            inflight.append((start, buf, self._pool.submit(pages, into)))
-
-        for start in itertools.islice(starts, len(free)):
-            submit(start)
-        written = 0
-        try:
-            while inflight:
-                start, buf, fut = inflight.popleft()
-                result: ReadResult = self._wait(fut)
-                if result.pages:
-                    if not reg.in_place:
-                        reg.views.scatter_pages(blocks[start : start + result.pages],
-                                                reg.staging[buf][: result.pages], reg.stream)
-                    written += result.pages
-                    self.life.copy_bytes += result.pages * reg.views.page_bytes
-                    for path in READ_PATHS:
-                        self.life.report[f"read_bytes_{path}"] += getattr(
-                            result, f"{path}_bytes")
-                    lifecycle.checkpoint("restore.written")
-                free.append(buf)
-                if result.pages < len(plan[start : start + size]):
-                    # The page it stopped at; pages opened ahead of it may be reported too.
-                    stop = plan[start + result.pages].key
-                    bad = next((b for b in result.bad if b.key == stop), None)
-                    if bad is None:
-                        return _Outcome(LoadStatus.PARTIAL, written)
-                    return _Outcome(LoadStatus.CORRUPT, written, written, bad)
-                nxt = next(starts, None)
-                if nxt is not None:
-                    submit(nxt)
-            return _Outcome(LoadStatus.PARTIAL, written)
-        finally:
-            # Nothing may still read into the staging when the next load takes it, nor
-            # into this load's blocks once it is answered.
-            for _, _, fut in inflight:
-                if not fut.cancel():
-                    self._wait(fut, quiet=True)
 
     def _wait(self, fut: Future, quiet: bool = False) -> ReadResult:
         """The chunk's result, beating while a slow disk keeps it coming, for up to

@@ -46,6 +46,11 @@ COUNTERS = (
      "engine dropped: their ring was full or absent.", "requests_dropped", CLIENT),
     ("engine_ring_errors", "Ring faults the engine met (it reconnected).", "ring_errors",
      CLIENT),
+    ("engine_loads_queued", "Loads (and later parts of large ones) that waited in the "
+     "engine's queue for room in the load ring or under its limit of loads in flight.",
+     "loads_queued", CLIENT),
+    ("engine_load_queue_seconds", "Seconds they waited there, summed.",
+     "load_queue_seconds", CLIENT),
 )
 # (name without _total, help, label, field prefix, values, writers that count it)
 BY_REASON = (
@@ -60,7 +65,7 @@ BY_REASON = (
      "part), by reason.", "reason", "load_miss_", LOAD_MISS_REASONS, CLIENT),
 )
 FAMILIES = (*(c[0] for c in COUNTERS), *(b[0] for b in BY_REASON),
-            "engine_report_age_seconds")
+            "engine_report_age_seconds", "engine_load_queue_depth")
 
 
 def families(r: Reading) -> Iterator[Metric]:
@@ -70,6 +75,10 @@ def families(r: Reading) -> Iterator[Metric]:
         PREFIX + "engine_report_age_seconds",
         "Seconds since the engine-side writer last published its counters (every 0.5 s "
         "while it works); grows while the engine is idle, stopped or gone.", labels=labels)
+    depth = GaugeMetricFamily(
+        PREFIX + "engine_load_queue_depth",
+        "Loads waiting in the engine's queue for room in the load ring or under its limit "
+        "of loads in flight, at the writer's last write.", labels=labels)
     counters = {name: CounterMetricFamily(PREFIX + name, doc, labels=labels)
                 for name, doc, _, _ in COUNTERS}
     by_reason = {name: CounterMetricFamily(PREFIX + name, doc, labels=[*labels, label])
@@ -77,6 +86,8 @@ def families(r: Reading) -> Iterator[Metric]:
     for e in r.engines:
         values = [str(e.rank), e.writer]
         age.add_metric(values, e.age_s)
+        if e.writer in CLIENT:
+            depth.add_metric(values, e.record.load_queue_depth)
         for name, _, fld, writers in COUNTERS:
             if e.writer in writers:
                 counters[name].add_metric(values, getattr(e.record, fld))
@@ -86,5 +97,6 @@ def families(r: Reading) -> Iterator[Metric]:
                     by_reason[name].add_metric([*values, reason],
                                                getattr(e.record, prefix + reason))
     yield age
+    yield depth
     yield from counters.values()
     yield from by_reason.values()

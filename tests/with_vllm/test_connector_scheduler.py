@@ -461,3 +461,45 @@ def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ended(
             assert r.block_holds(0, table[page], c_prompt[page * BLOCK:(page + 1) * BLOCK],
                                  page * BLOCK), page
         r.run_until_idle()
+
+
+def test_loads_beyond_the_ring_and_the_load_limit_wait_and_complete(
+        supervisor: Path, instance: str) -> None:
+    """More requests loading at once than the client's limit of loads in flight, their
+    pages together more than the load ring holds: the loads that find no room wait in the
+    client's queue, and every one completes without a load error."""
+    from sparkcache import client as client_mod
+    from sparkcache import segments
+
+    ring = segments.RINGS["load"][1]
+    pages = 2000 // BLOCK  # the longest prefix the tiny model's context leaves room for
+    n = max(client_mod.MAX_LOADS, ring // pages) + 8
+    prefix = list(range(20, 20 + pages * BLOCK))
+    with rig(supervisor, instance, num_blocks=n * (pages + 2)) as r:
+        run_turn(r, "A", [*prefix, 1])
+        wait_stored(r, pages)
+        rids = [f"L{i}" for i in range(n)]
+        for i, rid in enumerate(rids):
+            r.sched.add_request(request(rid, [*prefix, 7, i % 50, 9], max_tokens=2))
+        r.step()
+        client = r.workers[0]._worker.client
+        assert set(rids) <= set(r.loads)  # every load asked for in the same step
+        assert client.loads_waiting > 0  # no room for them all: queued, not refused
+        # Some byte for byte, as their loads end: a request that ran and finished frees
+        # blocks that later requests take for their tails.
+        unchecked = {rids[0], rids[n // 2], rids[-1]}
+        deadline = time.monotonic() + 300
+        while not set(rids) <= r.finished_recving and time.monotonic() < deadline:
+            r.step()
+            for rid in unchecked & r.finished_recving:
+                unchecked.discard(rid)
+                for page in range(pages):
+                    assert r.block_holds(0, r.loads[rid][page],
+                                         prefix[page * BLOCK:(page + 1) * BLOCK],
+                                         page * BLOCK), (rid, page)
+            time.sleep(0.005)
+        assert set(rids) <= r.finished_recving and not r.load_errors and not unchecked
+        assert client.counters.load_status == {"ok": n}, client.counters.load_status
+        assert not client.counters.misses and client.counters.loads_queued > 0
+        assert n > client_mod.MAX_LOADS and n * pages > ring
+        r.run_until_idle(timeout=300)
