@@ -154,3 +154,18 @@ def test_an_index_made_before_holds_gains_the_column(tmp_path: Path) -> None:
 def test_a_staged_root_id_is_validated(store: PageStore) -> None:
     with pytest.raises(ValueError):
         store.stage(Root("zz", []))
+
+
+def test_a_held_page_once_adopted_is_collected_at_once_when_its_root_goes(
+        store: PageStore, clock: Clock) -> None:
+    """The hold protects a page only while it waits for its root: a root evicted later
+    frees it like any page (with the hold kept, eviction at the cap left it uncollected
+    for the rest of the hold)."""
+    ks = keys(4)
+    root_id = secrets.token_hex(16)
+    store.stage(make_root(root_id, ks[:3], SIZE))
+    store.commit(make_root(root_id, ks, SIZE))
+    clock.now += store.lease_seconds + 1  # the root's lease is over, the hold would not be
+    assert store.remove_roots([root_id]).removed == (root_id,)
+    assert store.collect(100).objects == 4
+    assert store.usage().used_bytes == 0

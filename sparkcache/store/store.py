@@ -568,9 +568,12 @@ class PageStore:
 
     @staticmethod
     def _add_refs(conn: sqlite3.Connection, refs: Counter[str]) -> None:
-        """Add ``refs`` (key -> references gained, negative if lost) to the refcounts."""
+        """Add ``refs`` (key -> references gained, negative if lost) to the refcounts. A
+        page gaining one has no more use for a hold (``stage``): its root holds it, and
+        once evicted it is collected at once, as any page."""
         conn.executemany(
-            "UPDATE objects SET refcount = refcount + ? WHERE key = ?",
+            "UPDATE objects SET refcount = refcount + ?1, "
+            "hold_until = CASE WHEN ?1 > 0 THEN NULL ELSE hold_until END WHERE key = ?2",
             [(n, key) for key, n in refs.items() if n],
         )
 
