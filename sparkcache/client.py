@@ -150,6 +150,7 @@ class Completion:
     blocks: list[int]
     status: str  # "captured" (on to commit), "expired", or why capture refused it
     pages_copied: int = 0  # captured: pages copied (the rest the store held, leased)
+    lent_at: float = 0.0  # when the blocks were lent (``time.monotonic``, at publish)
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,7 @@ class _Pending:
     seq_id: str | int
     blocks: list[int]
     deadline: float
+    lent_at: float
 
 
 @dataclass
@@ -289,6 +291,10 @@ class SparkCacheClient:
         self.rank = rank
         self.model_id = model_id
         self.tp_size = tp_size
+        # Sequences with publications pending, at most; a sequence counts once however
+        # many of its publications are (a save of a request still running, then its final
+        # one), and partial ones are admitted only while half of it is free, so saves of
+        # running requests never take the room finished requests' saves need.
         self.max_pending = 2 * cfg.capture_slots
         self.counters = ClientCounters()
         self._reg: _Registration | None = None
@@ -441,8 +447,11 @@ class SparkCacheClient:
         self._capture_alive = conn.worker_alive(Role.CAPTURE)
         self._store_full = conn.store_used() >= conn.hard_cap
 
-    def _admission(self) -> str | None:
-        """Why a publication cannot be taken now, or None."""
+    def _pending_seqs(self) -> set[str | int]:
+        return {entry.seq_id for entry in self._pending.values()}
+
+    def _admission(self, seq_id: str | int, partial: bool) -> str | None:
+        """Why a publication of ``seq_id`` cannot be taken now, or None."""
         if self.cfg.access_mode is AccessMode.OFF:
             return "mode_off"
         if self.cfg.access_mode is AccessMode.RESTORE_ONLY:
@@ -452,9 +461,11 @@ class SparkCacheClient:
         conn = self._connection()
         if conn is None:
             return "supervisor_absent"
-        if len(self._pending) >= self.max_pending:
+        limit = self.max_pending // 2 if partial else self.max_pending
+        if len(self._pending) >= limit and seq_id not in self._pending_seqs():
             self._poll(conn)  # only then: the engine polls every step anyway
-            if len(self._pending) >= self.max_pending:
+            seqs = self._pending_seqs()
+            if len(seqs) >= limit and seq_id not in seqs:
                 return "pending_limit"
         now = time.monotonic()
         if now >= self._health_at:
@@ -480,7 +491,7 @@ class SparkCacheClient:
         the request's ``extra`` (adapter, multimodal hashes, cache salt). True if taken:
         its blocks then stay in use until ``poll_completions`` releases them."""
         try:
-            reason = self._admission()
+            reason = self._admission(seq_id, False)
             if reason is None:
                 reason = self._push(seq_id, split_keys(self._keys(token_ids, extra)),
                                     block_ids)
@@ -493,12 +504,14 @@ class SparkCacheClient:
         return True
 
     def publish_keys(self, seq_id: str | int, keys: Sequence[str] | bytes,
-                     block_ids: Sequence[int]) -> bool:
+                     block_ids: Sequence[int], *, partial: bool = False) -> bool:
         """``publish`` for a caller that computed the page keys itself (vLLM's scheduler
         does, incrementally), as hex strings or as their raw bytes (``keys_bytes``): page
-        ``i`` of ``keys`` is held in ``block_ids[i]``."""
+        ``i`` of ``keys`` is held in ``block_ids[i]``. ``partial``: the pages so far of a
+        sequence still growing, which a later publication of it supersedes; admitted only
+        while half the pending limit is free (``max_pending``)."""
         try:
-            reason = self._admission()
+            reason = self._admission(seq_id, partial)
             if reason is None:
                 reason = self._push(seq_id, key_halves(keys), block_ids)
         except ValueError:
@@ -525,7 +538,8 @@ class SparkCacheClient:
         pub_id = next(self._pub_ids)
         # A publication larger than the arena goes to commit a slot at a time; its blocks
         # are lent for longer, in proportion (capture checks the same bound).
-        deadline = time.monotonic() + release_seconds(
+        now = time.monotonic()
+        deadline = now + release_seconds(
             self.cfg.release_timeout_seconds, n * reg.views.page_bytes,
             conn.arena.slots * conn.arena.slot_bytes)
         recs = _PUBLISH_SHARED.batch(n, pub_id, int.from_bytes(root[:8], "little"),
@@ -538,7 +552,7 @@ class SparkCacheClient:
             conn.publish.push_batch(recs)
         except RingFull:
             return "ring_full"
-        self._pending[pub_id] = _Pending(seq_id, list(block_ids[:n]), deadline)
+        self._pending[pub_id] = _Pending(seq_id, list(block_ids[:n]), deadline, now)
         self.counters.published += 1
         self.counters.pages_published += n
         return None
@@ -563,7 +577,8 @@ class SparkCacheClient:
                     self._awaiting[pub_id] = (late, now)
                 continue  # else released by its deadline already, or not ours
             what = status_name(CaptureStatus, status)
-            self._released.append(Completion(entry.seq_id, entry.blocks, what, copied))
+            self._released.append(Completion(entry.seq_id, entry.blocks, what, copied,
+                                             entry.lent_at))
             early = pub_id in self._durable_early
             self._durable_early.discard(pub_id)
             if status == CaptureStatus.CAPTURED:
@@ -623,7 +638,8 @@ class SparkCacheClient:
         now = time.monotonic()
         for pub_id in [p for p, e in self._pending.items() if e.deadline <= now]:
             entry = self._pending.pop(pub_id)
-            self._released.append(Completion(entry.seq_id, entry.blocks, "expired"))
+            self._released.append(Completion(entry.seq_id, entry.blocks, "expired",
+                                             lent_at=entry.lent_at))
             self.counters.released_by_deadline += 1
             if pub_id in self._durable_early:
                 self._durable_early.discard(pub_id)  # settled already

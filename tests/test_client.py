@@ -425,3 +425,43 @@ def test_vllm_033_views_publish_and_restore_byte_exact() -> None:
         assert sum(read.values()) == (r["pages"] + 1) * r["page_bytes"], r
         if r["store_filesystem"] not in MEMORY_FILESYSTEMS:
             assert read["cached"] == 0 and read["direct"] > read["buffered"], r
+
+
+def test_the_pending_limit_counts_sequences_and_keeps_room_for_final_saves(
+        tmp_path: Path, instance: str, kv) -> None:
+    """Capture stopped, so publications stay pending: 4 slots, a limit of 8 sequences.
+    Partial publications (a running request's pages so far) are taken for 4 sequences
+    only; another of a sequence already pending is taken however full it is (a sequence
+    counts once), and so are final ones up to 8 sequences. Each pending one is released
+    by its deadline."""
+    store = tmp_path / "store"
+    c = _client(tmp_path, instance, kv, release_timeout_seconds="2")
+    tokens = list(range(2 * PAGE_TOKENS))
+    sup = start_supervisor(store, instance, "--release-timeout-seconds", "2")
+    capture = None
+    try:
+        wait_for(lambda: c.publish("warm", tokens, [0, 1]), 30, "capture up")
+        wait_for(lambda: c.poll_completions() and not c.pending, 30, "warm copied")
+        capture = int(c._conn.stats.read(int(Role.CAPTURE)).pid)
+        os.kill(capture, signal.SIGSTOP)
+        keys = [f"{i:032x}" for i in range(2)]
+        limit = c.max_pending
+        assert limit == 8
+        for i in range(limit // 2):
+            assert c.publish_keys(f"run{i}", keys, [2 * i, 2 * i + 1], partial=True)
+        assert not c.publish_keys("run-late", keys, [20, 21], partial=True)
+        assert c.counters.skipped["pending_limit"] == 1
+        assert c.publish_keys("run0", keys, [0, 1], partial=True)  # counted once
+        for i in range(limit // 2):
+            assert c.publish_keys(f"fin{i}", keys, [30 + i, 40 + i])
+        assert c.pending == limit + 1
+        assert not c.publish_keys("fin-late", keys, [50, 51])
+        assert c.publish_keys("fin0", keys, [30, 40])  # counted once
+        assert c.counters.skipped["pending_limit"] == 2
+        released = wait_for(lambda: c.poll_completions(), 10, "the deadline's release")
+        assert {d.status for d in released} == {"expired"}
+    finally:
+        if capture is not None:
+            os.kill(capture, signal.SIGCONT)
+        c.close()
+        stop_supervisor(sup)

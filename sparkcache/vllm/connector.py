@@ -118,6 +118,15 @@ class SparkCacheConnector(KVConnectorBase_V1):
         except Exception:
             self._fault("update_connector_output")
 
+    def has_pending_block_frees(self) -> bool:
+        if self._scheduler is None:
+            return False
+        try:
+            return self._scheduler.has_pending_block_frees()
+        except Exception:
+            self._fault("has_pending_block_frees")
+            return False
+
     def request_finished(self, request: Any,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is None:
@@ -178,10 +187,22 @@ class SparkCacheConnector(KVConnectorBase_V1):
         per attention layer per step, for calls that do nothing here), and
         ``start_load_kv`` returns at once."""
         if isinstance(connector_metadata, SparkCacheMetadata) and not (
-                connector_metadata.loads or connector_metadata.saves):
+                connector_metadata.loads or connector_metadata.saves
+                or connector_metadata.partial):
             self.clear_connector_metadata()
             return
         super().bind_connector_metadata(connector_metadata)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step whose forward may write into the blocks preemption freed:
+        their pages are saved, and no publication reads them once this returns."""
+        if not isinstance(kv_connector_metadata, SparkCacheMetadata) or \
+                not kv_connector_metadata.preempted or self._worker is None:
+            return
+        try:
+            self._worker.handle_preemptions(kv_connector_metadata)
+        except Exception:
+            self._fault("handle_preemptions")
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if not self.has_connector_metadata():
@@ -191,7 +212,7 @@ class SparkCacheConnector(KVConnectorBase_V1):
             assert isinstance(meta, SparkCacheMetadata)
             if self._worker is not None:
                 self._worker.start(meta)
-            elif self._unserved is not None and (meta.loads or meta.saves):
+            elif self._unserved is not None and (meta.loads or meta.saves or meta.partial):
                 self._unserved.take(meta)
                 self._log.warning("unserved", "SparkCache: this rank's worker side is not "
                                   "running; %d loads and saves answered without the cache",
@@ -204,7 +225,7 @@ class SparkCacheConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        return None  # saves are whole requests, at request_finished
+        return None  # saves are of whole pages, published at start_load_kv
 
     def wait_for_save(self) -> None:
         return None

@@ -27,4 +27,11 @@ class PageJob:
 @dataclass
 class SparkCacheMetadata(KVConnectorMetadata):
     loads: list[PageJob] = field(default_factory=list)
+    # Finished requests: vLLM holds their blocks until the worker sides report them.
+    # A job may have no pages: the request's saves made while it ran are still copied.
     saves: list[PageJob] = field(default_factory=list)
+    # Requests still running: the pages computed so far (``Settings.save_stride_pages``).
+    partial: list[PageJob] = field(default_factory=list)
+    # Requests preempted at this step: their computed pages, saved by
+    # ``handle_preemptions`` before their freed blocks are written (possibly no pages).
+    preempted: list[PageJob] = field(default_factory=list)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sparkcache import kvmem, registry
@@ -45,6 +45,13 @@ class _Request:
     # The last answer: (tokens computed when asked, the answer), and until when it holds.
     answer: tuple[int, tuple[int, bool]] | None = None
     answer_until: float = 0.0
+    # For saves while it runs: vLLM's request (from its lookup), its blocks as the
+    # scheduler's outputs gave them (emptied when it is preempted), the tokens computed
+    # once the last step that scheduled it has run, and the pages its last save covered.
+    request: Any = None
+    blocks: list[int] = field(default_factory=list)
+    scheduled_to: int = 0
+    saved_pages: int = 0
 
 
 class SchedulerSide:
@@ -67,6 +74,9 @@ class SchedulerSide:
         self._ns_retry_at = 0.0
         self._reqs: dict[str, _Request] = {}
         self._meta = SparkCacheMetadata()
+        # Finished requests whose blocks vLLM holds for their saves: since when.
+        self._held: dict[str, float] = {}
+        self._saving = settings.cfg.access_mode is AccessMode.READ_WRITE
 
     # ------------------------------------------------------------------ keys
 
@@ -125,6 +135,7 @@ class SchedulerSide:
         answer = self._match(request, num_computed_tokens)
         state = self._reqs.get(request.request_id)
         if state is not None:
+            state.request = request
             state.answer = (num_computed_tokens, answer)
             state.answer_until = time.monotonic() + min(
                 ANSWER_REUSE_S, self.settings.cfg.lookup_lease_seconds / 2)
@@ -175,7 +186,88 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> SparkCacheMetadata:
         meta, self._meta = self._meta, SparkCacheMetadata()
+        if not self._saving:
+            return meta
+        # Preempted first: a request preempted and scheduled again in the same step has
+        # its old blocks saved before the new ones replace them here.
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            state = self._reqs.get(req_id)
+            if state is not None and state.blocks:
+                meta.preempted.append(self._preemption_save(req_id, state))
+        self._track_blocks(scheduler_output)
+        stride = self.settings.save_stride_pages
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            state = self._reqs.get(req_id)
+            if state is None or state.request is None:
+                continue
+            request = state.request
+            computed = int(request.num_computed_tokens)
+            state.scheduled_to = computed + int(n)
+            if stride:
+                # As at finish: only pages whose KV no step in flight still writes.
+                done = computed - int(getattr(request, "num_in_flight_tokens", 0))
+                if done // self.block >= state.saved_pages + stride:
+                    job = self._save_job(req_id, state, done, state.saved_pages)
+                    if job is not None:
+                        meta.partial.append(job)
+                        self.counters["partial_saves"] += 1
         return meta
+
+    def _track_blocks(self, scheduler_output: Any) -> None:
+        """Each request's block ids, as the scheduler's output gives them: a new or a
+        resumed request's whole table, a running one's additions."""
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._reqs.get(new.req_id)
+            if state is not None:
+                state.blocks = list(new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", ())
+        for req_id, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            state = self._reqs.get(req_id)
+            if state is None or groups is None:
+                continue
+            if req_id in resumed:
+                state.blocks = list(groups[0])
+            else:
+                state.blocks += groups[0]
+
+    def _save_job(self, req_id: str, state: _Request, done: int,
+                  more_than: int) -> PageJob | None:
+        """A save of the full pages among the first ``done`` tokens (their KV written), if
+        there are more than ``more_than``."""
+        computed = min(done, len(state.blocks) * self.block)
+        keys = self._keys(state.request, computed) if computed >= self.block else None
+        if not keys or len(keys) <= more_than:
+            return None
+        state.saved_pages = len(keys)
+        state.keys.note_saved(len(keys))
+        return PageJob(req_id, keys_bytes(keys), state.blocks[: len(keys)])
+
+    def _preemption_save(self, req_id: str, state: _Request) -> PageJob:
+        """The preempted request's computed pages, from its blocks before the preemption
+        freed them (vLLM has already set its computed tokens to 0): all of them, since a
+        rank may have skipped a save made while it ran. With no full page the job has
+        none: the worker sides still wait for the saves of it in flight."""
+        request = state.request
+        # The tokens of the steps that scheduled it, less those still in flight, and never
+        # the last token known (a draft rejected since its step was scheduled is no token).
+        done = min(state.scheduled_to, int(request.num_tokens) - 1) \
+            - int(getattr(request, "num_in_flight_tokens", 0))
+        job = self._save_job(req_id, state, done, 0)
+        if job is None:
+            job = PageJob(req_id, b"", [])
+        else:
+            self.counters["preemption_saves"] += 1
+        state.blocks = []
+        state.scheduled_to = 0
+        state.answer = None  # resumed, it looks up what this save stored
+        return job
+
+    def has_pending_block_frees(self) -> bool:
+        """Finished requests' blocks are held for saves: each is freed once its
+        publications are copied or their deadline passes, so vLLM may wait for those
+        rather than preempt a running request."""
+        return bool(self._held)
 
     def update_connector_output(self, connector_output: Any) -> None:
         invalid = getattr(connector_output, "invalid_block_ids", None)
@@ -191,15 +283,27 @@ class SchedulerSide:
             if state is not None:
                 state.loading = False
                 state.loading_blocks = ()
+        sending = connector_output.finished_sending
+        if sending and self._held:
+            now = time.monotonic()
+            for req_id in sending:
+                since = self._held.pop(req_id, None)
+                if since is not None:
+                    self.counters["held_requests"] += 1
+                    self.counters["held_seconds"] += now - since
+                    self.counted = True
 
     # ------------------------------------------------------------------ saves
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
         self.counted = True
         try:
-            return self._save(request, block_ids)
+            held, params = self._save(request, block_ids)
         finally:
             self._reqs.pop(request.request_id, None)  # the request is over
+        if held:
+            self._held[request.request_id] = time.monotonic()
+        return held, params
 
     def _save(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
         state = self._reqs.get(request.request_id)
@@ -216,11 +320,16 @@ class SchedulerSide:
         # kernels may not have written them when capture copies the blocks.
         done = int(request.num_computed_tokens) - int(getattr(request, "num_in_flight_tokens", 0))
         computed = min(done, len(block_ids) * self.block)
-        if computed < self.block:
-            return False, None  # no full page: nothing to hash or save
-        keys = self._keys(request, computed)  # from what was hashed for its lookup
+        keys = self._keys(request, computed) if computed >= self.block else None
         if not keys:
-            return False, None
+            if state is None or not state.saved_pages or not state.blocks:
+                return False, None  # no full page: nothing to hash or save
+            # Saves made while it ran may still be copying its blocks: vLLM holds them
+            # until the worker sides report those done.
+            self._meta.saves.append(PageJob(request.request_id, b"", []))
+            return True, None
+        # All its pages, even if a save made while it ran covered them: a rank may have
+        # skipped that one, and capture copies only what the store lacks.
         self._meta.saves.append(
             PageJob(request.request_id, keys_bytes(keys), list(block_ids[: len(keys)])))
         self.counters["saves"] += 1
@@ -231,7 +340,8 @@ class SchedulerSide:
         """Everything counted so far, under the names of ``stats.METRICS`` (skips as
         ``skipped:<reason>``)."""
         out = Counter({k: v for k, v in self.counters.items()
-                       if k in ("lookups", "hit_tokens", "saves")})
+                       if k in ("lookups", "hit_tokens", "saves", "partial_saves",
+                                "preemption_saves", "held_requests", "held_seconds")})
         for reason, n in self.lookup.misses.items():
             out[f"skipped:lookup_{reason}"] += n
         for reason in ("lookup_skipped", "namespace_mismatch", "aborted_while_loading",

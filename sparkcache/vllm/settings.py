@@ -11,8 +11,13 @@ from sparkcache import config
 from sparkcache.config import Config
 
 DEFAULT_STAGING_BYTES = 256 << 20
+# A running request's pages are published each time this many more are computed (1024
+# tokens at vLLM's default 16-token block): a publication costs capture a pass over its
+# records and commit a transaction, so not every step; a 300k-token prefill in 8k-token
+# chunks still goes out chunk by chunk.
+DEFAULT_SAVE_STRIDE_PAGES = 64
 # Keys of kv_connector_extra_config that are the connector's own, not Config fields.
-OWN_KEYS = ("model_id", "staging_bytes")
+OWN_KEYS = ("model_id", "staging_bytes", "save_stride_pages")
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,7 @@ class Settings:
     tp_size: int
     block_size: int
     staging_bytes: int
+    save_stride_pages: int  # 0: a request is saved only when it finishes or is preempted
 
 
 def from_vllm(vllm_config: Any) -> Settings:
@@ -49,5 +55,19 @@ def from_vllm(vllm_config: Any) -> Settings:
     if staging <= 0:
         raise ValueError(f"staging_bytes {extra.get('staging_bytes')!r}: a positive integer "
                          f"(bytes of shared memory per rank for an engine on the CPU)")
+    stride = _non_negative(extra.get("save_stride_pages", DEFAULT_SAVE_STRIDE_PAGES))
+    if stride < 0:
+        raise ValueError(f"save_stride_pages {extra.get('save_stride_pages')!r}: a "
+                         f"non-negative integer (pages computed between saves of a running "
+                         f"request; 0: saved only when it finishes or is preempted)")
     return Settings(cfg, str(model_id), int(vllm_config.parallel_config.tensor_parallel_size),
-                    block_size, staging)
+                    block_size, staging, stride)
+
+
+def _non_negative(value: Any) -> int:
+    """``value`` as an integer >= 0, or -1."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        return -1
+    return n if n >= 0 and str(n) == str(value).strip() else -1

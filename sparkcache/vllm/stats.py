@@ -28,6 +28,21 @@ METRICS = {
                     "Loads that restored fewer pages than looked up (vLLM recomputes)."),
     "saves": ("vllm:sparkcache_saves", "Finished requests whose pages were published."),
     "saved_pages": ("vllm:sparkcache_saved_pages", "Pages published for capture."),
+    "partial_saves": ("vllm:sparkcache_partial_saves",
+                      "Saves of running requests' pages computed so far."),
+    "preemption_saves": ("vllm:sparkcache_preemption_saves",
+                         "Saves of preempted requests' computed pages."),
+    "held_requests": ("vllm:sparkcache_held_requests",
+                      "Finished requests whose blocks vLLM held until their saves ended."),
+    "held_seconds": ("vllm:sparkcache_held_seconds",
+                     "Seconds finished requests' blocks were held for saves, summed."),
+    "lent_bytes": ("vllm:sparkcache_lent_bytes",
+                   "Bytes of KV blocks lent to capture, by publication."),
+    "lent_seconds": ("vllm:sparkcache_lent_seconds",
+                     "Seconds publications' blocks were lent to capture, summed."),
+    "preemption_wait_seconds": ("vllm:sparkcache_preemption_wait_seconds",
+                                "Seconds the engine waited at preemptions for copies of "
+                                "the preempted requests' blocks."),
 }
 SKIPS = ("vllm:sparkcache_skips", "Lookups, saves and loads skipped or missed, by reason.")
 

@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 # Every step of a decode-only batch would otherwise pay for polling five rings on cold
 # caches: ~50 µs a step in vLLM's CPU engine, about half of what the connector cost there.
 IDLE_POLL_S = 1.0
+# How often handle_preemptions polls capture's completions while it waits for the copies
+# of a preempted request's blocks.
+PREEMPTION_POLL_S = 0.001
 
 
 def _take_reports(sent: set[str], finished: set[str], recved: set[str]
@@ -70,8 +73,12 @@ class WorkerSide:
         self.shared_kv: kvmem.SharedKVCaches | None = None
         self.staging: StagingPool | None = None
         self._num_blocks = 0
-        self._staged: dict[str, list[int]] = {}  # saves: request -> staging pages held
-        self._saving: set[str] = set()  # publications of engine blocks not yet copied
+        self._page_bytes = 0
+        # Publications whose blocks (the engine's, or staging pages) capture may still
+        # be copying, per request.
+        self._lent: Counter[str] = Counter()
+        # Finished requests whose engine blocks vLLM holds until their publications end.
+        self._holding: set[str] = set()
         self._sent: set[str] = set()  # saves done (or given up), not yet reported
         self._recved: set[str] = set()  # loads done, not yet reported
         self._loading: set[str] = set()  # loads started and not ended
@@ -94,6 +101,8 @@ class WorkerSide:
         num_blocks = max(first.shape[:2])
         block_dim, size_dim = block_dims(tuple(first.shape), num_blocks, self.settings.block_size)
         self._num_blocks = int(first.shape[block_dim])
+        self._page_bytes = sum(t.select(block_dim, 0).numel() * t.element_size()
+                               for t in tensors)
         if not all(t.is_cuda for t in tensors):
             self.shared_kv = self._adopt(tensors)
         if all(t.is_cuda for t in tensors) or self.shared_kv is not None:
@@ -101,8 +110,8 @@ class WorkerSide:
         else:
             # Private CPU memory: stage through shared pages (see StagingPool).
             layout = kvmem.page_layout(tensors, block_dim)
-            page_bytes = sum(t.select(block_dim, 0).numel() * t.element_size() for t in tensors)
-            pages = max(1, min(self._num_blocks, self.settings.staging_bytes // page_bytes))
+            pages = max(1, min(self._num_blocks,
+                               self.settings.staging_bytes // self._page_bytes))
             self.staging = StagingPool(self.settings.cfg.instance, self.rank, tensors,
                                        block_dim, pages)
             ok = self.client.register_kv_caches(
@@ -139,15 +148,30 @@ class WorkerSide:
         it hands over (a load's request waits for its report, a save holds its blocks), so
         one that faults is still ended here: a load with its blocks load errors, a save
         unsaved, unless it was already handed on (then its completion ends it)."""
-        if meta.saves or meta.loads:
+        if meta.saves or meta.loads or meta.partial:
             self.counted = True
+        for job in meta.partial:
+            if self.staging is not None or self._lent[job.req_id]:
+                # Staged, a running request's blocks are never lent (its pages would be
+                # copied on this thread at every stride); with one of its saves still
+                # copying, this one waits for the next stride, or its final save.
+                self.counters["partial_skipped"] += 1
+                continue
+            try:
+                self._save(job, partial=True)
+            except Exception:
+                self._job_fault("save", job)
         for job in meta.saves:
+            if self.staging is None:
+                self._holding.add(job.req_id)
+            else:
+                # The engine's blocks are free again as soon as their pages are staged.
+                self._sent.add(job.req_id)
             try:
                 self._save(job)
             except Exception:
                 self._job_fault("save", job)
-                if job.req_id not in self._saving:
-                    self._sent.add(job.req_id)
+            self._settle(job.req_id)
         for job in meta.loads:
             try:
                 self._load(job)
@@ -169,21 +193,24 @@ class WorkerSide:
             self.counters["bad_job"] += 1
         return ok
 
-    def _save(self, job: PageJob) -> None:
-        """Publish a finished request's full pages; its blocks stay held until the pages
-        are copied (by capture, or into staging here)."""
-        if not self._valid(job):
-            self._sent.add(job.req_id)
+    def _settle(self, req_id: str) -> None:
+        """A finished request whose publications have all ended is reported sent."""
+        if req_id in self._holding and not self._lent[req_id]:
+            self._holding.discard(req_id)
+            self._sent.add(req_id)
+        if not self._lent[req_id]:
+            del self._lent[req_id]
+
+    def _save(self, job: PageJob, partial: bool = False) -> None:
+        """Publish a request's full pages; its blocks are lent until the pages are copied
+        (by capture, or into staging here). A job of no pages publishes nothing."""
+        if not job.pages or not self._valid(job):
             return
         if self.staging is None:
-            if self.client.publish_keys(job.req_id, job.keys, job.block_ids):
-                self._saving.add(job.req_id)
+            if self.client.publish_keys(job.req_id, job.keys, job.block_ids, partial=partial):
+                self._lent[job.req_id] += 1
                 self.counters["saved_pages"] += job.pages
-            else:
-                self._sent.add(job.req_id)
             return
-        # The engine's blocks are free again as soon as their pages are staged.
-        self._sent.add(job.req_id)
         pages = self.staging.take(job.pages)
         if pages is None:
             self.counters["skipped_staging_full"] += 1
@@ -194,10 +221,49 @@ class WorkerSide:
             self.staging.give_back(pages)
             raise
         if self.client.publish_keys(job.req_id, job.keys, pages):
-            self._staged[job.req_id] = pages
+            self._lent[job.req_id] += 1
             self.counters["saved_pages"] += job.pages
         else:
             self.staging.give_back(pages)
+
+    def handle_preemptions(self, meta: SparkCacheMetadata) -> None:
+        """Save the preempted requests' computed pages, then wait until no publication
+        reads their blocks: vLLM calls this before the step that may write into them (the
+        preemption freed them to another request). Each publication ends by its deadline
+        at the latest (``poll_completions`` releases it then, and capture drops a copy
+        that finishes later), so the wait is bounded by the latest of their deadlines."""
+        if not meta.preempted:
+            return
+        self.counted = True
+        for job in meta.preempted:
+            try:
+                self._save(job)
+            except Exception:
+                self._job_fault("save", job)
+        if self.staging is not None:
+            return  # their pages are copied already: the blocks are free
+        started = time.perf_counter()
+        waiting = {job.req_id for job in meta.preempted}
+        while any(self._lent[r] for r in waiting):
+            self._poll_completions()
+            if any(self._lent[r] for r in waiting):
+                time.sleep(PREEMPTION_POLL_S)
+        for req_id in waiting:
+            self._lent.pop(req_id, None)
+        self.counters["preemption_wait_seconds"] += time.perf_counter() - started
+
+    def _poll_completions(self) -> None:
+        now = time.monotonic()
+        for done in self.client.poll_completions():
+            req_id = str(done.seq_id)
+            if self.staging is not None:
+                self.staging.give_back(done.blocks)
+            elif done.lent_at:
+                self.counters["lent_bytes"] += len(done.blocks) * self._page_bytes
+                self.counters["lent_seconds"] += now - done.lent_at
+            if self._lent[req_id]:
+                self._lent[req_id] -= 1
+            self._settle(req_id)
 
     def _load(self, job: PageJob) -> None:
         """Hand a load to the restore worker: into the blocks themselves, or into staging
@@ -255,7 +321,7 @@ class WorkerSide:
         # Only a request with a save here is remembered: its save came in this same
         # step's metadata (vLLM binds it and calls start_load_kv before get_finished), and
         # the ids of every other finished request would pile up for the process's life.
-        self._finished |= finished_req_ids & (self._sent | self._saving)
+        self._finished |= finished_req_ids & (self._sent | self._holding)
         now = time.monotonic()
         idle_poll = now >= self._poll_at
         if idle_poll:
@@ -266,15 +332,8 @@ class WorkerSide:
         # not); the stats' refresh picks up anything else.
         if (self._inflight or idle_poll) and self._finish_loads():
             self.counted = True
-        if self._saving or self._staged or idle_poll:
-            for done in self.client.poll_completions():
-                req_id = str(done.seq_id)
-                pages = self._staged.pop(req_id, None)
-                if pages is not None and self.staging is not None:
-                    self.staging.give_back(pages)
-                if req_id in self._saving:
-                    self._saving.discard(req_id)
-                    self._sent.add(req_id)
+        if self._lent or idle_poll:
+            self._poll_completions()
         return _take_reports(self._sent, self._finished, self._recved)
 
     def totals(self) -> dict[str, float]:
@@ -284,9 +343,11 @@ class WorkerSide:
         out: dict[str, float] = {
             "loaded_tokens": c["loaded_pages"] * self.settings.block_size,
             "load_seconds": c["load_seconds"], "load_errors": c["load_errors"],
-            "saved_pages": c["saved_pages"]}
-        for reason in ("bad_job", "skipped_staging_full", "load_staging_full", "save_fault",
-                       "load_fault"):
+            "saved_pages": c["saved_pages"], "lent_bytes": c["lent_bytes"],
+            "lent_seconds": c["lent_seconds"],
+            "preemption_wait_seconds": c["preemption_wait_seconds"]}
+        for reason in ("bad_job", "partial_skipped", "skipped_staging_full",
+                       "load_staging_full", "save_fault", "load_fault"):
             if c[reason]:
                 out[f"skipped:{reason}"] = c[reason]
         for reason, n in self.client.counters.skipped.items():

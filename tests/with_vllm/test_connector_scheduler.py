@@ -280,6 +280,7 @@ def test_scheduler_side_answers_what_vllm_relies_on(
     And a request whose load came back with a load error, reported a step before the
     load ended (another rank's), gets no other load."""
     import psutil
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
 
     from sparkcache import registry
@@ -307,7 +308,7 @@ def test_scheduler_side_answers_what_vllm_relies_on(
                 return ([3, 4],)
 
         side.update_state_after_alloc(asked, TwoBlocks(), 5 * BLOCK)
-        meta = side.build_connector_meta(None)
+        meta = side.build_connector_meta(SchedulerOutput.make_empty())
         worker = r.workers[0]
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)
@@ -322,7 +323,7 @@ def test_scheduler_side_answers_what_vllm_relies_on(
         again = request("E", [*prefix, 6, 7])
         assert side.get_num_new_matched_tokens(again, 0) == first
         side.update_state_after_alloc(again, FiveBlocks(), 5 * BLOCK)
-        side.build_connector_meta(None)
+        side.build_connector_meta(SchedulerOutput.make_empty())
         side.update_connector_output(KVConnectorOutput(invalid_block_ids={12}))  # rank 1
         side.update_connector_output(KVConnectorOutput(finished_recving={"E"}))  # rank 0 too
         assert side.get_num_new_matched_tokens(again, 0) == (0, False)
@@ -332,7 +333,7 @@ def test_scheduler_side_answers_what_vllm_relies_on(
         finished.num_computed_tokens = len(prefix) + 2
         finished.num_in_flight_tokens = 2 * BLOCK + 2  # the last two pages not written yet
         assert side.request_finished(finished, list(range(20, 26)))[0]
-        assert side.build_connector_meta(None).saves[0].pages == 3
+        assert side.build_connector_meta(SchedulerOutput.make_empty()).saves[0].pages == 3
 
         desc = registry.read_registry(supervisor, 0)
         gone = psutil.Popen(["true"])
