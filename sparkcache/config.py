@@ -116,8 +116,9 @@ class Config:
     release_timeout_seconds: float = field(
         default=5.0,
         metadata=_help(
-            "Seconds the engine lends blocks to capture before taking them back, > 0; "
-            "capture refuses publications whose deadline lies further ahead."
+            "Seconds the engine lends a publication's blocks to capture before taking "
+            "them back, for each arena (slots x slot bytes) of its pages, > 0; capture "
+            "refuses publications whose deadline lies further ahead."
         ),
     )
     page_tokens: int = field(default=16, metadata=_help("Tokens per page, >= 1."))

@@ -26,7 +26,7 @@ if not engine_installed():
                 allow_module_level=True)
 
 PREFIX_PAGES = 8
-SLOT_BYTES = "160KiB"
+SLOT_BYTES = "256KiB"
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +43,14 @@ def engine(tmp_path_factory):
     os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                        "VLLM_CACHE_ROOT": str(root / "vllm-cache"), "HF_HUB_OFFLINE": "1"})
     ckpt = write_checkpoint(root / "model")
-    # Slots of two pages (64 KiB each: 2 layers, K and V, 32 tokens, 2 heads of 64 fp32):
-    # every turn here is a publication of several parts (docs/pipeline.md).
+    # Slots of three pages (64 KiB each: 2 layers, K and V, 32 tokens, 2 heads of 64 fp32):
+    # every turn here is a publication of several parts (docs/pipeline.md). The blocks
+    # are lent longer than by default: a commit's sync also writes back what the tests
+    # beside this one wrote, and a publication past its deadline is finished only by a
+    # next turn, which these tests do not send.
     sup = start_supervisor(store, instance, "--page-tokens", str(BLOCK),
-                           "--capture-slot-bytes", SLOT_BYTES)
+                           "--capture-slot-bytes", SLOT_BYTES,
+                           "--release-timeout-seconds", "30")
     llm = None
     try:
         llm = LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="float32",
