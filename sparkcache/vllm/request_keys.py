@@ -277,10 +277,11 @@ class KeyMemo:
 
     **Bound.** ``max_pages`` pages over the key lists remembered, least recently used
     first out (a list shared by prefix is counted by each holder: the bound is
-    conservative). Measured (scripts/bench_keys.py, ``memo_bytes_per_page``): 95 bytes
-    per page (a 32-character key string 81 B, its list slot 8 B, an anchor every 32 pages
-    with the vLLM hash it keeps alive); the default, 600k pages (32 conversations of 300k
-    tokens at 16 tokens a page), is about 57 MB.
+    conservative). Measured (scripts/bench_keys.py, ``memo_bytes_per_page``): 22 bytes
+    per page with keys derived from vLLM's hashes (16 raw bytes, an anchor every 32
+    pages with the vLLM hash it keeps alive), 95 with keys hashed from the tokens (a
+    32-character key string 81 B, its list slot 8 B); the default, 600k pages (32
+    conversations of 300k tokens at 16 tokens a page), is about 13 MB or 57 MB.
     """
 
     def __init__(self, max_pages: int = DEFAULT_MAX_PAGES, grid: int = DEFAULT_GRID) -> None:

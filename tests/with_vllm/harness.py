@@ -55,6 +55,9 @@ LAYERS = 2
 KV_HEADS = 2
 HEAD = 32
 SAMPLED = 100  # the token every decode step "samples"
+# Requests are added to the scheduler directly, past the engine's check of their length:
+# a test must keep them within this.
+MAX_MODEL_LEN = 2048
 
 
 def kv_value(token: int, pos: int, layer: int, rank: int) -> float:
@@ -210,9 +213,9 @@ def rig(store: Path, instance: str, *, tp: int = 1, num_blocks: int = 128,
                 **(extra or {})}
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=MODEL, dtype="float16", seed=0,
-                                 skip_tokenizer_init=True, max_model_len=2048),
+                                 skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched,
-                                         max_model_len=2048, enable_chunked_prefill=True,
+                                         max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=True,
                                          is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False,
                                  prefix_caching_hash_algo=hash_algo),
