@@ -14,7 +14,8 @@ keys in every block up to there, which is exactly what a page key must stand for
 with ``seed = blake2b-128(person=b"sparkcache-vllmh", chain seed || algorithm)``, the
 chain seed being the namespace's with the request-wide extras folded in
 (``identity.chain_seed``). One XOR over all pages at once (numpy) instead of a hash per
-page in Python: about 0.2 µs a page of the scheduler's time becomes a few nanoseconds.
+page in Python: 0.7-3 µs a page of the scheduler's time (12.5-63 ms for a 300k-token
+prompt) becomes under 0.1 (scripts/bench_keys.py).
 
 Why that is as strong as the keys hashed from the tokens (128-bit blake2b): within one
 seed the map is a bijection of 128-bit SHA-256 truncations, so two pages share a key

@@ -1,7 +1,8 @@
 """The connector's scheduler side: leased lookups across every TP rank, and the loads
 and saves the workers carry out. It holds no tensors: the namespace comes from the
 registry the worker sides wrote when they registered their KV caches, the keys from the
-request (its tokens and what vLLM's own prefix hash covers)."""
+request (vLLM's own block hashes of it where they are SHA-256, else its tokens and what
+vLLM's hash covers); the workers take the keys it sends."""
 
 from __future__ import annotations
 
