@@ -1,12 +1,18 @@
 """Page keys of a 300k-token vLLM request, on the scheduler side, measured in one run.
 
 Requests are vLLM's own ``Request`` objects with vLLM's block hasher (SHA-256, block size
-= page size), as the engine core makes them when a KV connector is configured.
+= page size), as the engine core makes them when a KV connector is configured, and keys
+are derived from those hashes as the connector derives them then
+(``sparkcache.vllm.block_hash_keys``).
 
 * ``sequence_keys_ms_300k``: from-scratch ``identity.sequence_keys`` of the 300k tokens,
   the baseline.
-* ``keys_ms_300k_cold``: ``RequestKeys`` of the request with nothing remembered (an empty
-  memo; ``..._no_memo``: memo off).
+* ``keys_ms_300k_cold``: ``RequestKeys`` of the request seen for the first time, with
+  the memo remembering another 300k-token conversation, as on a serving scheduler: every
+  page's vLLM hash is looked up there and misses (``..._no_memo``: memo off). Budget: 5 ms.
+  ``keys_ms_300k_cold_from_tokens``: the same, hashed from the tokens, as the connector
+  does where vLLM's hash is not cryptographic (``--prefix-caching-hash-algo xxhash``;
+  no memo there).
 * ``keys_ms_300k``: the next turn of a conversation: the previous request (the first
   300k - 2k tokens) remembered, 2k new tokens. Budget: 5 ms.
 * ``keys_us_step``: ``update`` after a decode step added one token to the running 300k
@@ -17,7 +23,7 @@ Requests are vLLM's own ``Request`` objects with vLLM's block hasher (SHA-256, b
   time to make the request with its block hashes, for scale.
 
 Each figure is the median of ``--runs`` runs. Needs vLLM (the scheduler venv):
-``PYTHONPATH=$PWD /work/main/.vllm/sched/bin/python scripts/bench_keys.py [--json]``
+``.vllm/sched/bin/python scripts/bench_keys.py [--json]``
 """
 
 from __future__ import annotations
@@ -72,8 +78,12 @@ def main() -> None:
     tokens = [rnd.randrange(150_000) for _ in range(args.tokens)]
     ns = Namespace("bench-model", "bfloat16", "vllm/v1:L80:H1:D128:B16:mha:LBHNC", 8, 0, step)
 
-    vllm_ms, baseline, cold, cold_off, warm = [], [], [], [], []
+    def request_keys(req: Request, memo: KeyMemo | None) -> RequestKeys:
+        return RequestKeys(ns, req, hash_block_size=step, memo=memo, block_hash_algo="sha256")
+
+    vllm_ms, baseline, cold, cold_off, cold_tokens, warm = [], [], [], [], [], []
     prev = request("prev", tokens[: args.tokens - args.new])
+    other = request("other", [rnd.randrange(150_000) for _ in range(args.tokens)])
     for _ in range(args.runs):
         t0 = time.perf_counter()
         cur = request("cur", tokens)
@@ -83,21 +93,30 @@ def main() -> None:
         want = sequence_keys(ns, tokens).pages
         baseline.append(time.perf_counter() - t0)
 
+        memo = KeyMemo()
+        request_keys(other, memo)
         t0 = time.perf_counter()
-        keys = RequestKeys(ns, cur, hash_block_size=step, memo=KeyMemo())
+        keys = request_keys(cur, memo)
         cold.append(time.perf_counter() - t0)
-        assert keys.keys == list(want)
+        assert keys.memo_pages == 0
+        derived = list(keys.keys)
+        assert len(derived) == len(want)
 
         t0 = time.perf_counter()
-        RequestKeys(ns, cur, hash_block_size=step, memo=None)
+        request_keys(cur, None)
         cold_off.append(time.perf_counter() - t0)
 
-        memo = KeyMemo()
-        RequestKeys(ns, prev, hash_block_size=step, memo=memo)  # the previous turn
         t0 = time.perf_counter()
-        keys = RequestKeys(ns, cur, hash_block_size=step, memo=memo)
+        from_tokens = RequestKeys(ns, cur, memo=None)
+        cold_tokens.append(time.perf_counter() - t0)
+        assert from_tokens.keys == list(want)
+
+        memo = KeyMemo()
+        request_keys(prev, memo)  # the previous turn
+        t0 = time.perf_counter()
+        keys = request_keys(cur, memo)
         warm.append(time.perf_counter() - t0)
-        assert keys.keys == list(want)
+        assert list(keys.keys) == derived
         taken, hashed = keys.memo_pages, keys.hashed_pages
 
     # Decode steps on the running request (its RequestKeys from the last warm run).
@@ -108,7 +127,7 @@ def main() -> None:
         keys.update(cur)
         took = time.perf_counter() - t0
         (page if cur.num_tokens % step == 0 else plain).append(took)
-    assert keys.keys == list(sequence_keys(ns, list(cur.all_token_ids)).pages)
+    assert list(keys.keys) == list(request_keys(cur, None).keys)
 
     # Memory the memo keeps per remembered page: everything else dropped.
     del cur, keys, memo, prev
@@ -117,7 +136,7 @@ def main() -> None:
     before = tracemalloc.get_traced_memory()[0]
     memo = KeyMemo()
     req = request("mem", tokens)
-    RequestKeys(ns, req, hash_block_size=step, memo=memo)
+    request_keys(req, memo)
     del req
     gc.collect()
     held = tracemalloc.get_traced_memory()[0] - before
@@ -131,6 +150,7 @@ def main() -> None:
         "sequence_keys_ms_300k": _ms(med(baseline)),
         "keys_ms_300k_cold": _ms(med(cold)),
         "keys_ms_300k_cold_no_memo": _ms(med(cold_off)),
+        "keys_ms_300k_cold_from_tokens": _ms(med(cold_tokens)),
         "keys_ms_300k": _ms(med(warm)),
         "keys_ms_300k_max": _ms(max(warm)),
         "speedup_vs_sequence_keys": round(med(baseline) / med(warm), 1),

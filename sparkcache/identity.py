@@ -48,7 +48,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # 2: the rank left the namespace seed (keys stored under 1 mean something else).
-FORMAT_VERSION = 2
+# 3: vLLM's connector derives page keys from vLLM's SHA-256 block hashes
+#    (sparkcache.vllm.block_hash_keys): pages stored under 2 miss rather than meet keys
+#    made another way.
+FORMAT_VERSION = 3
 KEY_BYTES = 16
 KEY_HEX_LEN = 2 * KEY_BYTES
 

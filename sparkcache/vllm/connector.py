@@ -64,7 +64,8 @@ class SparkCacheConnector(KVConnectorBase_V1):
             if role == KVConnectorRole.SCHEDULER:
                 self._scheduler = SchedulerSide(
                     settings, getattr(kv_cache_config, "hash_block_size", None),
-                    int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0))
+                    int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0),
+                    getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None))
             else:
                 self._worker = WorkerSide(settings, _tp_rank())
         except Exception as exc:

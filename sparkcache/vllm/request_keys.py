@@ -3,7 +3,8 @@
 - ``vllm_namespace``: the SparkCache ``Namespace`` of an engine, from its ``VllmConfig``
   alone (no tensors), so the scheduler process can key pages.
 - ``RequestKeys``: the page keys of one request, updated as it grows; each ``update``
-  hashes only the pages completed since the last one.
+  keys only the pages completed since the last one: derived from vLLM's own block
+  hashes where those are SHA-256 (``block_hash_keys``), else hashed from the tokens.
 - ``KeyMemo``: a process-wide, bounded memory of the keys of requests seen, indexed by
   vLLM's own block hashes, so that the next turn of a conversation (a new request that
   re-sends the whole prefix) takes the keys of the prefix instead of re-hashing it.
@@ -26,7 +27,9 @@ What a key covers is exactly what vLLM's prefix-cache block hash covers
   told apart), so a kind a later vLLM adds for such requests is covered too.
 
 The namespace adds the model, KV dtype and layout, TP size and page size, which vLLM's
-hash leaves to the engine it lives in.
+hash leaves to the engine it lives in. Keys derived from vLLM's hashes cover the same by
+construction: vLLM's hash covers the tokens and extra keys, the seed the namespace and
+the request-wide extras.
 
 Not thread-safe: one scheduler thread calls it, as vLLM's scheduler is single-threaded.
 """
@@ -36,11 +39,14 @@ from __future__ import annotations
 import json
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sparkcache.identity import KeyChain, KeyExtras, Namespace, chain_seed
+from sparkcache.identity import KeyChain, KeyExtras, Namespace, chain_seed, keys_bytes
+from sparkcache.vllm.block_hash_keys import CRYPTOGRAPHIC, DerivedChain, PageKeys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -254,8 +260,10 @@ class KeyMemo:
     It holds only where ``block_hashes`` are vLLM's own, at the ``hash_block_size`` the
     caller gives (which must divide the page size; the block ending page ``p`` is then
     ``(p + 1) * page_tokens / hash_block_size - 1``), in this process (vLLM's hashes and
-    ``NONE_HASH`` are per process). With a non-cryptographic hash (xxhash) the memo is
-    exactly as safe as vLLM's own prefix cache, which shares KV on the same equality.
+    ``NONE_HASH`` are per process), and only with a cryptographic hash: with xxhash a
+    collision, which can be made, would have one request take another's keys, and its KV
+    be saved under them in a durable store (``block_hash_keys.key_source`` turns the memo
+    off there).
 
     **What is kept.** Per remembered request, its key list once (the live list of its
     ``RequestKeys``; pages are only ever appended, so an index into it stays valid), and
@@ -270,10 +278,11 @@ class KeyMemo:
 
     **Bound.** ``max_pages`` pages over the key lists remembered, least recently used
     first out (a list shared by prefix is counted by each holder: the bound is
-    conservative). Measured (scripts/bench_keys.py, ``memo_bytes_per_page``): 95 bytes
-    per page (a 32-character key string 81 B, its list slot 8 B, an anchor every 32 pages
-    with the vLLM hash it keeps alive); the default, 600k pages (32 conversations of 300k
-    tokens at 16 tokens a page), is about 57 MB.
+    conservative). Measured (scripts/bench_keys.py, ``memo_bytes_per_page``): 22 bytes
+    per page with keys derived from vLLM's hashes (16 raw bytes, an anchor every 32
+    pages with the vLLM hash it keeps alive), 95 with keys hashed from the tokens (a
+    32-character key string 81 B, its list slot 8 B); the default, 600k pages (32
+    conversations of 300k tokens at 16 tokens a page), is about 13 MB or 57 MB.
     """
 
     def __init__(self, max_pages: int = DEFAULT_MAX_PAGES, grid: int = DEFAULT_GRID) -> None:
@@ -311,18 +320,39 @@ class KeyMemo:
         ``block_hashes`` must hold the hash of page ``hi-1``'s last block."""
         if hi <= lo or not self._anchors:
             return None
-        get, k = self._anchors.get, blocks_per_page
-        # One dict lookup a page, from the end: a small fraction of hashing that page.
-        for at in range(hi * k - 1, lo * k - 1, -k):
-            found = get(block_hashes[at])
-            if found is not None:
-                entry, page = found
-                if page == (at + 1) // k - 1 and entry.seed == seed:
-                    self.hits += 1
-                    self._lru_touch(entry)
-                    return entry, page
+        get, k, grid = self._anchors.get, blocks_per_page, self.grid
+        # A remembered prefix has its grid pages anchored and ends within a grid of the
+        # last of them: look up the grid pages from the end, then the pages after the
+        # one found, one by one, iterated in C (map, filter). Looking up every page of a
+        # new 300k-token prompt, all misses, took 8.5 ms in a Python loop on a loaded
+        # host (1.6 in C); the grid pages are 1/32 of them. A prefix whose grid anchors
+        # went with an evicted list is found shorter, or not: its keys are derived or
+        # hashed again, never wrong.
+        top = hi // grid * grid - 1  # the last grid page below hi
+        below = lo // grid * grid - 1  # the last grid page below lo
+        grid_hashes = block_hashes[(top + 1) * k - 1 : (below + 1) * k - 1 if below >= 0
+                                   else None : -grid * k] if top >= lo else []
+        base = next((found for found in filter(None, map(get, grid_hashes))
+                     if self._holds(found, seed, block_hashes, k, lo, hi)), None)
+        first = base[1] + 1 if base is not None else lo
+        stop = min(hi, first + grid)
+        tail = block_hashes[stop * k - 1 : first * k - 1 if first else None : -k]
+        found = next((found for found in filter(None, map(get, tail))
+                      if self._holds(found, seed, block_hashes, k, lo, hi)), base)
+        if found is not None:
+            self.hits += 1
+            self._lru_touch(found[0])
+            return found
         self.misses += 1
         return None
+
+    def _holds(self, found: tuple[_Entry, int], seed: bytes, block_hashes: list, k: int,
+               lo: int, hi: int) -> bool:
+        """Whether an anchor found among ``block_hashes`` stands for this request's page:
+        the same seed, and the hash at that page's last block its key (one tuple a key)."""
+        entry, page = found
+        return (lo <= page < hi and entry.seed == seed
+                and found is self._anchors.get(block_hashes[(page + 1) * k - 1]))
 
     def remember(self, entry: _Entry, block_hashes: list, blocks_per_page: int, lo: int,
                  hi: int, source: _Entry | None = None, upto: int = -1) -> None:
@@ -340,8 +370,15 @@ class KeyMemo:
             self._take_over(entry, source, upto)
             lo = max(lo, upto + 1)  # the grid pages up to ``upto`` came with them
         first_grid = -(-(lo + 1) // grid) * grid - 1
-        for page in range(first_grid, hi, grid):
-            self._anchor(block_hashes[(page + 1) * k - 1], entry, page)
+        grid_hashes = block_hashes[(first_grid + 1) * k - 1 : hi * k : grid * k]
+        if any(map(anchors.__contains__, grid_hashes)):
+            for page in range(first_grid, hi, grid):
+                self._anchor(block_hashes[(page + 1) * k - 1], entry, page)
+        elif grid_hashes:  # none anchored yet (a new prompt): all at once, in C
+            pages = zip(repeat(entry), range(first_grid, hi, grid), strict=False)
+            anchors.update(zip(grid_hashes, pages, strict=True))
+            entry.anchors.extend(grid_hashes)
+            entry.live += len(grid_hashes)
         last = block_hashes[hi * k - 1] if hi > 0 and hi % grid else None
         if entry.last is not None and entry.last != last:
             old = anchors.get(entry.last)
@@ -466,20 +503,27 @@ class RequestKeys:
     ``request.block_hashes`` has the length vLLM's hasher gives it (``(num_tokens -
     lookahead_tokens) // hash_block_size``; ``lookahead_tokens`` is
     ``vllm_config.num_hash_lookahead_tokens``): otherwise pages are hashed, which is
-    always right. ``memo=None`` turns it off.
+    always right. ``memo=None`` turns it off; it must be off unless vLLM's hash is
+    cryptographic (``block_hash_keys.key_source``).
+
+    With ``block_hash_algo`` (vLLM's prefix-caching hash, one of
+    ``block_hash_keys.CRYPTOGRAPHIC``, as ``key_source`` chose it) keys are derived from
+    the vLLM block hashes instead of hashed from the tokens (``block_hash_keys``), as
+    raw bytes (``PageKeys``); only pages with a vLLM hash then have a key. That needs
+    ``hash_block_size`` dividing the page and no lookahead.
 
     If the tokens change under it rather than grow (vLLM's streaming sessions drop the last
     sampled token before appending), the chain starts again: noticed by the last page's
     tokens and, where known, vLLM's hash of it.
     """
 
-    __slots__ = ("_anchored", "_chain", "_entry", "_k", "_last_tokens", "_last_vh",
+    __slots__ = ("_algo", "_anchored", "_chain", "_entry", "_k", "_last_tokens", "_last_vh",
                  "_lookahead", "_memo", "_seed", "hashed_pages", "memo_conflicts",
                  "memo_pages", "namespace", "page_tokens", "restarts")
 
     def __init__(self, namespace: Namespace, request: Request | None = None, *,
                  hash_block_size: int | None = None, lookahead_tokens: int = 0,
-                 memo: KeyMemo | None = _DEFAULT) -> None:
+                 memo: KeyMemo | None = _DEFAULT, block_hash_algo: str | None = None) -> None:
         self.namespace = namespace
         self.page_tokens = namespace.page_tokens
         self._memo = default_memo() if memo is _DEFAULT else memo
@@ -488,7 +532,14 @@ class RequestKeys:
                 and self.page_tokens % hash_block_size == 0):
             self._k = self.page_tokens // hash_block_size
         self._lookahead = lookahead_tokens
-        self._chain: KeyChain | None = None
+        if block_hash_algo is not None and (
+                block_hash_algo not in CRYPTOGRAPHIC or not self._k or lookahead_tokens):
+            raise ValueError(
+                f"keys from vLLM's block hashes need a hash of {CRYPTOGRAPHIC} (got "
+                f"{block_hash_algo!r}), blocks dividing the page ({hash_block_size} tokens "
+                f"for {self.page_tokens}) and no lookahead ({lookahead_tokens})")
+        self._algo = block_hash_algo
+        self._chain: KeyChain | DerivedChain | None = None
         self.hashed_pages = 0  # pages hashed here, over this object's life
         self.memo_pages = 0  # pages taken from the memo
         self.restarts = 0
@@ -497,9 +548,18 @@ class RequestKeys:
             self.update(request)
 
     @property
-    def keys(self) -> list[str]:
-        """Full-page keys so far, as the live list (do not modify)."""
+    def keys(self) -> Sequence[str]:
+        """Full-page keys so far, as the live sequence (do not modify): a list of hex
+        strings, or ``PageKeys`` for keys derived from vLLM's hashes."""
         return self._chain.keys if self._chain is not None else []
+
+    def key_bytes(self, start: int, stop: int) -> bytes:
+        """The raw keys of pages ``start..stop-1`` (``identity.keys_bytes``), as the
+        workers take them."""
+        keys = self.keys
+        if isinstance(keys, PageKeys):
+            return keys.raw(start, stop)
+        return keys_bytes(keys[start:stop])
 
     def note_saved(self, pages: int) -> None:
         """This request's first ``pages`` pages were handed to the store: a later turn of
@@ -522,11 +582,16 @@ class RequestKeys:
     def __len__(self) -> int:
         return len(self._chain) if self._chain is not None else 0
 
-    def _start(self, request: Request) -> KeyChain:
+    def _start(self, request: Request) -> KeyChain | DerivedChain:
         extra = request_extras(request)
-        chain = KeyChain(self.namespace, extra)
+        chain: KeyChain | DerivedChain
+        if self._algo is None:
+            chain = KeyChain(self.namespace, extra)
+            self._seed = chain_seed(self.namespace, extra)
+        else:
+            chain = DerivedChain(chain_seed(self.namespace, extra), self._algo)
+            self._seed = chain.seed  # never a token chain's: the memo keeps them apart
         self._chain = chain
-        self._seed = chain_seed(self.namespace, extra)
         self._entry = _Entry(self._seed, chain.keys)
         self._anchored = 0  # pages 0.._anchored-1 have had their grid anchors set
         self._last_tokens: list[int] | None = None
@@ -545,7 +610,7 @@ class RequestKeys:
                 return False
         return True
 
-    def update(self, request: Request) -> list[str]:
+    def update(self, request: Request) -> Sequence[str]:
         """Bring the keys up to ``request``'s full pages; returns ``keys``."""
         chain = self._chain or self._start(request)
         tokens = request.all_token_ids
@@ -559,11 +624,16 @@ class RequestKeys:
         if pages <= have:
             return chain.keys
 
-        hashes, avail, k, memo = None, 0, self._k, self._memo
-        if k and memo is not None:
+        hashes, hashed, k, memo = None, 0, self._k, self._memo
+        if k and (memo is not None or self._algo is not None):
             hashes = request.block_hashes
             if len(hashes) == max(0, num_tokens - self._lookahead) // (step // k):
-                avail = min(pages, len(hashes) // k)
+                hashed = min(pages, len(hashes) // k)  # pages with vLLM's hash
+        if self._algo is not None:
+            pages = hashed  # a page without vLLM's hash has no key
+            if pages <= have:
+                return chain.keys
+        avail = hashed if memo is not None else 0
         source, upto = None, -1
         if avail > have:
             found = memo.find(self._seed, hashes, k, have, avail)
@@ -581,16 +651,19 @@ class RequestKeys:
                     have = page + 1
                     self._entry.saved = tuple(n for n in entry.saved if n <= have)
         if pages > have:
-            extras = (page_extras(request, have, pages, step)
-                      if _has_block_extras(request) else None)
-            data = np.asarray(tokens[have * step : pages * step], dtype=np.int64)
-            chain.extend(data, page_extras=extras)
+            if isinstance(chain, DerivedChain):
+                chain.extend(hashes, k, pages)
+            else:
+                extras = (page_extras(request, have, pages, step)
+                          if _has_block_extras(request) else None)
+                data = np.asarray(tokens[have * step : pages * step], dtype=np.int64)
+                chain.extend(data, page_extras=extras)
             self.hashed_pages += pages - have
         self._last_tokens = tokens[(pages - 1) * step : pages * step]
         self._last_vh = None
         if avail:
             memo.remember(self._entry, hashes, k, self._anchored, avail, source, upto)
             self._anchored = avail
-            if avail == pages:
-                self._last_vh = hashes[pages * k - 1]
+        if hashed == pages:
+            self._last_vh = hashes[pages * k - 1]
         return chain.keys

@@ -1,7 +1,8 @@
 """The connector's scheduler side: leased lookups across every TP rank, and the loads
 and saves the workers carry out. It holds no tensors: the namespace comes from the
 registry the worker sides wrote when they registered their KV caches, the keys from the
-request (its tokens and what vLLM's own prefix hash covers)."""
+request (vLLM's own block hashes of it where they are SHA-256, else its tokens and what
+vLLM's hash covers); the workers take the keys it sends."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from typing import Any
 
 from sparkcache import kvmem, registry
 from sparkcache.config import AccessMode
-from sparkcache.identity import Namespace, keys_bytes
+from sparkcache.identity import Namespace
 from sparkcache.prefix_lookup import ALIVE_RECHECK_S, PrefixLookup
 from sparkcache.protocol import process_gone
+from sparkcache.vllm.block_hash_keys import KeySource, key_source
 from sparkcache.vllm.metadata import PageJob, SparkCacheMetadata
-from sparkcache.vllm.request_keys import RequestKeys
+from sparkcache.vllm.request_keys import RequestKeys, default_memo
 from sparkcache.vllm.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -56,13 +58,17 @@ class _Request:
 
 class SchedulerSide:
     def __init__(self, settings: Settings, hash_block_size: int | None = None,
-                 lookahead_tokens: int = 0) -> None:
-        """``hash_block_size`` and ``lookahead_tokens``: how vLLM hashes blocks (its
-        ``kv_cache_config.hash_block_size``, ``num_hash_lookahead_tokens``), which lets keys
-        of a prefix seen before be taken from ``KeyMemo`` instead of hashed again."""
+                 lookahead_tokens: int = 0, hash_algo: str | None = None) -> None:
+        """``hash_block_size``, ``lookahead_tokens`` and ``hash_algo``: how vLLM hashes
+        blocks (its ``kv_cache_config.hash_block_size``, ``num_hash_lookahead_tokens``,
+        ``cache_config.prefix_caching_hash_algo``). With a cryptographic hash page keys
+        are derived from vLLM's block hashes, and keys of a prefix seen before taken from
+        ``KeyMemo`` (``block_hash_keys.key_source``); otherwise hashed from the tokens."""
         self.settings = settings
         self._hash_block_size = hash_block_size
         self._lookahead = lookahead_tokens
+        self._hash_algo = hash_algo
+        self.key_source: KeySource | None = None  # chosen at the first request
         self.block = settings.block_size
         self.lookup = PrefixLookup(settings.cfg, settings.tp_size,
                                    alive_recheck_s=ALIVE_RECHECK_S)
@@ -117,11 +123,25 @@ class SchedulerSide:
             return None
         state = self._reqs.get(request.request_id)
         if state is None:
+            source = self.key_source or self._choose_key_source(ns)
             state = self._reqs[request.request_id] = _Request(RequestKeys(
                 ns, hash_block_size=self._hash_block_size,
-                lookahead_tokens=self._lookahead))
+                lookahead_tokens=self._lookahead,
+                memo=default_memo() if source.memo else None, block_hash_algo=source.algo))
         keys = state.keys.update(request)
         return keys[: tokens // self.block]
+
+    def _choose_key_source(self, ns: Namespace) -> KeySource:
+        """Once, at the first request: vLLM makes its NONE_HASH after this side."""
+        source = self.key_source = key_source(
+            self._hash_algo, self._hash_block_size, ns.page_tokens, self._lookahead)
+        if source.algo is not None:
+            log.info("SparkCache: page keys derived %s", source.why)
+        else:
+            log.warning("SparkCache: page keys hashed from the tokens on the scheduler's "
+                        "thread, %s memo: %s", "with the" if source.memo else "without a",
+                        source.why)
+        return source
 
     # ------------------------------------------------------------------ loads
 
@@ -181,7 +201,7 @@ class SchedulerSide:
                         request.request_id, len(block_ids), end)
         state.loading_blocks = tuple(block_ids[start:end])
         self._meta.loads.append(
-            PageJob(request.request_id, keys_bytes(state.keys.keys[start:end]),
+            PageJob(request.request_id, state.keys.key_bytes(start, end),
                     block_ids[start:end]))
 
     def build_connector_meta(self, scheduler_output: Any) -> SparkCacheMetadata:
@@ -241,7 +261,7 @@ class SchedulerSide:
             return None
         state.saved_pages = len(keys)
         state.keys.note_saved(len(keys))
-        return PageJob(req_id, keys_bytes(keys), state.blocks[: len(keys)])
+        return PageJob(req_id, state.keys.key_bytes(0, len(keys)), state.blocks[: len(keys)])
 
     def _preemption_save(self, req_id: str, state: _Request) -> PageJob:
         """The preempted request's computed pages, from its blocks before the preemption
@@ -330,10 +350,11 @@ class SchedulerSide:
             return True, None
         # All its pages, even if a save made while it ran covered them: a rank may have
         # skipped that one, and capture copies only what the store lacks.
-        self._meta.saves.append(
-            PageJob(request.request_id, keys_bytes(keys), list(block_ids[: len(keys)])))
+        request_keys = self._reqs[request.request_id].keys  # made by _keys
+        self._meta.saves.append(PageJob(request.request_id, request_keys.key_bytes(0, len(keys)),
+                                        list(block_ids[: len(keys)])))
         self.counters["saves"] += 1
-        self._reqs[request.request_id].keys.note_saved(len(keys))  # made by _keys
+        request_keys.note_saved(len(keys))
         return True, None
 
     def totals(self) -> Counter:

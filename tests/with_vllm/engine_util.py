@@ -12,8 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from sparkcache import kvmem
-from sparkcache.identity import Namespace, sequence_keys
+from sparkcache.identity import Namespace, chain_seed
 from sparkcache.store.reader import StoreReader
+from sparkcache.vllm.block_hash_keys import PageKeys, derive, derived_seed
 
 BLOCK = 32  # vLLM's CPU attention prefers multiples of 32
 CONFIG = json.loads((Path(__file__).with_name("tiny_llama") / "config.json").read_text())
@@ -51,13 +52,32 @@ def write_checkpoint(path: Path, config: dict | None = None,
     return path
 
 
+def plain_page_keys(ns: Namespace, tokens: list[int]) -> PageKeys:
+    """The page keys an engine's connector uses for a request of ``tokens`` without
+    extras under vLLM's default prefix-caching hash, SHA-256: derived from the block
+    hashes vLLM makes of them (one block a page), from the NONE_HASH vLLM makes of its
+    seed for that hash (sparkcache.vllm.block_hash_keys)."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, resolve_none_hash_seed
+
+    step = ns.page_tokens
+    parent = sha256(resolve_none_hash_seed(sha256))
+    hashes = []
+    for start in range(0, len(tokens) - step + 1, step):
+        parent = hash_block_tokens(sha256, parent, tokens[start : start + step])
+        hashes.append(parent)
+    keys = PageKeys()
+    keys.append_raw(derive(derived_seed(chain_seed(ns), "sha256"), hashes, 1, 0, len(hashes)))
+    return keys
+
+
 def stored_prefix_pages(store: Path, tokens: list[int], rank: int = 0) -> int:
     """Leading pages of ``tokens`` that ``rank``'s store holds, keyed with the namespace
     the engine's worker registered (0 before it exists)."""
     reg = kvmem.read_registry(store, rank)
     if not reg or "namespace" not in reg:
         return 0
-    keys = sequence_keys(Namespace(**reg["namespace"]), tokens).pages
+    keys = plain_page_keys(Namespace(**reg["namespace"]), tokens)
     try:
         reader = StoreReader(store, rank)
     except Exception:

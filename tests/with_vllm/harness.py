@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,9 @@ LAYERS = 2
 KV_HEADS = 2
 HEAD = 32
 SAMPLED = 100  # the token every decode step "samples"
+# Requests are added to the scheduler directly, past the engine's check of their length:
+# a test must keep them within this.
+MAX_MODEL_LEN = 2048
 
 
 def kv_value(token: int, pos: int, layer: int, rank: int) -> float:
@@ -186,28 +190,35 @@ class Rig:
             sched_connector.shutdown()
 
 
-def request(rid: str, prompt: list[int], max_tokens: int = 2, **kw: Any) -> Request:
+def request(rid: str, prompt: list[int], max_tokens: int = 2, *,
+            hash_fn: Callable[[Any], bytes] = sha256, **kw: Any) -> Request:
+    """A request as vLLM's engine core makes it: its blocks hashed with ``hash_fn`` (the
+    rig's ``hash_algo``; vLLM's default, SHA-256, unless a test says otherwise)."""
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     sp.update_from_generation_config({}, 2)
     return Request(request_id=rid, prompt_token_ids=prompt, sampling_params=sp,
-                   pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256),
+                   pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, hash_fn),
                    **kw)
 
 
 @contextmanager
 def rig(store: Path, instance: str, *, tp: int = 1, num_blocks: int = 128,
-        extra: dict | None = None, max_batched: int = 256):
-    """A Scheduler and ``tp`` worker connectors on ``store``/``instance``."""
+        extra: dict | None = None, max_batched: int = 256, hash_algo: str = "sha256"):
+    """A Scheduler and ``tp`` worker connectors on ``store``/``instance``, vLLM's
+    ``prefix_caching_hash_algo`` set to ``hash_algo``. ``NONE_HASH`` is made with SHA-256
+    whatever that is: vLLM's xxhash needs a package this environment leaves out, so a
+    test that names it gives its requests a hasher of its own."""
     os.environ.setdefault("VLLM_CACHE_ROOT", str(store.parent / "vllm-cache"))
     settings = {"store_dir": str(store), "instance": instance, "model_id": "tiny-llama-test",
                 **(extra or {})}
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=MODEL, dtype="float16", seed=0,
-                                 skip_tokenizer_init=True, max_model_len=2048),
+                                 skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched,
-                                         max_model_len=2048, enable_chunked_prefill=True,
+                                         max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=True,
                                          is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False,
+                                 prefix_caching_hash_algo=hash_algo),
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
         kv_transfer_config=KVTransferConfig(
             kv_connector="SparkCacheConnector", kv_connector_module_path="sparkcache.vllm",

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import pickle
 import time
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from sparkcache import kvmem
-from sparkcache.identity import Namespace, sequence_keys
+from sparkcache.identity import Namespace, chain_seed, sequence_keys
 from sparkcache.store import PageStore
 from sparkcache.store.layout import RankLayout
 from sparkcache.store.objects import HEADER_SIZE
@@ -21,12 +25,18 @@ from tests.pipeline_util import start_supervisor, stop_supervisor
 
 pytest.importorskip("vllm.v1.core.kv_cache_planning", reason="needs vLLM 0.33's scheduler")
 
+from vllm.lora.request import LoRARequest
+from vllm.v1.request import Request
+
+from sparkcache.vllm.request_keys import request_extras
 from tests.with_vllm.harness import BLOCK, request, rig
 
 
-def run_turn(r, rid: str, prompt: list[int], max_tokens: int = 2) -> None:
-    r.sched.add_request(request(rid, prompt, max_tokens))
+def run_turn(r, rid: str, prompt: list[int], max_tokens: int = 2, **kw: Any) -> Request:
+    req = request(rid, prompt, max_tokens, **kw)
+    r.sched.add_request(req)
     r.run_until_idle()
+    return req
 
 
 def wait_stored(r, pages: int, timeout: float = 30.0) -> None:
@@ -46,10 +56,39 @@ def wait_stored(r, pages: int, timeout: float = 30.0) -> None:
     raise AssertionError(f"{pages} pages not stored within {timeout}s")
 
 
+def registered_namespace(store: Path) -> Namespace:
+    return Namespace(**kvmem.read_registry(store, 0)["namespace"])
+
+
+def derived_keys(store: Path, req: Request, algo: str = "sha256") -> list[str]:
+    """The page keys of ``req`` as docs/store.md defines those derived from vLLM's block
+    hashes, one page at a time: the first 16 bytes of the hash of the page's last block
+    XOR blake2b-128(person "sparkcache-vllmh", chain seed || algorithm)."""
+    ns = registered_namespace(store)
+    seed = hashlib.blake2b(chain_seed(ns, request_extras(req)) + algo.encode(),
+                           digest_size=16, person=b"sparkcache-vllmh").digest()
+    per_page = ns.page_tokens // BLOCK
+    return [bytes(a ^ b for a, b in zip(vh[:16], seed, strict=True)).hex()
+            for vh in req.block_hashes[per_page - 1 :: per_page]]
+
+
 def prefix_keys(store: Path, tokens: list[int]) -> list[str]:
-    """The page keys the scheduler side computes (one chain for every rank)."""
-    ns = Namespace(**kvmem.read_registry(store, 0)["namespace"])
-    return list(sequence_keys(ns, tokens).pages)
+    """The page keys the scheduler side computes for a plain request of ``tokens`` (one
+    list for every rank)."""
+    return derived_keys(store, request("keys", tokens))
+
+
+def stored_keys(store: Path, rank: int) -> list[list[str]]:
+    """The page keys of each root ``rank``'s store holds, in page order."""
+    reader = StoreReader(store, rank)
+    try:
+        roots: dict[str, list[str]] = {}
+        for root, key in reader.conn.execute(
+                "SELECT root_id, key FROM root_pages ORDER BY root_id, pos"):
+            roots.setdefault(root, []).append(key)
+        return list(roots.values())
+    finally:
+        reader.close()
 
 
 def object_of(store: Path, rank: int, key: str) -> tuple[Path, int]:
@@ -62,10 +101,10 @@ def object_of(store: Path, rank: int, key: str) -> tuple[Path, int]:
         reader.close()
 
 
-def load_turn(r, rid: str, prompt: list[int]):
+def load_turn(r, rid: str, prompt: list[int], **kw: Any):
     """Add ``rid`` and step until its load has ended; the blocks it loaded, page by
     page (the load starts at page 0: the scheduler has no prefix caching)."""
-    r.sched.add_request(request(rid, prompt, max_tokens=2))
+    r.sched.add_request(request(rid, prompt, max_tokens=2, **kw))
     # The restore worker's first load opens the KV registration (seconds on a cold start).
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -123,6 +162,67 @@ def test_first_turn_saved_second_loaded_async_byte_exact(
             assert r.block_holds(0, table[page], prefix[page * BLOCK:(page + 1) * BLOCK],
                                  page * BLOCK), f"page {page} not restored exactly"
         r.run_until_idle()
+
+
+PLAIN, SALT, LORA = {}, {"cache_salt": "tenant-a"}, {"lora_request": LoRARequest("ad", 1, "/ad")}
+
+
+@pytest.mark.parametrize("extras", [PLAIN, SALT, LORA], ids=["plain", "salt", "lora"])
+def test_the_scheduler_looks_up_the_keys_the_worker_side_published(
+        supervisor: Path, instance: str, extras: dict, caplog: pytest.LogCaptureFixture) -> None:
+    """With vLLM's default hash (SHA-256) the scheduler side derives page keys from the
+    request's block hashes: the worker side publishes exactly those (docs/store.md's
+    definition, computed here page by page), and the next turn's lookup finds them and
+    its load restores the bytes. A salt or an adapter changes every key, as it changes
+    every vLLM block hash."""
+    prefix = list(range(500, 500 + 5 * BLOCK))
+    with caplog.at_level(logging.INFO, "sparkcache.vllm.scheduler_side"), \
+            rig(supervisor, instance) as r:
+        first = run_turn(r, "A", [*prefix, 1], **extras)
+        wait_stored(r, 5)
+        want = derived_keys(supervisor, first)[:5]
+        assert stored_keys(supervisor, 0) == [want]
+        plain = prefix_keys(supervisor, prefix)
+        assert (want == plain) == (extras is PLAIN)
+        assert not set(want) & set(sequence_keys(registered_namespace(supervisor), prefix).pages)
+        table = load_turn(r, "B", [*prefix, 2, 3], **extras)
+        assert not r.load_errors
+        for page in range(5):
+            assert r.block_holds(0, table[page], prefix[page * BLOCK:(page + 1) * BLOCK],
+                                 page * BLOCK), f"page {page} not restored exactly"
+        r.run_until_idle()
+    assert "page keys derived from vLLM's sha256 block hashes" in caplog.text
+
+
+def python_hash(obj: object) -> bytes:
+    """Python's hash as vLLM's block hash: the non-cryptographic kind (vLLM's own,
+    xxhash, needs a package this environment leaves out)."""
+    return hash(pickle.dumps(obj)).to_bytes(8, "little", signed=True) * 2
+
+
+def test_a_non_cryptographic_hash_keys_pages_from_the_tokens(
+        supervisor: Path, instance: str, caplog: pytest.LogCaptureFixture) -> None:
+    """With ``prefix_caching_hash_algo`` xxhash nothing is taken from vLLM's hashes, where
+    a collision could be made: keys are hashed from the tokens (identity.sequence_keys),
+    with no memo, and a warning says so; the worker side publishes those and the next
+    turn loads them."""
+    prefix = list(range(900, 900 + 5 * BLOCK))
+    with caplog.at_level(logging.INFO, "sparkcache.vllm.scheduler_side"), \
+            rig(supervisor, instance, hash_algo="xxhash") as r:
+        run_turn(r, "A", [*prefix, 1], hash_fn=python_hash)
+        wait_stored(r, 5)
+        assert stored_keys(supervisor, 0) == [
+            list(sequence_keys(registered_namespace(supervisor), prefix).pages)]
+        table = load_turn(r, "B", [*prefix, 2, 3], hash_fn=python_hash)
+        assert not r.load_errors
+        assert r.block_holds(0, table[4], prefix[4 * BLOCK:], 4 * BLOCK)
+        side = r.sched.get_kv_connector()._scheduler
+        assert side.key_source.algo is None and not side.key_source.memo
+        assert side._reqs["B"].keys.memo_pages == 0
+        r.run_until_idle()
+    warned = [rec for rec in caplog.records if rec.levelno == logging.WARNING
+              and "hashed from the tokens" in rec.getMessage()]
+    assert len(warned) == 1 and "'xxhash' is not collision resistant" in warned[0].getMessage()
 
 
 def test_metadata_is_bound_only_for_steps_with_loads_or_saves(

@@ -6,6 +6,7 @@ never ran it)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
 import itertools
 import json
@@ -26,7 +27,8 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
-from sparkcache.identity import KeyExtras, Namespace, sequence_keys
+from sparkcache.identity import KeyExtras, Namespace, chain_seed, sequence_keys
+from sparkcache.vllm.block_hash_keys import KeySource, key_source
 from sparkcache.vllm.request_keys import (
     SAVES_KEPT,
     KeyMemo,
@@ -78,12 +80,26 @@ def _tokens(n: int, seed: int = 0) -> list[int]:
     return [rnd.randrange(1, 150_000) for _ in range(n)]
 
 
-def _cold(request: Request) -> list[str]:
-    return list(RequestKeys(NS, request, memo=None).keys)
+# Keys hashed from the tokens (None) and derived from vLLM's SHA-256 block hashes.
+KEYINGS = [None, "sha256"]
 
 
-def _keys(request: Request, memo: KeyMemo | None, **kw) -> RequestKeys:
-    return RequestKeys(NS, request, hash_block_size=P, memo=memo, **kw)
+def _cold(request: Request, algo: str | None = None) -> list[str]:
+    return list(RequestKeys(NS, request, memo=None, hash_block_size=P,
+                            block_hash_algo=algo).keys)
+
+
+def _keys(request: Request, memo: KeyMemo | None, algo: str | None = None,
+          **kw) -> RequestKeys:
+    return RequestKeys(NS, request, hash_block_size=P, memo=memo, block_hash_algo=algo, **kw)
+
+
+def _oracle(request: Request, algo: str = "sha256", per_page: int = 1) -> list[str]:
+    """Derived keys as docs/store.md defines them, one page at a time."""
+    seed = hashlib.blake2b(chain_seed(NS, request_extras(request)) + algo.encode(),
+                           digest_size=16, person=b"sparkcache-vllmh").digest()
+    return [bytes(a ^ b for a, b in zip(vh[:16], seed, strict=True)).hex()
+            for vh in request.block_hashes[per_page - 1 :: per_page]]
 
 
 # ---------------------------------------------------------------- keys = sequence_keys
@@ -154,14 +170,15 @@ def _variants() -> list[tuple[str, dict, dict, int | None]]:
     ]
 
 
+@pytest.mark.parametrize("algo", KEYINGS)
 @pytest.mark.parametrize("variant", _variants(), ids=lambda v: v[0])
-def test_pages_are_shared_exactly_when_vllm_blocks_are(variant: tuple) -> None:
+def test_pages_are_shared_exactly_when_vllm_blocks_are(variant: tuple, algo: str | None) -> None:
     """Page by page, two requests' keys are equal exactly when vLLM's block hashes are:
     a salt or an adapter changes every page, an image changes its pages and the rest;
     what vLLM ignores (the LoRA int id) changes nothing."""
     _, base_kw, other_kw, first = variant
     a, b = _request(BASE, **base_kw), _request(BASE, **other_kw)
-    ka, kb = _cold(a), _cold(b)
+    ka, kb = _cold(a, algo), _cold(b, algo)
     assert len(ka) == len(a.block_hashes) == 10
     same_vllm = [x == y for x, y in zip(a.block_hashes, b.block_hashes, strict=True)]
     same_ours = [x == y for x, y in zip(ka, kb, strict=True)]
@@ -170,32 +187,34 @@ def test_pages_are_shared_exactly_when_vllm_blocks_are(variant: tuple) -> None:
     assert same_ours == [i < first for i in range(len(ka))]
     # The memo changes nothing: b's keys through a memo that remembers a.
     memo = KeyMemo(grid=2)
-    _keys(a, memo)
-    assert _keys(b, memo).keys == kb
+    _keys(a, memo, algo)
+    assert list(_keys(b, memo, algo).keys) == kb
 
 
 # ---------------------------------------------------------------- the memo
 
 
-def _conversation(memo: KeyMemo | None, turns: int = 4, mm=(), salt=None) -> list[RequestKeys]:
+def _conversation(memo: KeyMemo | None, turns: int = 4, mm=(), salt=None,
+                  algo: str | None = None) -> list[RequestKeys]:
     """Each turn: the previous turn's tokens (prompt + 20 decoded) + 300 new tokens."""
     out, tokens = [], _tokens(1000, seed=7)
     for t in range(turns):
         request = _request(tokens, rid=f"t{t}", mm=mm, salt=salt)
-        rk = _keys(request, memo)
+        rk = _keys(request, memo, algo)
         for token in _tokens(20, seed=100 + t):  # decode steps
             request.append_output_token_ids(token)
             rk.update(request)
-        assert rk.keys == _cold(request)
+        assert list(rk.keys) == _cold(request, algo)
         out.append(rk)
         tokens = list(request.all_token_ids) + _tokens(300, seed=200 + t)
     return out
 
 
+@pytest.mark.parametrize("algo", KEYINGS)
 @pytest.mark.parametrize("extras", [{}, {"mm": [IMAGE], "salt": "s"}], ids=["plain", "mm+salt"])
-def test_next_turn_takes_the_prefix_from_the_memo(extras: dict) -> None:
+def test_next_turn_takes_the_prefix_from_the_memo(extras: dict, algo: str | None) -> None:
     memo = KeyMemo()
-    turns = _conversation(memo, **extras)
+    turns = _conversation(memo, algo=algo, **extras)
     for prev, rk in itertools.pairwise(turns):
         # All of the previous turn's pages (prompt and decoded), none re-hashed.
         assert rk.memo_pages == len(prev.keys) > 0
@@ -312,8 +331,9 @@ def _check_memo(memo: KeyMemo) -> None:
     assert all(live.get(id(e), 0) == e.live > 0 for e in memo._lru)
 
 
+@pytest.mark.parametrize("algo", KEYINGS)
 @pytest.mark.parametrize("seed", range(3))
-def test_random_traffic_keys_always_equal_cold(seed: int) -> None:
+def test_random_traffic_keys_always_equal_cold(seed: int, algo: str | None) -> None:
     """Requests from random prefixes of earlier ones, with random decode steps, images,
     salts and restarts, through a small memo: keys always equal a cold computation."""
     rnd = random.Random(seed)
@@ -326,17 +346,67 @@ def test_random_traffic_keys_always_equal_cold(seed: int) -> None:
                                                                  seed=1000 * seed + i)
         extras = rnd.choice([{}, {}, {"salt": "s"}, {"mm": [IMAGE]}])
         request = _request(tokens, rid=str(i), **extras)
-        running.append((request, _keys(request, memo)))
+        running.append((request, _keys(request, memo, algo)))
         for request, rk in rnd.sample(running, min(3, len(running))):
             for _ in range(rnd.randrange(0, 2 * P)):
                 request.append_output_token_ids(rnd.randrange(100))
                 rk.update(request)
-            assert rk.keys == _cold(request)
+            assert list(rk.keys) == _cold(request, algo)
             history.append(list(request.all_token_ids))
         if len(running) > 6:
             running.pop(rnd.randrange(len(running)))
         _check_memo(memo)
     assert memo.hits > 0
+
+
+# ---------------------------------------------------------------- derived from vLLM's hashes
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+@pytest.mark.parametrize("per_page", [1, 2])
+@pytest.mark.parametrize("extras", [{}, {"salt": "s", "lora": LoRARequest("ad", 1, "/p"),
+                                         "mm": [IMAGE]}], ids=["plain", "extras"])
+def test_derived_keys_are_the_hash_of_each_pages_last_block_xor_the_seed(
+        algo: str, per_page: int, extras: dict) -> None:
+    """As docs/store.md defines them (computed here page by page), for vLLM blocks of a
+    page or of half a page, while the request grows."""
+    hasher = _hasher(algo, block=P // per_page)
+    try:
+        tokens = _tokens(20 * P + 3)
+        request = _request(tokens[: 7 * P + 5], hasher=hasher, **extras)
+        rk = RequestKeys(NS, request, hash_block_size=P // per_page, memo=KeyMemo(),
+                         block_hash_algo=algo)
+        for token in tokens[7 * P + 5 :]:
+            request.append_output_token_ids(token)
+            rk.update(request)
+        assert list(rk.keys) == _oracle(request, algo, per_page) and len(rk.keys) == 20
+        assert rk.key_bytes(3, 9) == bytes.fromhex("".join(_oracle(request, algo,
+                                                                   per_page)[3:9]))
+    finally:
+        _hasher()  # sha256's NONE_HASH again for the other tests
+
+
+def test_keys_come_from_vllms_hashes_only_where_they_are_cryptographic() -> None:
+    """The connector's choice (``key_source``): derived from SHA-256 block hashes that
+    cover exactly a page's blocks; from the tokens with the memo where they do not
+    (a block size not dividing the page, a lookahead); from the tokens without the memo
+    where vLLM's hash is not collision resistant, or where its NONE_HASH is not the
+    configured algorithm's (block hashes not what the configuration says)."""
+    assert key_source("sha256", P, P, 0) == KeySource(
+        "sha256", True, "from vLLM's sha256 block hashes (1 a page)")
+    assert key_source("sha256", P // 4, P, 0).algo == "sha256"
+    for algo, block, lookahead, memo in [("xxhash", P, 0, False), ("xxhash_cbor", P, 0, False),
+                                          (None, P, 0, False), ("sha256", 12, 0, True),
+                                          ("sha256", None, 0, True), ("sha256", 2 * P, 0, True),
+                                          ("sha256", P, 1, True), ("sha256_cbor", P, 0, False)]:
+        source = key_source(algo, block, P, lookahead)
+        assert source.algo is None and source.memo is memo, (algo, block, lookahead)
+    assert "not collision resistant" in key_source("xxhash", P, P, 0).why
+    assert "NONE_HASH" in key_source("sha256_cbor", P, P, 0).why  # NONE_HASH is sha256's
+    with pytest.raises(ValueError, match="need a hash of"):
+        RequestKeys(NS, hash_block_size=P, block_hash_algo="xxhash")
+    with pytest.raises(ValueError, match="blocks dividing the page"):
+        RequestKeys(NS, hash_block_size=12, block_hash_algo="sha256")
 
 
 # ---------------------------------------------------------------- falling back to hashing
@@ -364,49 +434,70 @@ def test_memo_is_used_only_with_vllm_hashes_at_a_known_size() -> None:
     _hasher()  # restore sha256's NONE_HASH for the other tests
 
 
-def test_tokens_changed_under_the_request_restart_the_chain() -> None:
+@pytest.mark.parametrize("algo", KEYINGS)
+def test_tokens_changed_under_the_request_restart_the_chain(algo: str | None) -> None:
     """vLLM's streaming sessions drop the last sampled token before appending the next
-    input: a full last page that held it must be re-hashed."""
+    input: a full last page that held it must be keyed again."""
     for memo in (KeyMemo(), None):
         request = _request(_tokens(2 * P))
-        rk = _keys(request, memo)
+        rk = _keys(request, memo, algo)
         before = list(rk.keys)
         del request._all_token_ids[2 * P - 1 :]  # as Scheduler._update_request_as_session
         del request.block_hashes[(2 * P - 1) // P :]
         request._all_token_ids.extend([7, 8])
         request.update_block_hashes()
-        assert rk.update(request) == _cold(request) != before[:2]
+        assert list(rk.update(request)) == _cold(request, algo) != before[:2]
         assert rk.restarts == 1
 
 
 # ---------------------------------------------------------------- reproducibility
 
 
-def _scenario() -> dict[str, list[str]]:
-    """Keys of a two-turn conversation with an image and a salt, memo on."""
-    memo = KeyMemo(grid=4)
-    tokens = _tokens(30 * P, seed=11)
-    first = _keys(_request(tokens, mm=[IMAGE], salt="s"), memo)
-    second = _keys(_request(tokens + _tokens(5 * P, seed=12), mm=[IMAGE], salt="s"), memo)
-    assert second.memo_pages == 30
-    return {"first": list(first.keys), "second": list(second.keys)}
+def _scenario(algo: str = "sha256") -> dict[str, list[str]]:
+    """Keys of a two-turn conversation with an image and a salt, memo on: hashed from the
+    tokens, and derived from vLLM's ``algo`` block hashes."""
+    out = {}
+    for keying in (None, algo):
+        memo = KeyMemo(grid=4)
+        tokens = _tokens(30 * P, seed=11)
+        first = _keys(_request(tokens, mm=[IMAGE], salt="s"), memo, keying)
+        second = _keys(_request(tokens + _tokens(5 * P, seed=12), mm=[IMAGE], salt="s"), memo,
+                       keying)
+        assert second.memo_pages == 30
+        out[f"{keying}:first"], out[f"{keying}:second"] = list(first.keys), list(second.keys)
+    return out
 
 
-def test_keys_do_not_depend_on_pythonhashseed_or_vllms_hash_algorithm() -> None:
-    """vLLM's block hashes change with PYTHONHASHSEED (NONE_HASH's seed) and the hash
-    algorithm; SparkCache keys must not (they are stored across restarts)."""
-    here = _scenario()
+def _scenario_elsewhere(algo: str, env: dict[str, str]) -> dict[str, list[str]]:
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); import test_request_keys as t; "
-        "t.HASHER = t._hasher('sha256_cbor'); print(json.dumps(t._scenario()))"
+        f"t.HASHER = t._hasher({algo!r}); print(json.dumps(t._scenario({algo!r})))"
     )
-    env = dict(os.environ, PYTHONHASHSEED="12345")
+    env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]),
                                          env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env,
                          capture_output=True, text=True, timeout=300, check=True)
-    there = json.loads(out.stdout.strip().splitlines()[-1])
-    assert there == here
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_keys_are_the_same_in_another_process_as_long_as_vllms_hashing_is() -> None:
+    """Keys are stored across restarts. Hashed from the tokens they depend on nothing of
+    vLLM's: not on PYTHONHASHSEED (NONE_HASH's seed) nor on the hash algorithm. Derived
+    ones are the same in a new process with vLLM's default seed and the same algorithm,
+    and differ (pages miss, never meet wrong ones) with another seed or algorithm."""
+    here = _scenario()
+    same = _scenario_elsewhere("sha256", {"PYTHONHASHSEED": None})
+    other_seed = _scenario_elsewhere("sha256", {"PYTHONHASHSEED": "12345"})
+    other_algo = _scenario_elsewhere("sha256_cbor", {"PYTHONHASHSEED": None})
+    assert same == here
+    for there in (other_seed, other_algo):
+        assert {k: v for k, v in there.items() if k.startswith("None:")} == {
+            k: v for k, v in here.items() if k.startswith("None:")}
+        derived_here = {key for k, v in here.items() if not k.startswith("None:") for key in v}
+        derived_there = {key for k, v in there.items() if not k.startswith("None:")
+                         for key in v}
+        assert derived_here and not derived_here & derived_there
 
 
 # ---------------------------------------------------------------- namespace
