@@ -165,7 +165,7 @@ def test_roots_that_free_nothing_are_passed_over_while_bytes_are_needed(
 
 def read_leased(store: PageStore, now: float) -> set[str]:
     return {r for (r,) in store._rconn.execute(
-        "SELECT root_id FROM read_leases WHERE until > ?", (now,))}
+        "SELECT root_id FROM reads WHERE until > ?", (now,))}
 
 
 def conversation_leased(store: PageStore, now: float) -> set[str]:
@@ -243,7 +243,7 @@ def test_a_read_lease_on_a_prefix_passes_to_the_root_superseding_it(
         assert not store.evict(meter(), EvictionPlan(), UNLIMITED).pages
         lease_clock.now += 30
         assert store.evict(meter(), EvictionPlan(), UNLIMITED).removed == (turn,)
-        assert store._rconn.execute("SELECT count(*) FROM read_leases").fetchone() == (0,)
+        assert store._rconn.execute("SELECT count(*) FROM reads").fetchone() == (0,)
         assert_clean(store)
 
 
@@ -334,7 +334,8 @@ def test_every_query_of_a_slice_walks_an_index(tmp_path: Path, lease_clock: Leas
             commit(store, prompt + chain(f"x{i}", 5), lease_clock)
         evict(store, 2)  # garbage to collect
         store.record_access(prompt[-1], 2, lease_clock.now)
-        store.record_lease(chain("x7", 5)[-1], 7, lease_clock.now + 5)
+        store.record_lease(chain("x7", 5)[-1], 7, lease_clock.now, lease_clock.now + 5, 9)
+        store.record_release(8)
         statements: list[str] = []
         store._wconn.set_trace_callback(statements.append)
         store._rconn.set_trace_callback(statements.append)

@@ -81,6 +81,10 @@ MAINTENANCE_COUNTERS = (
      "still ran (the store at its cap, no unleased root left).", "yielded_roots"),
     ("lease_yielded_bytes", "Bytes eviction made collectable from roots whose "
      "conversation lease still ran.", "yielded_bytes"),
+    ("read_lease_releases", "Read leases ended by their read's release (a load reported, "
+     "a capture's root committed).", "read_releases"),
+    ("read_lease_yielded_roots", "Roots eviction took whose read lease, older than its "
+     "grace and never released, yielded at the cap.", "read_yielded_roots"),
     ("hard_cap_refused_seconds",
      "Seconds used bytes stood at the hard cap, where publications are refused.",
      "refused_s"),
