@@ -581,9 +581,13 @@ class PageStore:
 
     @staticmethod
     def _add_refs(conn: sqlite3.Connection, refs: Counter[str]) -> None:
-        """Add ``refs`` (key -> references gained, negative if lost) to the refcounts."""
+        """Add ``refs`` (key -> references gained, negative if lost) to the refcounts. A
+        page gaining one loses its staging hold: a root holds it now, under the root's
+        lease, which yields at the cap; kept, the hold (``stage_hold_s``, the 300 s lease)
+        kept its bytes in used bytes for minutes after eviction took the root."""
         conn.executemany(
-            "UPDATE objects SET refcount = refcount + ? WHERE key = ?",
+            "UPDATE objects SET refcount = refcount + ?1, "
+            "hold_until = CASE WHEN ?1 > 0 THEN NULL ELSE hold_until END WHERE key = ?2",
             [(n, key) for key, n in refs.items() if n],
         )
 
