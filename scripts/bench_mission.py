@@ -13,10 +13,10 @@ shared memory, blocks handed out and taken back, the client's calls on its threa
 * the store's cap (``max_bytes``) at half the working set, every other setting at its
   default (the lease included: 300 s).
 
-A turn: the engine looks its prompt up (leased), loads the stored prefix into fresh
-blocks through the restore worker, checks loaded pages byte for byte (the first, the
-last and 14 more at random), computes the rest (fills the blocks), then publishes the
-whole prompt. The turns of a round start at once.
+A turn: the engine looks its prompt up (a read lease, which the load's report ends), loads
+the stored prefix into fresh blocks through the restore worker, checks loaded pages byte
+for byte (the first, the last and 14 more at random), computes the rest (fills the
+blocks), then publishes the whole prompt. The turns of a round start at once.
 
 Figures (JSON with ``--json``):
 
