@@ -238,7 +238,7 @@ WORKER_STATS = RecordLayout(
             ("leased_bytes", "<u8"),
             ("yielded_roots", "<u8"),
             ("yielded_bytes", "<u8"),
-            # maintenance: read leases ended by their read's release, and roots eviction
+            # maintenance: releases of read leases taken from the rings, and roots eviction
             # took whose read lease, past its grace, yielded (a release that never came)
             ("read_releases", "<u8"),
             ("read_yielded_roots", "<u8"),

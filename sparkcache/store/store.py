@@ -131,7 +131,7 @@ class StoreCounters:
     # lease, another writer): the sum and the longest wait.
     lock_wait_s: float = 0.0
     lock_wait_max_s: float = 0.0
-    read_releases: int = 0  # read leases ended by their read (``record_release``)
+    read_releases: int = 0  # releases of read leases written (``record_release``)
 
 
 @dataclass(frozen=True)
