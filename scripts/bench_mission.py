@@ -13,10 +13,10 @@ shared memory, blocks handed out and taken back, the client's calls on its threa
 * the store's cap (``max_bytes``) at half the working set, every other setting at its
   default (the lease included: 300 s).
 
-A turn: the engine looks its prompt up (leased), loads the stored prefix into fresh
-blocks through the restore worker, checks loaded pages byte for byte (the first, the
-last and 14 more at random), computes the rest (fills the blocks), then publishes the
-whole prompt. The turns of a round start at once.
+A turn: the engine looks its prompt up (a read lease, which the load's report ends), loads
+the stored prefix into fresh blocks through the restore worker, checks loaded pages byte
+for byte (the first, the last and 14 more at random), computes the rest (fills the
+blocks), then publishes the whole prompt. The turns of a round start at once.
 
 Figures (JSON with ``--json``):
 
@@ -70,6 +70,7 @@ from sparkcache.client import SparkCacheClient
 from sparkcache.identity import KEY_BYTES, keys_bytes, sequence_keys
 from sparkcache.kvmem import SharedKVCaches
 from sparkcache.prefix_lookup import PrefixLookup
+from sparkcache.protocol import new_lease_id
 from sparkcache.runtime import RUNTIME_FILE
 from sparkcache.store.layout import fanout, object_name
 from sparkcache.store.reader import StoreReader
@@ -237,22 +238,24 @@ def run_round(engine: Engine, lookup: PrefixLookup, convs: list[Conversation],
     for c in convs:
         n = c.turns[c.done]
         blocks = [engine.free.pop() for _ in range(n)]
-        hit = lookup.lookup(c.keys[:n])
-        jobs.append((c, n, blocks, hit, f"{c.name}/{c.done}"))
+        lease = new_lease_id()  # ended by its load's report, as vLLM's connector does
+        hit = lookup.lookup(c.keys[:n], lease=lease)
+        jobs.append((c, n, blocks, hit, f"{c.name}/{c.done}", lease))
     # Cold: the files a round's loads read are dropped from the page cache first.
     reader = StoreReader(client.cfg.store_dir, 0)
     objects = client.cfg.store_dir / "rank-0" / "objects"
     try:
-        paths = [p for c, n, _, hit, _ in jobs if hit for p in files_of(reader, objects,
-                                                                      c.keys[:hit])]
+        paths = [p for c, n, _, hit, *_ in jobs if hit for p in files_of(reader, objects,
+                                                                       c.keys[:hit])]
     finally:
         reader.close()
     drop_from_page_cache(paths)
     load_started = time.perf_counter()
     asked = []
-    for c, _, blocks, hit, lid in jobs:
-        if hit and engine.step(lambda c=c, b=blocks, h=hit, i=lid:
-                               client.load_keys(i, c.raw[: KEY_BYTES * h], b[:h]))[0]:
+    for c, _, blocks, hit, lid, lease in jobs:
+        if hit and engine.step(lambda c=c, b=blocks, h=hit, i=lid, r=lease:
+                               client.load_keys(i, c.raw[: KEY_BYTES * h], b[:h],
+                                                lease=r))[0]:
             asked.append(lid)
     while not all(i in engine.loaded for i in asked):
         engine.step()
@@ -262,7 +265,7 @@ def run_round(engine: Engine, lookup: PrefixLookup, convs: list[Conversation],
     loaded_bytes = 0
     wrong = 0
     out = np.empty(page, np.uint8)
-    for c, n, blocks, _, lid in jobs:
+    for c, n, blocks, _, lid, _ in jobs:
         got = engine.loaded[lid].tokens // PAGE_TOKENS if lid in engine.loaded else 0
         loaded_bytes += got * page
         if got:
@@ -274,9 +277,10 @@ def run_round(engine: Engine, lookup: PrefixLookup, convs: list[Conversation],
     drop_from_page_cache(paths)
     seq_read_s, seq_read_bytes = sequential_read(paths)
     # Publications of the whole prompts, all at once.
-    stored_before = {c.name: lookup.lookup(c.keys[: c.turns[c.done]]) for c, *_ in jobs}
+    stored_before = {c.name: stored_prefix(lookup, c.keys[: c.turns[c.done]])
+                     for c, *_ in jobs}
     pub_started = time.perf_counter()
-    for c, _, blocks, _, _ in jobs:
+    for c, _, blocks, *_ in jobs:
         engine.durable.pop(c.name, None)
         engine.completed.discard(c.name)
         c.published = engine.step(lambda c=c, b=blocks:
@@ -290,11 +294,11 @@ def run_round(engine: Engine, lookup: PrefixLookup, convs: list[Conversation],
         sample_shm()
         time.sleep(0.0005)
     commit_s = time.perf_counter() - pub_started
-    added = sum((len(b) - stored_before[c.name]) * page for c, _, b, _, _ in jobs
+    added = sum((len(b) - stored_before[c.name]) * page for c, _, b, *_ in jobs
                 if c.published)
     # The baseline right after, as the disk is now (a full store's writeback included).
     seq_write_s = sequential_write(client.cfg.store_dir, added) if added >= 16 << 20 else None
-    for c, _, blocks, _, _ in jobs:
+    for c, _, blocks, *_ in jobs:
         first = c.done == 0
         ok = c.published and engine.durable[c.name].durable
         if first:
@@ -305,6 +309,15 @@ def run_round(engine: Engine, lookup: PrefixLookup, convs: list[Conversation],
             "seq_read_bytes": seq_read_bytes, "commit_s": commit_s, "added_bytes": added,
             "seq_write_s": seq_write_s,
             "wrong": wrong, "loads": len(asked)}
+
+
+def stored_prefix(lookup: PrefixLookup, keys: list[str]) -> int:
+    """Pages of ``keys`` stored, asked as a lookup whose load will not come: its lease
+    is released at once (``PrefixLookup.release``), as vLLM's connector does."""
+    lease = new_lease_id()
+    pages = lookup.lookup(keys, lease=lease)
+    lookup.release(lease)
+    return pages
 
 
 def lone_load_s(engine: Engine, keys: list[str], store: Path) -> float:

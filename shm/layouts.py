@@ -58,11 +58,12 @@ DURABLE = RecordLayout(
 # the index. ``kind`` (sparkcache.protocol.RequestKind) says what ``arg`` and ``seconds``
 # mean: a touch (a restore read the prefix ending at page ``arg`` with key ``key``: renew
 # its roots' lease and last access), a lease (a lookup counted that prefix: protect its
-# roots for ``seconds``), or a quarantine (object ``key`` of generation ``arg`` failed
-# verification).
+# roots as read lease ``lease`` for ``seconds`` at most), a release (the read of lease
+# ``lease`` is over; key and arg unused), or a quarantine (object ``key`` of generation
+# ``arg`` failed verification).
 REQUEST = RecordLayout(
     "request",
-    1,
+    2,  # 1 had no lease id
     np.dtype(
         [
             ("kind", "<u4"),
@@ -70,6 +71,7 @@ REQUEST = RecordLayout(
             ("key_hi", "<u8"),
             ("key_lo", "<u8"),
             ("arg", "<u8"),
+            ("lease", "<u8"),  # a read lease's id (protocol.new_lease_id); 0: none
             ("when", "<f8"),  # time.time() of the access
             ("seconds", "<f8"),
         ]
@@ -162,11 +164,12 @@ OUTCOMES = 8
 # One slot per worker of a rank (see workers.lifecycle.Role), written by that worker.
 WORKER_STATS = RecordLayout(
     "worker_stats",
-    # 10 had no leased or yielded bytes; 9 no read_bytes; 7 no index_sync; 6 no
-    # pooled_bytes; 5 no entries, outcomes or durations; 4 no lock wait and no maintenance
-    # backlog; 3 no roots_superseded; 2 no pid_start and no drop_stale; 8 had pid_start in
+    # 11 had no read lease releases or yields; 10 no leased or yielded bytes; 9 no
+    # read_bytes; 7 no index_sync; 6 no pooled_bytes; 5 no entries, outcomes or durations;
+    # 4 no lock wait and no maintenance backlog; 3 no roots_superseded; 2 no pid_start and
+    # no drop_stale; 8 had pid_start in
     # wall-clock time (psutil create_time)
-    11,
+    12,
     np.dtype(
         [
             ("pid", "<u4"),
@@ -235,6 +238,10 @@ WORKER_STATS = RecordLayout(
             ("leased_bytes", "<u8"),
             ("yielded_roots", "<u8"),
             ("yielded_bytes", "<u8"),
+            # maintenance: releases of read leases taken from the rings, and roots eviction
+            # took whose read lease, past its grace, yielded (a release that never came)
+            ("read_releases", "<u8"),
+            ("read_yielded_roots", "<u8"),
         ]
     ),
 )

@@ -108,6 +108,8 @@ _PAGE_INDEX = np.arange(max(segments.RINGS["publish"][1], segments.RINGS["load"]
                         dtype=np.uint32)
 _PAGE_INDEX.flags.writeable = False
 _PUBLISH_SHARED = PUBLISH.shared("pub_id", "root_hi", "root_lo", "deadline", "reg_gen", "npages")
+# The key a release carries: it names its lease by id alone.
+_NO_KEY = "0" * 32
 _LOAD_SHARED = LOAD.shared("load_id", "worker_start", "worker_pid", "reg_gen", "npages")
 
 
@@ -192,6 +194,7 @@ class _Load:
     part: int = 0  # pages of the part with the restore worker
     worker: tuple[int, float] | None = None  # the restore worker asked: pid, start time
     queued: bool = False  # waiting for room, counted in ``loads_queued``
+    lease: int = 0  # the read lease its lookup took, released when it ends; 0: none
 
 
 @dataclass
@@ -699,14 +702,16 @@ class SparkCacheClient:
             raise TypeError(f"extra must be a KeyExtras or None, not {type(extra).__name__}")
         return list(sequence_keys(self._reg.namespace, token_ids, extra).all())
 
-    def _request(self, kind: RequestKind, key: str, arg: int, seconds: float = 0.0) -> bool:
+    def _request(self, kind: RequestKind, key: str, arg: int, seconds: float = 0.0,
+                 lease: int = 0) -> bool:
         """Send maintenance a request; False if it could not be sent."""
         conn = self._connection()
         if conn is None:
             self.counters.requests_dropped += 1
             return False
         try:
-            conn.request.try_push((int(kind), 0, *split_key(key), arg, time.time(), seconds))
+            conn.request.try_push((int(kind), 0, *split_key(key), arg, lease, time.time(),
+                                   seconds))
             return True
         except RingFull:
             self.counters.requests_dropped += 1
@@ -715,17 +720,18 @@ class SparkCacheClient:
         return False
 
     def lookup(self, token_ids: Sequence[int] | np.ndarray, *,
-               extra: KeyExtras | None = None) -> int:
+               extra: KeyExtras | None = None, lease: int = 0) -> int:
         """Tokens of ``token_ids`` (with the request's ``extra``) whose pages the store
-        holds (a prefix), leased for
-        ``lookup_lease_seconds`` so the restore that follows finds them; 0 on any fault,
-        or when the lease cannot be taken at once (a miss, counted)."""
+        holds (a prefix), leased as read lease ``lease`` (``protocol.new_lease_id``; 0: an
+        anonymous one) until the load given that lease ends (``load``) or ``release``,
+        or ``lookup_lease_seconds`` at most, so the load that follows finds them; 0 on
+        any fault, or when the lease cannot be taken at once (a miss, counted)."""
         try:
             if self.cfg.access_mode is AccessMode.OFF or self._reg is None:
                 return 0
             self.counters.lookups += 1
             self.counters.lookup_tokens += len(token_ids)
-            tokens = self._lookup(token_ids, extra)
+            tokens = self._lookup(token_ids, extra, lease)
             self.counters.hit_tokens += tokens
             return tokens
         except Exception:
@@ -739,7 +745,8 @@ class SparkCacheClient:
         self.counters.misses[reason] += 1
         self.counters.lookup_misses[reason] += 1
 
-    def _lookup(self, token_ids: Sequence[int] | np.ndarray, extra: KeyExtras | None) -> int:
+    def _lookup(self, token_ids: Sequence[int] | np.ndarray, extra: KeyExtras | None,
+                lease: int) -> int:
         keys = self._keys(token_ids, extra)
         reader = self._open_reader()
         if not reader.gate.try_shared():
@@ -752,7 +759,7 @@ class SparkCacheClient:
                 # until one starts. Restoring from disk then still works.
                 self.counters.unleased_lookups += 1
             elif pages and not self._request(RequestKind.LEASE, keys[pages - 1],
-                                             pages - 1, self.cfg.lookup_lease_seconds):
+                                             pages - 1, self.cfg.lookup_lease_seconds, lease):
                 self._lookup_miss("no_lease")
                 return 0
         finally:
@@ -820,52 +827,66 @@ class SparkCacheClient:
 
     # ---------------------------------------------------------------- asynchronous loads
 
+    def release(self, lease: int) -> None:
+        """End read lease ``lease`` whose load will not come (the request went): its
+        pages need not wait ``lookup_lease_seconds``. Never raises; a release that cannot
+        be sent is counted in ``requests_dropped`` and the lease ends at its bound."""
+        if lease:
+            try:
+                self._request(RequestKind.RELEASE, _NO_KEY, 0, lease=lease)
+            except Exception:
+                log.warning("releasing a read lease failed", exc_info=True)
+
     def load(self, load_id: Hashable, token_ids: Sequence[int] | np.ndarray,
              block_ids: Sequence[int], *, extra: KeyExtras | None = None,
-             max_pages: int | None = None) -> bool:
+             max_pages: int | None = None, lease: int = 0) -> bool:
         """Queue a load of the stored prefix of ``token_ids`` (with the request's
         ``extra``; at most ``max_pages`` pages, one per block of ``block_ids``) into those
         blocks. True if taken: the blocks are then SparkCache's until ``poll_loads``
         reports ``load_id``. A load the ring or ``MAX_LOADS`` has no room for now waits in
         the client's queue, and ``poll_loads`` hands it over as room frees: room is never
         a reason to refuse. False if refused (counted in ``counters.misses`` by reason);
-        never raises, never waits."""
+        never raises, never waits. ``lease``: the read lease the lookup took, released
+        once the load ends (or is refused)."""
         try:
             keys = []
             if self._reg is not None and self.cfg.access_mode is not AccessMode.OFF:
                 keys = self._keys(token_ids, extra)[: len(block_ids)]
                 if max_pages is not None:
                     keys = keys[: max(0, max_pages)]
-            reason = self._queue_load(load_id, split_keys(keys), len(token_ids), block_ids)
+            reason = self._queue_load(load_id, split_keys(keys), len(token_ids), block_ids,
+                                      lease)
         except Exception:
             self._ring_fault("load")
             reason = "error"
-        if reason is not None:
-            self.counters.misses[reason] += 1
-            return False
-        return True
+        return self._taken(reason, lease)
+
+    def _taken(self, reason: str | None, lease: int) -> bool:
+        """Whether a load was taken; a refused one is counted, and its lease released."""
+        if reason is None:
+            return True
+        self.counters.misses[reason] += 1
+        self.release(lease)
+        return False
 
     def load_keys(self, load_id: Hashable, keys: Sequence[str] | bytes,
-                  block_ids: Sequence[int]) -> bool:
+                  block_ids: Sequence[int], *, lease: int = 0) -> bool:
         """``load`` for a caller that computed the page keys itself (vLLM's scheduler
         does), as hex strings or as their raw bytes (``keys_bytes``): page ``i`` of
         ``keys`` goes into ``block_ids[i]``."""
         try:
             halves = key_halves(keys)[: len(block_ids)]
             reason = self._queue_load(load_id, halves, len(halves) * self.cfg.page_tokens,
-                                      block_ids)
+                                      block_ids, lease)
         except ValueError:
             reason = "bad_request"
         except Exception:
             self._ring_fault("load")
             reason = "error"
-        if reason is not None:
-            self.counters.misses[reason] += 1
-            return False
-        return True
+        return self._taken(reason, lease)
 
     def _queue_load(self, load_id: Hashable, halves: np.ndarray, ntokens: int,
-                    block_ids: Sequence[int]) -> str | None:
+                    block_ids: Sequence[int], lease: int) -> str | None:
         """Take a load of the pages whose keys' halves are ``halves`` (``key_halves``)
         into the queue and hand over what there is room for."""
         reg = self._reg
@@ -884,7 +905,8 @@ class SparkCacheClient:
         target = self._restore_target()
         if isinstance(target, str):
             return target
-        self._waiting.append(_Load(load_id, halves, blocks, ntokens, time.monotonic()))
+        self._waiting.append(_Load(load_id, halves, blocks, ntokens, time.monotonic(),
+                                   lease=lease))
         self._load_ids.add(load_id)
         self.counters.loads += 1
         try:
@@ -1028,10 +1050,12 @@ class SparkCacheClient:
 
     def _end_load(self, entry: _Load, pages: int, status: str,
                   bad_page: int | None = None) -> None:
-        """Report ``entry`` with its ``pages`` leading pages loaded, and touch them."""
+        """Report ``entry`` with its ``pages`` leading pages loaded, touch them, and end its
+        read lease: the restore worker reads nothing more of them."""
         if pages:
             # Only an access time is lost if this cannot be sent.
             self._request(RequestKind.TOUCH, join_key(*entry.keys[pages - 1]), pages - 1)
+        self.release(entry.lease)
         self._load_ids.discard(entry.load_id)
         self.counters.load_status[status] += 1
         tokens = min(pages * self.cfg.page_tokens, entry.ntokens)

@@ -59,6 +59,7 @@ class PrefixLookup:
         self.lookups = 0
         self.lookup_tokens = 0  # tokens asked about beyond the caller's own
         self.hit_tokens = 0  # of those, tokens found and leased
+        self.releases_dropped = 0  # releases no ring took (``release``)
         # Rank 0's engine stats block: one scheduler serves every rank.
         self._engine: EngineStatsWriter | None = None
         self._engine_at = 0.0
@@ -99,8 +100,12 @@ class PrefixLookup:
             self._supervisor = runtime.supervisor_identity(rt)
         return worker_alive(stats.read(int(Role.MAINTENANCE)), self.cfg.heartbeat_timeout_s)
 
-    def lookup(self, keys: Sequence[str], beyond: int = 0, hints: Sequence[int] = ()) -> int:
-        """Leading ``keys`` every rank holds, leased for ``lookup_lease_seconds``; 0 if
+    def lookup(self, keys: Sequence[str], beyond: int = 0, hints: Sequence[int] = (),
+               lease: int = 0) -> int:
+        """Leading ``keys`` every rank holds, leased as read lease ``lease``
+        (``protocol.new_lease_id``; 0: an anonymous one) until the load given that lease
+        ends (``SparkCacheClient.load_keys``) or ``release``, or for
+        ``lookup_lease_seconds`` at most; 0 if
         they are not more than ``beyond`` (the pages the caller has already: one probe
         per rank tells), and 0 on any fault (a miss, counted in ``misses`` by reason).
         ``hints``: answers the caller expects, tried first (``chained_prefix``)."""
@@ -116,7 +121,7 @@ class PrefixLookup:
                 return 0
             try:
                 try:
-                    pages = self._lookup(keys, beyond, hints, now)
+                    pages = self._lookup(keys, beyond, hints, now, lease)
                 except Exception as exc:
                     keep = isinstance(exc, MaintenanceDown) and self._same_supervisor()
                     if keep or not self._attached():
@@ -126,7 +131,7 @@ class PrefixLookup:
                     # restart is answered instead of missing, and the next second's
                     # with it.
                     self.close()
-                    pages = self._lookup(keys, beyond, hints, now)
+                    pages = self._lookup(keys, beyond, hints, now, lease)
             except Exception as exc:
                 # A store not created yet, a supervisor gone, its maintenance down: try
                 # again a little later. Every handle is dropped (a new supervisor makes
@@ -172,7 +177,7 @@ class PrefixLookup:
         self._engine.write_due(self._fields)
 
     def _lookup(self, keys: Sequence[str], beyond: int, hints: Sequence[int],
-                now: float) -> int:
+                now: float, lease: int) -> int:
         if now >= self._alive_until:
             # A lease taken in the interval after maintenance died is lost, as one taken
             # a moment before its death would be: the load misses and is recomputed.
@@ -193,17 +198,17 @@ class PrefixLookup:
                 if not pages:
                     self.misses["not_stored"] += 1
                     return 0
-            if not self._lease(keys[pages - 1], pages - 1):
+            if not self._lease(keys[pages - 1], pages - 1, lease):
                 return 0
             return pages
         finally:
             for reader in held:
                 reader.gate.release()
 
-    def _lease(self, key: str, pos: int) -> bool:
+    def _lease(self, key: str, pos: int, lease: int) -> bool:
         """Lease the prefix ending at ``key`` (page ``pos``) on every rank; False (a miss)
         if any rank's ring cannot take it at once."""
-        record = (int(RequestKind.LEASE), 0, *split_key(key), pos, time.time(),
+        record = (int(RequestKind.LEASE), 0, *split_key(key), pos, lease, time.time(),
                   self.cfg.lookup_lease_seconds)
         for rank in range(self.tp_size):
             try:
@@ -212,6 +217,21 @@ class PrefixLookup:
                 self.misses["no_lease"] += 1
                 return False
         return True
+
+    def release(self, lease: int) -> None:
+        """End read lease ``lease`` on every rank, for a lookup whose load will not come
+        (the request went before it): through the ring its lease took, so the lease is
+        always taken first. Never raises: a release that cannot be sent leaves the lease
+        to end at its bound, counted in ``releases_dropped``."""
+        if not lease:
+            return
+        record = (int(RequestKind.RELEASE), 0, 0, 0, 0, lease, time.time(), 0.0)
+        for ring in self._leases:
+            try:
+                if ring is not None:
+                    ring.try_push(record)
+            except Exception:
+                self.releases_dropped += 1
 
     def close(self) -> None:
         self._alive_until = 0.0

@@ -9,6 +9,7 @@ a meaning.
 
 from __future__ import annotations
 
+import os
 import time
 from enum import IntEnum
 
@@ -59,6 +60,15 @@ class RequestKind(IntEnum):
     TOUCH = 1
     LEASE = 2
     QUARANTINE = 3
+    RELEASE = 4  # the read a LEASE protected is over (docs/maintenance.md)
+
+
+def new_lease_id() -> int:
+    """A read lease's id, named by the lookup that takes it and the release that ends it:
+    63 random bits, so that two reads in flight share one with odds of about n^2 / 2^64
+    (a shared id would let one read's release end the other's lease early: its load
+    would miss, never read wrong bytes). Never 0, which names no lease."""
+    return int.from_bytes(os.urandom(8), "little") >> 1 | 1
 
 
 def release_seconds(timeout_s: float, publication_bytes: int, arena_bytes: int) -> float:

@@ -16,6 +16,8 @@ import pytest
 from pipeline_util import pipeline, sequences, wait_for
 
 from sparkcache import segments
+from sparkcache.prefix_lookup import PrefixLookup
+from sparkcache.protocol import new_lease_id
 from sparkcache.store import PageStore
 from workers.lifecycle import Role
 
@@ -140,3 +142,81 @@ def test_at_the_cap_with_every_root_leased_publications_go_on(
     assert rec.refused_s == 0 and rec.leased_roots > 0
     # The lookup's lease held: the oldest root of all is whole.
     assert kept_looked_up == 2
+
+
+def test_read_leases_end_with_their_reads_at_an_agents_turn_rate(
+        tmp_path: Path, instance: str) -> None:
+    """Turns far faster than the lookup's lease (30 s): each looks its conversation up
+    (through the scheduler's ring or the engine's), most load what was counted while the
+    next turns publish, some never load (their request went: released, and one
+    conversation's never, a lost message). Read leases end with their reads, so the store
+    stays under its hard cap with no publication refused (used bytes past it by at most
+    one publication: the client admits one by the used bytes it last read), and no root
+    under a read in flight loses a page: every load gets every page its lookup counted."""
+    rng = random.Random(13)
+    store = tmp_path / "store"
+    settings = {k: v for k, v in LEASED_AT_THE_CAP.items() if k != "lookup_lease_seconds"}
+    with pipeline(store, instance, settings) as engine, \
+            segments.attach_stats(engine.client.cfg, 0) as stats:
+        cfg, client = engine.client.cfg, engine.client
+        assert cfg.lookup_lease_seconds == 30
+        page = cfg.page_tokens
+        scheduler = PrefixLookup(cfg, 1)
+
+        def turn_of(n: int) -> list[int]:
+            return [rng.randrange(50000) for _ in range(n * page)]
+
+        convs = {f"c{i}": turn_of(2) for i in range(12)}
+        for sid, tokens in convs.items():
+            assert engine.publish(sid, tokens, tries=1), client.counters
+            engine.drain(timeout=30)
+        started = time.monotonic()
+        loads, released, lost, used_max, published, largest = 0, 0, 0, 0, 0, 0
+        for i in range(150):
+            sid = f"c{i // 4 % len(convs)}"  # an agent's turns come in streaks
+            tokens = convs[sid]
+            lease = new_lease_id()
+            if i % 2:
+                counted = scheduler.lookup(engine.keys(tokens), lease=lease) * page
+            else:
+                counted = client.lookup(tokens, lease=lease)
+            load_id = None
+            if counted and i % 5 == 4:
+                if sid == "c4":
+                    lost += 1  # never released: its lease ends at its bound
+                else:
+                    (scheduler if i % 2 else client).release(lease)
+                    released += 1
+            elif counted:
+                blocks = [engine.free.pop() for _ in range(counted // page)]
+                load_id = f"load-{i}"
+                assert client.load(load_id, tokens, blocks, lease=lease), client.counters
+            # The next turns publish while the load is in flight.
+            longer = tokens + turn_of(1)
+            assert engine.publish(sid, longer, tries=1), (i, client.counters.skipped)
+            convs[sid] = longer
+            published += len(longer) // page
+            largest = max(largest, len(longer) // page)
+            engine.drain(timeout=30)
+            if load_id is not None:
+                result = engine.wait_loaded([load_id])[load_id]
+                assert (result.status, result.tokens) == ("ok", counted), (i, result)
+                engine.free.extend(blocks)
+                loads += 1
+            rec = stats.read(int(Role.MAINTENANCE))
+            used_max = max(used_max, rec.used_bytes)
+        elapsed = time.monotonic() - started
+        scheduler.close()
+        counters = client.counters
+        rec = wait_for(lambda: (r := stats.read(int(Role.MAINTENANCE))).read_releases
+                       >= loads + released and r, 10, "maintenance to take the releases")
+    page_bytes = client._reg.views.page_bytes
+    # Far faster than the lease: had leases lasted it, every conversation would be
+    # read-leased at the end, more than the hard cap holds.
+    assert elapsed < cfg.lookup_lease_seconds, elapsed
+    assert sum(len(t) // page for t in convs.values()) * page_bytes > cfg.hard_cap_bytes
+    assert published * page_bytes > 3 * cfg.hard_cap_bytes
+    assert loads >= 60 and released >= 10 and lost >= 1, (loads, released, lost)
+    assert counters.skipped["store_full"] == 0 and not engine.not_durable, counters
+    assert used_max <= cfg.hard_cap_bytes + largest * page_bytes, used_max
+    assert rec.evicted_roots > 0, "the store never evicted: the test proves nothing"

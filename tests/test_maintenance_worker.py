@@ -14,9 +14,11 @@ from pathlib import Path
 from eviction_util import FakeClock
 from worker_rig import Rig, rig
 
+from shm.layouts import split_key
 from sparkcache import segments
 from sparkcache.client import HEALTH_CACHE_S
 from sparkcache.config import KiB
+from sparkcache.protocol import RequestKind, new_lease_id
 from sparkcache.store.fsck import fsck
 from sparkcache.store.objects import record_span
 from sparkcache.store.store import PUNCH_DELAY_S
@@ -217,3 +219,27 @@ def test_an_orphan_the_start_up_reconcile_spared_for_its_age_is_swept_later(
         assert not orphan.exists()
         assert m.life.report["slice_max_s"] <= 0.02
     assert fsck(tmp_path / "store", grace_seconds=0).ok
+
+
+def test_a_release_taken_before_its_lease_from_another_ring_still_ends_it(
+        tmp_path: Path, instance: str) -> None:
+    """The scheduler leases through the ``lease`` ring, the engine's client releases
+    through ``request``, which maintenance drains first: the release is in the store's
+    hands only once both rings are drained, so it ends the lease, even with a batch of
+    touches written in the middle of the drain (the store's batch of 64 filled)."""
+    with rig(tmp_path / "store", instance, **SETTINGS) as r:
+        keys = [os.urandom(16).hex() for _ in range(3)]
+        r.commit.store.commit(make_root(os.urandom(16).hex(), keys, PAGE))
+        lease = new_lease_id()
+        r.lease.try_push((int(RequestKind.LEASE), 0, *split_key(keys[-1]), 2, lease,
+                          time.time(), 30.0))
+        r.engine.client.release(lease)
+        r.engine.client.release(lease)  # duplicated: one release of the batch
+        for _ in range(70):  # the store writes its batch at the 64th, mid-drain
+            r.engine.client._request(RequestKind.TOUCH, os.urandom(16).hex(), 0)
+        assert r.maintenance._take_requests() == 73
+        r.maintenance.store.flush_touches()
+        assert r.maintenance.store._rconn.execute("SELECT count(*) FROM reads").fetchone() \
+            == (0,)
+        r.maintenance.report()
+        assert maintenance_record(r).read_releases == 1

@@ -48,7 +48,7 @@ FAMILIES = {
     "maintenance_over_max_bytes", "maintenance_selected_roots", "maintenance_selected_bytes",
     "gc_backlog_objects", "gc_backlog_bytes", "maintenance_duty_ratio", "store_pooled_bytes",
     "store_leased_roots", "store_leased_bytes", "evicted_roots", "lease_yielded_roots",
-    "lease_yielded_bytes",
+    "lease_yielded_bytes", "read_lease_releases", "read_lease_yielded_roots",
     "cut_roots", "reclaimed_bytes", "collected_objects", "collected_bytes",
     "hard_cap_refused_seconds", "maintenance_episode_seconds", "hard_cap_refusing",
     "commit_lock_wait_seconds", "commit_lock_wait_max_seconds", "publications", "restores",

@@ -139,11 +139,11 @@ def test_maintenance_down_under_its_supervisor_keeps_the_handles(tmp_path: Path,
         # through handles opened afresh.
         real_lease, faults = PrefixLookup._lease, iter([OSError("a faulty ring")])
 
-        def lease_once(self: PrefixLookup, key: str, pos: int) -> bool:
+        def lease_once(self: PrefixLookup, key: str, pos: int, lease: int) -> bool:
             fault = next(faults, None)
             if fault is not None:
                 raise fault
-            return real_lease(self, key, pos)
+            return real_lease(self, key, pos, lease)
 
         monkeypatch.setattr(PrefixLookup, "_lease", lease_once)
         assert lookup.lookup(keys) == 5

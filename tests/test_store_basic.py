@@ -539,21 +539,31 @@ def test_an_index_made_before_the_garbage_totals_gains_them(tmp_path: Path) -> N
     assert report.ok, report.problems
 
 
-def test_an_index_made_before_read_leases_gains_them(tmp_path: Path) -> None:
-    """An index made before read leases is read as it is, and the first writer adds the
-    table and its trigger; a lease taken then protects the root from removal."""
+@pytest.mark.parametrize("before", ["none", "one_a_root"])
+def test_an_index_made_before_read_leases_gains_them(tmp_path: Path, before: str) -> None:
+    """An index made before read leases, or with their first form (one row a root, no
+    id), is read as it is, and the first writer adds the table, its indexes and its
+    trigger in place of the old ones; a lease taken then protects the root from removal."""
     keys = [secrets.token_hex(16) for _ in range(2)]
     with PageStore(tmp_path / "s", 0, lease_seconds=0) as store:
         root = rid()
         store.commit(make_root(root, keys, SIZE))
-        store._wconn.execute("DROP TRIGGER roots_del_read_lease")
-        store._wconn.execute("DROP TABLE read_leases")
+        store._wconn.execute("DROP TRIGGER roots_del_reads")
+        store._wconn.execute("DROP TABLE reads")
+        if before == "one_a_root":
+            store._wconn.executescript(
+                "CREATE TABLE read_leases(root_id TEXT PRIMARY KEY, until REAL NOT NULL) "
+                "WITHOUT ROWID; CREATE TRIGGER roots_del_read_lease AFTER DELETE ON roots "
+                "BEGIN DELETE FROM read_leases WHERE root_id = OLD.id; END;")
     reader = StoreReader(tmp_path / "s", 0)
     try:
         assert reader.lookup(keys) == 2
     finally:
         reader.close()
     with PageStore(tmp_path / "s", 0, lease_seconds=0) as store:
+        assert {name for (name,) in store._rconn.execute(
+            "SELECT name FROM sqlite_master WHERE name LIKE 'read%' OR name LIKE '%read_lease'"
+        )} == {"reads", "reads_lease", "reads_until"}
         assert store.lease_prefix(keys, 60) == 2
         assert store.select_victims(10) == []
         assert store.remove_roots([root]).skipped == (root,)

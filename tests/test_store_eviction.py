@@ -20,7 +20,15 @@ from eviction_util import UNLIMITED, FakeClock, evict, meter
 
 from sparkcache.maintenance_policy import CostModel
 from sparkcache.store import PageStore, index
-from sparkcache.store.eviction import RECORD, SYNC, TXN, UNLINK, WALK_FACTOR, EvictionPlan
+from sparkcache.store.eviction import (
+    READ_GRACE_S,
+    RECORD,
+    SYNC,
+    TXN,
+    UNLINK,
+    WALK_FACTOR,
+    EvictionPlan,
+)
 from sparkcache.store.fileops import FileOps
 from sparkcache.store.fsck import fsck
 from sparkcache.store.testing import make_root, object_file, page_bytes, populate
@@ -165,7 +173,7 @@ def test_roots_that_free_nothing_are_passed_over_while_bytes_are_needed(
 
 def read_leased(store: PageStore, now: float) -> set[str]:
     return {r for (r,) in store._rconn.execute(
-        "SELECT root_id FROM read_leases WHERE until > ?", (now,))}
+        "SELECT root_id FROM reads WHERE until > ?", (now,))}
 
 
 def conversation_leased(store: PageStore, now: float) -> set[str]:
@@ -243,8 +251,118 @@ def test_a_read_lease_on_a_prefix_passes_to_the_root_superseding_it(
         assert not store.evict(meter(), EvictionPlan(), UNLIMITED).pages
         lease_clock.now += 30
         assert store.evict(meter(), EvictionPlan(), UNLIMITED).removed == (turn,)
-        assert store._rconn.execute("SELECT count(*) FROM read_leases").fetchone() == (0,)
+        assert store._rconn.execute("SELECT count(*) FROM reads").fetchone() == (0,)
         assert_clean(store)
+
+
+def lease(store: PageStore, keys: list[str], lease_id: int, now: float,
+          seconds: float = 30) -> None:
+    """A lookup's read lease of ``keys`` taken at ``now``, written as maintenance does."""
+    store.record_lease(keys[-1], len(keys) - 1, now, now + seconds, lease_id)
+    store.flush_touches()
+
+
+def release(store: PageStore, lease_id: int) -> None:
+    store.record_release(lease_id)
+    store.flush_touches()
+
+
+def test_a_read_lease_ends_with_its_release_and_no_other_reads(
+        store: PageStore, lease_clock: LeaseClock) -> None:
+    """Two reads of one root: the release of one (twice over, as a duplicated message
+    would) leaves the other's lease holding; the second release ends protection at once,
+    long before either lease's bound."""
+    keys = chain("shared", 4)
+    root = commit(store, keys, lease_clock)
+    lease_clock.now += 100  # its conversation lease is over
+    lease(store, keys, 1, lease_clock.now)
+    lease(store, keys[:2], 2, lease_clock.now)  # a shorter prefix: the same root
+    for _ in range(2):
+        release(store, 1)
+        assert not store.evict(meter(), EvictionPlan(), UNLIMITED).pages
+        assert read_leased(store, lease_clock.now) == {root}
+    release(store, 2)
+    assert store.evict(meter(), EvictionPlan(), UNLIMITED).removed == (root,)
+    assert store.counters.read_releases == 3
+    assert_clean(store)
+
+
+def test_a_release_batched_with_its_lease_ends_it_whatever_their_order(
+        store: PageStore, lease_clock: LeaseClock) -> None:
+    """Maintenance may batch a release before its lease (they come by different rings):
+    leases are written first, so it still ends."""
+    keys = chain("k", 3)
+    commit(store, keys, lease_clock)
+    store.record_release(5)
+    store.record_lease(keys[-1], 2, lease_clock.now, lease_clock.now + 30, 5)
+    store.flush_touches()
+    assert read_leased(store, lease_clock.now) == set()
+    with pytest.raises(ValueError, match="lease id above 0"):
+        store.record_release(0)
+
+
+def test_a_lost_release_ends_protection_at_the_bound(
+        store: PageStore, lease_clock: LeaseClock) -> None:
+    """No release comes: the lease holds to its ``until``, then its row goes with the
+    next lease written, so the table keeps only the running reads."""
+    keys = chain("lost", 3)
+    root = commit(store, keys, lease_clock)
+    lease_clock.now += 100
+    lease(store, keys, 7, lease_clock.now, seconds=5)
+    assert not store.evict(meter(), EvictionPlan(), UNLIMITED).pages
+    lease_clock.now += 5
+    other = chain("other", 1)
+    commit(store, other, lease_clock)
+    lease(store, other, 8, lease_clock.now)
+    assert store._rconn.execute("SELECT lease FROM reads").fetchall() == [(8,)]
+    assert store.evict(meter(), EvictionPlan(), UNLIMITED).removed == (root,)
+
+
+def test_at_the_cap_read_leases_past_their_grace_yield_young_ones_hold(
+        tmp_path: Path, lease_clock: LeaseClock) -> None:
+    """Reads whose release never came hold while anything else can go; once a walk
+    finds nothing else, those older than READ_GRACE_S yield for the rest of the episode,
+    in lease order, counted; one taken within the grace holds. A new episode honours them
+    all again."""
+    with PageStore(tmp_path / "s", 0, lease_seconds=300, clock=lease_clock) as store:
+        keys = {name: chain(name, 2) for name in ("stale1", "stale2", "young", "free")}
+        roots = {name: commit(store, k, lease_clock) for name, k in keys.items()}
+        lease(store, keys["stale1"], 1, lease_clock.now, seconds=120)
+        lease(store, keys["stale2"], 2, lease_clock.now, seconds=120)
+        lease_clock.now += READ_GRACE_S
+        lease(store, keys["young"], 3, lease_clock.now, seconds=120)
+        lease_clock.now += 1  # stale1 and 2 are past their grace, young is not
+        plan = EvictionPlan()
+        first = store.evict(meter(), plan, 2 * 2 * SIZE)
+        assert first.removed == (roots["free"],) and first.read_leased == 3
+        assert plan.reads_yield and first.read_yielded == 0
+        second = store.evict(meter(roots=1), plan, 2 * SIZE)
+        assert second.removed == (roots["stale1"],) and second.read_yielded == 1
+        plan.restart()  # the next episode
+        assert not store.evict(meter(), plan, UNLIMITED).pages
+        third = store.evict(meter(), plan, UNLIMITED)
+        assert third.removed == (roots["stale2"],)
+        assert set(pages_of(store)) == {roots["young"]}
+        assert_clean(store)
+
+
+def test_a_commit_ends_its_captures_lease_and_keeps_a_lookups(
+        store: PageStore, lease_clock: LeaseClock) -> None:
+    """Capture leases the prefix it does not copy (named by its publication); the commit
+    of the longer turn ends that lease in its transaction, while a lookup's lease of the
+    same prefix passes to the new root and holds."""
+    keys = chain("conv", 6)
+    commit(store, keys[:3], lease_clock)
+    assert store.lease_prefix(keys[:3], 30, lease=77) == 3
+    lease(store, keys[:3], 78, lease_clock.now)
+    turn = os.urandom(16).hex()
+    store.commit(make_root(turn, keys, SIZE), release=77)
+    assert store._rconn.execute("SELECT root_id, lease FROM reads").fetchall() == [(turn, 78)]
+    lease_clock.now += 20  # its conversation lease (10 s) is over, the lookup's is not
+    assert not store.evict(meter(), EvictionPlan(), UNLIMITED).pages
+    release(store, 78)
+    assert store.evict(meter(), EvictionPlan(), UNLIMITED).removed == (turn,)
+    assert_clean(store)
 
 
 def test_a_victim_leased_after_it_was_planned_is_dropped(
@@ -334,7 +452,8 @@ def test_every_query_of_a_slice_walks_an_index(tmp_path: Path, lease_clock: Leas
             commit(store, prompt + chain(f"x{i}", 5), lease_clock)
         evict(store, 2)  # garbage to collect
         store.record_access(prompt[-1], 2, lease_clock.now)
-        store.record_lease(chain("x7", 5)[-1], 7, lease_clock.now + 5)
+        store.record_lease(chain("x7", 5)[-1], 7, lease_clock.now, lease_clock.now + 5, 9)
+        store.record_release(8)
         statements: list[str] = []
         store._wconn.set_trace_callback(statements.append)
         store._rconn.set_trace_callback(statements.append)

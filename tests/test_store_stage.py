@@ -103,6 +103,20 @@ def test_staged_pages_outlive_collection_while_held_then_go(store: PageStore,
     assert fsck(store.layout.store_dir, 0).ok
 
 
+def test_a_root_adopting_staged_pages_ends_their_hold(store: PageStore, clock: Clock) -> None:
+    """Once the root holds them, its lease rules: removed within the hold, its pages are
+    collected at once instead of counting in used bytes until the hold is over."""
+    ks = keys(6)
+    root_id = secrets.token_hex(16)
+    store.stage(make_root(root_id, ks[:4], SIZE))
+    store.commit(make_root(root_id, ks, SIZE))
+    clock.now += 11  # the root's lease (10 s) is over, the staging hold (60 s) is not
+    assert store.remove_roots([root_id]).removed == (root_id,)
+    assert store.collect(100).objects == 6
+    assert store.usage().used_bytes == 0
+    assert fsck(store.layout.store_dir, 0).ok
+
+
 def test_hold_staged_names_only_unreferenced_pages(store: PageStore) -> None:
     ks = keys(8)
     store.commit(make_root(secrets.token_hex(16), ks[:3], SIZE))

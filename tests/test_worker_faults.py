@@ -143,11 +143,11 @@ def test_a_failing_item_is_counted_and_the_worker_goes_on(
         real_commit = r.commit.store.commit
         calls = []
 
-        def commit_once_broken(root):
+        def commit_once_broken(root, release=0):
             calls.append(root.root_id)
             if len(calls) == 1:
                 raise RuntimeError("injected fault in one commit")
-            return real_commit(root)
+            return real_commit(root, release=release)
 
         monkeypatch.setattr(r.commit.store, "commit", commit_once_broken)
         assert r.engine.publish(s1, t1, tries=1)
@@ -327,11 +327,11 @@ def test_a_lease_whose_commit_fails_fails_one_publication(
         real = r.capture.store.lease_prefix
         calls = []
 
-        def lease_once_unknown(keys, seconds):
+        def lease_once_unknown(keys, seconds, lease=0):
             calls.append(keys)
             if len(calls) == 1:
                 raise OutcomeUnknown("COMMIT failed: database or disk is full")
-            return real(keys, seconds)
+            return real(keys, seconds, lease)
 
         monkeypatch.setattr(r.capture.store, "lease_prefix", lease_once_unknown)
         assert r.engine.publish(s1, t1, tries=1)

@@ -268,11 +268,13 @@ class Capture:
             return CaptureStatus.BAD_BLOCK, 0
         keys = [join_key(h, lo) for h, lo in zip(recs["key_hi"], recs["key_lo"], strict=True)]
         # Leased, not only looked up: under pressure the root holding these pages could
-        # otherwise be evicted before commit, which then has no bytes for them. Pages an
-        # earlier attempt staged (a kill or a deadline in the middle of its parts) are
-        # held likewise and not copied again.
+        # otherwise be evicted before commit, which then has no bytes for them. The
+        # lease is named by the publication, whose commit ends it. Pages an earlier
+        # attempt staged (a kill or a deadline in the middle of its parts) are held
+        # likewise and not copied again.
         try:
-            stored = self.store.lease_prefix(keys, self.cfg.lookup_lease_seconds)
+            stored = self.store.lease_prefix(keys, self.cfg.lookup_lease_seconds,
+                                             int(recs["pub_id"][0]))
             staged = self.store.hold_staged(keys[stored:], self.store.stage_hold_s)
         except OutcomeUnknown:
             # The lease's COMMIT failed (the disk full for a moment, say): a StoreError,

@@ -196,7 +196,9 @@ class Commit:
                 log.debug("staged part %d of %d of %s in %.3fs: %s", contents.part + 1,
                           contents.parts, root_id, time.perf_counter() - t0, result)
             else:
-                result = self.store.commit(Root(root_id, pages))
+                # Ends capture's read lease of the pages it did not copy (named by the
+                # publication) in the commit's transaction.
+                result = self.store.commit(Root(root_id, pages), release=pub_id)
                 status = DurableStatus.DURABLE
                 self.life.processed += 1
                 self.life.roots_superseded += result.roots_superseded

@@ -4,7 +4,7 @@ in lease order (roots whose lease is over, least recently used first, then the o
 conversation leases; a read lease is never overridden: docs/maintenance.md, "Leases at
 the cap"); collection of unreferenced objects; and what the
 engine asks on the request rings (the engine only reads the index): restore touches,
-lookup leases, quarantines.
+lookup leases and their releases, quarantines.
 
 The policy (budget per slice, duty cap, I/O cap, hysteresis, the hard cap's clock) is
 ``sparkcache/maintenance_policy.py``; the bounded eviction itself is
@@ -72,7 +72,7 @@ SWEEP = "sweep"  # a unit of a slice's work: one fan-out directory swept
 # Cumulative counters of the stats record (WORKER_STATS names).
 _TOTALS = ("evicted_roots", "cut_roots", "skipped_roots", "reclaimed_bytes",
            "collected_objects", "collected_bytes", "io_bytes", "yielded_roots",
-           "yielded_bytes")
+           "yielded_bytes", "read_yielded_roots")
 
 
 def written_bytes() -> int:
@@ -212,6 +212,7 @@ class Maintenance:
         t["io_bytes"] += io
         t["yielded_roots"] += evicted.yielded_roots
         t["yielded_bytes"] += evicted.yielded_bytes
+        t["read_yielded_roots"] += evicted.read_yielded
         self.life.processed += 1
         return True
 
@@ -248,6 +249,7 @@ class Maintenance:
             refusing_since=self._wall(self.hard_cap.since, now),
             refused_s=self.hard_cap.total_s, entries=usage.entries,
             pooled_bytes=self._pooled(now), **self._leased(now), **self.totals,
+            read_releases=self.store.counters.read_releases,
         )
         self.life.beat()
 
@@ -271,7 +273,7 @@ class Maintenance:
         """The watermarks seen at ``now``; a new episode considers every root again."""
         calm = self.pressure.since is None
         if self.pressure.update(used, now) and calm:
-            self.plan.cursor = None
+            self.plan.restart()
 
     @staticmethod
     def _wall(since: float | None, now: float) -> float:
@@ -281,10 +283,18 @@ class Maintenance:
     def _take_requests(self) -> int:
         """Move every request in the rings into the store's batch (or the quarantine list);
         the number taken. Drains the rings whole: under the gate, what a finished lookup
-        pushed must be in the batch."""
-        return sum(self._take_from(ring) for ring in self.requests)
+        pushed must be in the batch. Releases go to the store last: a lease and its
+        release may come by different rings (the scheduler's ``lease``, the engine's
+        ``request``), and a lease pushed before its release is taken in this drain at
+        the latest (``request`` is drained first), so the store never meets a release
+        before its lease, even where a batch is written in the middle of the drain."""
+        releases: list[int] = []
+        taken = sum(self._take_from(ring, releases) for ring in self.requests)
+        for lease in releases:
+            self.store.record_release(lease)
+        return taken
 
-    def _take_from(self, ring: Consumer) -> int:
+    def _take_from(self, ring: Consumer, releases: list[int]) -> int:
         taken = 0
         while True:
             try:
@@ -293,27 +303,33 @@ class Maintenance:
                 return taken
             lifecycle.checkpoint("maintenance.requests")
             now = time.time()
-            for kind, _, hi, lo, arg, when, seconds in batch.tolist():
+            for kind, _, hi, lo, arg, lease, when, seconds in batch.tolist():
                 taken += 1
-                reason = self._check(kind, arg, when, seconds, now)
+                reason = self._check(kind, arg, lease, when, seconds, now)
                 if reason is not None:
                     self.life.drop("request", f"request of kind {kind} ({reason})")
+                    continue
+                if kind == RequestKind.RELEASE:
+                    releases.append(lease)
                     continue
                 key = join_key(hi, lo)
                 if kind == RequestKind.TOUCH:
                     self.store.record_access(key, arg, when)
                 elif kind == RequestKind.LEASE:
-                    self.store.record_lease(key, arg, when + seconds)
+                    self.store.record_lease(key, arg, when, when + seconds, lease)
                 else:
                     self._quarantines.append((key, f"{arg:016x}"))
 
     @staticmethod
-    def _check(kind: int, arg: int, when: float, seconds: float, now: float) -> str | None:
+    def _check(kind: int, arg: int, lease: int, when: float, seconds: float,
+               now: float) -> str | None:
         """Why a request is malformed, or None."""
         if kind not in RequestKind.__members__.values():
             return "unknown kind"
         if kind == RequestKind.QUARANTINE:
             return None  # any 64 bits name a generation; an unknown object is ignored
+        if kind == RequestKind.RELEASE:
+            return None if lease else "release of lease 0"
         if arg >= _MAX_POS:
             return f"page position {arg}"
         if not (math.isfinite(when) and 0 < when <= now + _FUTURE_SLACK_S):

@@ -81,6 +81,11 @@ MAINTENANCE_COUNTERS = (
      "still ran (the store at its cap, no unleased root left).", "yielded_roots"),
     ("lease_yielded_bytes", "Bytes eviction made collectable from roots whose "
      "conversation lease still ran.", "yielded_bytes"),
+    ("read_lease_releases", "Releases of read leases maintenance took: a load reported, or "
+     "a lookup that will not be loaded (commits end capture's leases themselves).",
+     "read_releases"),
+    ("read_lease_yielded_roots", "Roots eviction took whose read lease, older than its "
+     "grace and never released, yielded at the cap.", "read_yielded_roots"),
     ("hard_cap_refused_seconds",
      "Seconds used bytes stood at the hard cap, where publications are refused.",
      "refused_s"),

@@ -25,9 +25,14 @@ walk is in lease order, ``(lease_until, last_access)``, over every root: roots w
 is over come first, least recently used first, then, only if they do not cover the goal,
 roots whose conversation lease still runs, the oldest lease first. A conversation lease
 refusing eviction outright let a store whose roots were all younger than the lease refuse
-every new publication until leases ran out. Read leases (``read_leases``: a lookup's
-before its restore, capture's until its commit) are never overridden: such a root is
-passed over and its pages stay.
+every new publication until leases ran out.
+
+Read leases (``reads``: a lookup's until its load reports, capture's until its commit)
+protect reads in flight, and end with them (a release by the lease's id). A root under
+one is passed over. One whose release never came (a load vLLM dropped) would hold its
+pages until its ``until``: once a walk reaches the last root with bytes still needed and
+has passed over read leases older than ``READ_GRACE_S``, those yield for the rest of the
+episode, in the walk's order; a lease taken within ``READ_GRACE_S`` always holds.
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ CHUNK_PAGES = 256
 # PLAN_MAX victims at once.
 WALK_FACTOR = 4
 PLAN_MAX = 1024
+# A read lease this young always holds: the longest read in flight is done within it. A
+# load of a whole 300k-token prefix of an 8B model (37 GiB) takes ~12 s at 3 GiB/s; the
+# rest is room for a load that waited its turn behind another (docs/maintenance.md).
+READ_GRACE_S = 20.0
 # Where an LRU walk starts: before every (lease_until, last_access, id).
 _START = (-1e308, -1e308, "")
 
@@ -97,6 +106,15 @@ class EvictionPlan:
 
     victims: deque[Candidate] = field(default_factory=deque)
     cursor: tuple[float, float, str] | None = None
+    # Read leases older than READ_GRACE_S yield: a walk reached the last root short of
+    # its goal, passing over such leases (``stale_reads`` counts them in the walk).
+    reads_yield: bool = False
+    stale_reads: int = 0
+
+    def restart(self) -> None:
+        """A new episode: walk from the least recently used root, every read lease
+        holding."""
+        self.cursor, self.reads_yield, self.stale_reads = None, False, 0
 
     @property
     def roots(self) -> int:
@@ -119,6 +137,7 @@ class Progress:
     reclaimed_bytes: int = 0
     skipped: int = 0
     read_leased: int = 0  # roots passed over for a read lease
+    read_yielded: int = 0  # roots planned whose read lease (older than READ_GRACE_S) yields
     dropped: int = 0
     yielded_roots: int = 0  # roots removed whole while their conversation lease ran
     yielded_bytes: int = 0  # bytes made collectable from roots under a running lease
@@ -149,53 +168,68 @@ def exclusive_bytes(conn: sqlite3.Connection, root_id: str, pages: int, nbytes: 
     return (pages - lo) * nbytes // pages
 
 
+def read_held(newest: float | None, now: float, reads_yield: bool) -> bool:
+    """Whether a root whose running read leases were taken at latest at ``newest`` (None:
+    it has none) keeps its pages."""
+    return newest is not None and (not reads_yield or newest > now - READ_GRACE_S)
+
+
+# The newest read lease of root ``r.id`` still running at ``?`` (NULL: none).
+_NEWEST_READ = "(SELECT max(taken) FROM reads WHERE root_id = r.id AND until > ?)"
+
+
 def plan(conn: sqlite3.Connection, victims: EvictionPlan, need: int, budget: Budget,
          now: float, progress: Progress) -> None:
     """Add roots in lease order from the cursor (those whose lease is over first, least
-    recently used first, then the oldest leases), passing over those under a read lease,
-    until their reclaimable bytes cover ``need`` or the slice's root budget is planned. An
-    index walk of at most ``WALK_FACTOR`` x that budget rows, each with a probe of its read
-    lease and O(log pages) probes."""
+    recently used first, then the oldest leases), passing over those under a read lease
+    that holds, until their reclaimable bytes cover ``need`` or the slice's root budget is
+    planned. An index walk of at most ``WALK_FACTOR`` x that budget rows, each with a
+    range probe of its read leases and O(log pages) probes."""
     room = min(budget.roots_left(), PLAN_MAX)
     if room <= 0:
         return
     limit = WALK_FACTOR * room
     rows = conn.execute(
-        "SELECT r.id, r.lease_until, r.last_access, r.pages, r.bytes, coalesce(l.until, 0) "
-        "FROM roots r LEFT JOIN read_leases l ON l.root_id = r.id "
-        "WHERE (r.lease_until, r.last_access, r.id) > (?, ?, ?) "
+        f"SELECT r.id, r.lease_until, r.last_access, r.pages, r.bytes, {_NEWEST_READ} "
+        "FROM roots r WHERE (r.lease_until, r.last_access, r.id) > (?, ?, ?) "
         "ORDER BY r.lease_until, r.last_access, r.id LIMIT ?",
-        (*(victims.cursor or _START), limit),
+        (now, *(victims.cursor or _START), limit),
     ).fetchall()
     examined = 0
-    for root_id, lease_until, last_access, pages, nbytes, read_until in rows:
+    for root_id, lease_until, last_access, pages, nbytes, newest in rows:
         examined += 1
         victims.cursor = (lease_until, last_access, root_id)
-        if read_until > now:
+        if read_held(newest, now, victims.reads_yield):
             progress.read_leased += 1
+            victims.stale_reads += newest <= now - READ_GRACE_S
             continue
         reclaim = exclusive_bytes(conn, root_id, pages, nbytes)
         if reclaim == 0:
             progress.skipped += 1
             continue
+        progress.read_yielded += newest is not None
         victims.victims.append(Candidate(root_id, lease_until, last_access, pages, nbytes,
                                          reclaim))
         need -= reclaim
         if need <= 0 or victims.roots >= room:
             break
     if examined == len(rows) < limit:
-        victims.cursor = None  # the walk reached the last root: start over
+        # The walk reached the last root: start over, read leases past their grace
+        # yielding if they were all that kept it short of the goal.
+        victims.reads_yield |= need > 0 and victims.stale_reads > 0
+        victims.cursor, victims.stale_reads = None, 0
 
 
-def _still_victim(conn: sqlite3.Connection, v: Candidate, now: float) -> bool:
+def _still_victim(conn: sqlite3.Connection, v: Candidate, now: float,
+                  reads_yield: bool) -> bool:
     """Re-checked under the write lock: a read lease taken or an access made since
     planning (a lookup's lease, a restore's touch, a later turn) keeps the root."""
     row = conn.execute(
-        "SELECT r.lease_until, r.last_access, r.pages, r.bytes, coalesce(l.until, 0) "
-        "FROM roots r LEFT JOIN read_leases l ON l.root_id = r.id WHERE r.id = ?",
-        (v.root_id,),
+        f"SELECT r.lease_until, r.last_access, r.pages, r.bytes, {_NEWEST_READ} "
+        "FROM roots r WHERE r.id = ?",
+        (now, v.root_id),
     ).fetchone()
-    if row is None or row[4] > now or row[1] != v.last_access:
+    if row is None or read_held(row[4], now, reads_yield) or row[1] != v.last_access:
         return False
     v.lease_until, v.pages, v.bytes = float(row[0]), int(row[2]), int(row[3])
     return True
@@ -266,7 +300,7 @@ def evict(conn: sqlite3.Connection, victims: EvictionPlan, need: int, budget: Bu
             planned = True
             continue
         v = victims.victims[0]
-        if not _still_victim(conn, v, now):
+        if not _still_victim(conn, v, now, victims.reads_yield):
             victims.victims.popleft()
             progress.dropped += 1
             continue

@@ -77,21 +77,32 @@ END;""",
     "INSERT OR IGNORE INTO totals SELECT 'garbage', count(*), coalesce(sum(bytes), 0) "
     "FROM objects WHERE refcount = 0;",
 )
-# Read leases (docs/maintenance.md, "Leases at the cap"): a lookup's lease of the prefix
-# it counted, until its restore, and capture's of the prefix it did not copy, until its
-# commit. Kept apart from ``roots.lease_until`` (the conversation's lease, which yields at
-# the cap, oldest first) because eviction must always honour them. A row goes with its
-# root (the trigger), so none outlives it. Added after stores existed: a writer's
-# connect(create=True) adds them to an older index (``_upgrade_read_leases``), and code
-# that predates them reads and writes such an index as before.
+# Read leases (docs/maintenance.md, "Leases at the cap"): one row per read in flight and
+# root it reads, named by the read's ``lease`` id: a lookup's lease of the prefix it
+# counted, until its load reports (the client's release) and capture's of the prefix it
+# did not copy, until its commit. Ended by id, so one read's release never ends another's
+# protection of the same root; ``until`` bounds a lease whose release never comes, and
+# eviction at the cap may take one older than ``store.eviction.READ_GRACE_S``. Kept
+# apart from ``roots.lease_until`` (the conversation's lease, which yields at the cap
+# whatever its age). A row goes with its root (the trigger). ``read_leases`` (one row a
+# root, no id) is what the first version of these leases kept: a writer's
+# connect(create=True) replaces it (``_upgrade_read_leases``); its rows, at most
+# ``lookup_lease_seconds`` old, protected reads of processes a restart ended.
 _READ_LEASES_SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS read_leases(
-    root_id TEXT PRIMARY KEY,
-    until REAL NOT NULL
+    """CREATE TABLE IF NOT EXISTS reads(
+    root_id TEXT NOT NULL,
+    lease INTEGER NOT NULL,
+    taken REAL NOT NULL,
+    until REAL NOT NULL,
+    PRIMARY KEY (root_id, lease)
 ) WITHOUT ROWID;""",
-    """CREATE TRIGGER IF NOT EXISTS roots_del_read_lease AFTER DELETE ON roots BEGIN
-    DELETE FROM read_leases WHERE root_id = OLD.id;
+    "CREATE INDEX IF NOT EXISTS reads_lease ON reads(lease);",
+    "CREATE INDEX IF NOT EXISTS reads_until ON reads(until);",
+    """CREATE TRIGGER IF NOT EXISTS roots_del_reads AFTER DELETE ON roots BEGIN
+    DELETE FROM reads WHERE root_id = OLD.id;
 END;""",
+    "DROP TRIGGER IF EXISTS roots_del_read_lease;",
+    "DROP TABLE IF EXISTS read_leases;",
 )
 # totals rows that are not object states (usage() sums the states into used bytes).
 TOTALS_NOT_STATES = frozenset({"roots", "garbage"})
@@ -307,7 +318,7 @@ def _upgrade_hold(conn: sqlite3.Connection) -> None:
 def _upgrade_read_leases(conn: sqlite3.Connection) -> None:
     """Add the read leases to an index made before them (see ``_READ_LEASES_SCHEMA``)."""
     if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'trigger' "
-                    "AND name = 'roots_del_read_lease'").fetchone():
+                    "AND name = 'roots_del_reads'").fetchone():
         return
     conn.executescript("BEGIN IMMEDIATE;" + "\n".join(_READ_LEASES_SCHEMA) + "COMMIT;")
 

@@ -92,6 +92,7 @@ class EvictResult:
     skipped: int = 0  # LRU roots passed over because evicting them frees nothing
     dropped: int = 0  # planned victims read-leased or used again since they were planned
     read_leased: int = 0  # roots passed over for a read lease (a lookup's, capture's)
+    read_yielded: int = 0  # roots taken whose read lease, older than its grace, yielded
     yielded_roots: int = 0  # roots removed whole while their conversation lease ran
     yielded_bytes: int = 0  # bytes made collectable from roots under a running lease
 

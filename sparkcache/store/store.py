@@ -79,12 +79,15 @@ from sparkcache.store.writer import ObjectWriter, WrittenFile
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_SECONDS = 300.0
-# A read lease on the roots holding page ``pos`` with ``key`` (chained keys: the prefix
-# and every root extending it), kept if it runs longer than one they have.
+# Read lease ``?1`` taken at ``?2`` until ``?3`` on the roots holding page ``?5`` with key
+# ``?4`` (chained keys: the prefix and every root extending it); the same lease taken
+# again (an answer given again) runs to the later end.
 _READ_LEASE_SQL = (
-    "INSERT INTO read_leases SELECT root_id, ?1 FROM root_pages WHERE key = ?2 AND pos = ?3 "
-    "ON CONFLICT(root_id) DO UPDATE SET until = max(until, excluded.until)"
+    "INSERT INTO reads SELECT root_id, ?1, ?2, ?3 FROM root_pages WHERE key = ?4 AND pos = ?5 "
+    "ON CONFLICT(root_id, lease) DO UPDATE SET taken = max(taken, excluded.taken), "
+    "until = max(until, excluded.until)"
 )
+_RELEASE_SQL = "DELETE FROM reads WHERE lease = ?"
 _QUARANTINE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # A record collected from a pack that other rows still name is not punched at once: the
 # rest of its pack usually follows within a few slices (eviction cuts a root from its
@@ -128,6 +131,7 @@ class StoreCounters:
     # lease, another writer): the sum and the longest wait.
     lock_wait_s: float = 0.0
     lock_wait_max_s: float = 0.0
+    read_releases: int = 0  # releases of read leases written (``record_release``)
 
 
 @dataclass(frozen=True)
@@ -189,7 +193,9 @@ class PageStore:
         self._touch_interval_s = touch_interval_s
         self._max_retries = max_retries
         self._touches: dict[tuple[str, int], float] = {}  # (key, pos) -> when accessed
-        self._leases: dict[tuple[str, int], float] = {}  # (key, pos) -> protected until
+        # (key, pos, lease) -> (taken, protected until)
+        self._leases: dict[tuple[str, int, int], tuple[float, float]] = {}
+        self._releases: set[int] = set()  # read leases whose read is over
         self._touches_since = 0.0
         # Rows collection deleted whose records it has yet to remove:
         # (key, generation, bytes, file_key, file_offset).
@@ -273,9 +279,11 @@ class PageStore:
 
     # ------------------------------------------------------------------ commit
 
-    def commit(self, root: Root) -> CommitResult:
-        """Store ``root``'s page delta and publish the root with a lease; see module doc."""
-        return self._store(root, place=True)
+    def commit(self, root: Root, release: int = 0) -> CommitResult:
+        """Store ``root``'s page delta and publish the root with a lease; see module doc.
+        ``release``: the read lease (``lease_prefix``) that protected the pages the
+        publication relied on, ended in the same transaction (0: none)."""
+        return self._store(root, place=True, release=release)
 
     def stage(self, root: Root) -> CommitResult:
         """Store the pages of one chunk of a publication larger than a capture slot, durably
@@ -306,7 +314,7 @@ class PageStore:
                 "WHERE key = ?", [(self._clock() + seconds, k) for k in staged])
         return set(staged)
 
-    def _store(self, root: Root, place: bool) -> CommitResult:
+    def _store(self, root: Root, place: bool, release: int = 0) -> CommitResult:
         pieces = [p.pieces() for p in root.pages]
         keys = [p.key for p in root.pages]
         data = dict(zip(keys, pieces, strict=True))
@@ -320,7 +328,7 @@ class PageStore:
                 self._writer.write(delta, data, written)
                 try:
                     placement = self._publish(root.root_id, keys, pieces, written, surplus,
-                                              place)
+                                              place, release)
                     break
                 except _Conflict as exc:
                     conflict = exc.keys
@@ -380,6 +388,7 @@ class PageStore:
         written: dict[str, WrittenFile],
         surplus: list[str],
         place: bool,
+        release: int,
     ) -> _Placement:
         """Step 3: the index transaction. Raises ``_Conflict`` (rolled back) with the keys
         that vanished, to be written again. ``place``: the root too; else the pages are
@@ -398,6 +407,8 @@ class PageStore:
             self._adopt_objects(conn, sizes, written, surplus, now)
             if place:
                 placement = self._place_root(conn, root_id, keys, sizes, now)
+                if release:
+                    conn.execute(_RELEASE_SQL, (release,))
             else:
                 placement = _Placement(superseded=0, covered=False)
                 conn.executemany(
@@ -428,12 +439,14 @@ class PageStore:
         # References are netted: a superseded root's pages are the new root's too, so
         # dropping one and adding the other leaves their refcounts as they were.
         refs = Counter(keys)
-        last_access, read_until, superseded = now, 0.0, 0
-        for old_id, old_lease, old_access, old_read in self._prefix_roots(conn, keys):
+        last_access, superseded = now, 0
+        reads = []
+        for old_id, old_lease, old_access in self._prefix_roots(conn, keys):
             # A lease taken on the old prefix (a lookup about to restore it, a capture
             # relying on it) must keep protecting those pages, now held by the new root.
             lease_until = max(lease_until, old_lease)
-            read_until = max(read_until, old_read)
+            reads += conn.execute("SELECT lease, taken, until FROM reads "
+                                  "WHERE root_id = ? AND until > ?", (old_id, now)).fetchall()
             last_access = max(last_access, old_access)
             self._unlink_root(conn, old_id, refs)
             superseded += old_id != root_id
@@ -448,8 +461,10 @@ class PageStore:
             "INSERT INTO root_pages VALUES (?, ?, ?)",
             [(root_id, pos, key) for pos, key in enumerate(keys)],
         )
-        if read_until > now:
-            conn.execute("INSERT INTO read_leases VALUES (?, ?)", (root_id, read_until))
+        conn.executemany(
+            "INSERT INTO reads VALUES (?, ?, ?, ?) ON CONFLICT(root_id, lease) DO UPDATE "
+            "SET taken = max(taken, excluded.taken), until = max(until, excluded.until)",
+            [(root_id, *read) for read in reads])
         self._add_refs(conn, refs)
         return _Placement(superseded=superseded, covered=False)
 
@@ -470,9 +485,8 @@ class PageStore:
 
     def _prefix_roots(
         self, conn: sqlite3.Connection, keys: list[str]
-    ) -> list[tuple[str, float, float, float]]:
-        """``(id, lease_until, last_access, read lease until)`` of the roots that are
-        prefixes of ``keys``
+    ) -> list[tuple[str, float, float]]:
+        """``(id, lease_until, last_access)`` of the roots that are prefixes of ``keys``
         (the whole of it included): ``p`` pages, the last of them ``keys[p-1]``.
 
         Only one length is looked at: the longest prefix of ``keys`` any root holds. A
@@ -485,9 +499,8 @@ class PageStore:
         if n == 0:
             return []
         return conn.execute(
-            "SELECT r.id, r.lease_until, r.last_access, coalesce(l.until, 0) "
+            "SELECT r.id, r.lease_until, r.last_access "
             "FROM root_pages rp JOIN roots r ON r.id = rp.root_id "
-            "LEFT JOIN read_leases l ON l.root_id = r.id "
             "WHERE rp.key = ? AND rp.pos = ? AND r.pages = ?",
             (keys[n - 1], n - 1, n),
         ).fetchall()
@@ -800,16 +813,28 @@ class PageStore:
         self._touches[(key, pos)] = max(when, self._touches.get((key, pos), 0.0))
         self._maybe_flush_touches()
 
-    def record_lease(self, key: str, pos: int, until: float) -> None:
-        """Batch a lease another process's lookup took: protects the roots holding page
-        ``pos`` with ``key`` until ``until`` without counting as an access; a read lease,
-        which eviction always honours (docs/maintenance.md, "Leases at the cap")."""
+    def record_lease(self, key: str, pos: int, taken: float, until: float,
+                     lease: int = 0) -> None:
+        """Batch read lease ``lease`` another process's lookup took at ``taken``: protects
+        the roots holding page ``pos`` with ``key`` without counting as an access, until
+        ``release(lease)`` or ``until``, whichever comes first (docs/maintenance.md,
+        "Leases at the cap"). Lease 0 is never released: it ends at ``until``."""
         require_hex(key, "page key")
-        self._leases[(key, pos)] = max(until, self._leases.get((key, pos), 0.0))
+        old_taken, old_until = self._leases.get((key, pos, lease), (taken, until))
+        self._leases[(key, pos, lease)] = (max(taken, old_taken), max(until, old_until))
+
+    def record_release(self, lease: int) -> None:
+        """Batch the end of read lease ``lease`` (its read is over), written after the
+        leases batched with it: a release that came before its lease (another ring) still
+        ends it."""
+        if lease <= 0:
+            raise ValueError(f"read lease id {lease}: a release names a lease id above 0")
+        self._releases.add(lease)
 
     def flush_touches(self) -> int:
-        """Write batched accesses and leases in one transaction; how many were written."""
-        if not self._touches and not self._leases:
+        """Write batched accesses, leases and releases in one transaction; how many were
+        written."""
+        if not self._touches and not self._leases and not self._releases:
             return 0
         # Unsynced (as eviction): a power cut may lose accesses and leases, never more.
         with index.unsynced(self._wconn), index.write_txn(self._wconn) as conn:
@@ -824,22 +849,32 @@ class PageStore:
              for (key, pos), when in self._touches.items()],
         )
         conn.executemany(_READ_LEASE_SQL,
-                         [(until, key, pos) for (key, pos), until in self._leases.items()])
-        written = len(self._touches) + len(self._leases)
+                         [(lease, taken, until, key, pos)
+                          for (key, pos, lease), (taken, until) in self._leases.items()])
+        conn.executemany(_RELEASE_SQL, [(lease,) for lease in self._releases])
+        if self._leases or self._releases:
+            # Leases whose release never came, gone at their end: the table holds the
+            # reads of the last ``lookup_lease_seconds``, not every lookup ever dropped.
+            conn.execute("DELETE FROM reads WHERE until <= ?", (self._clock(),))
+        written = len(self._touches) + len(self._leases) + len(self._releases)
+        self.counters.read_releases += len(self._releases)
         self._touches, self._leases, self._touches_since = {}, {}, 0.0
+        self._releases = set()
         return written
 
-    def lease_prefix(self, keys: Sequence[str], seconds: float) -> int:
-        """The stored prefix of ``keys`` (as ``lookup``), protected from eviction for
-        ``seconds`` by a read lease, in one write transaction: what a capture that copies
-        only the rest relies on is then still there when its commit comes."""
+    def lease_prefix(self, keys: Sequence[str], seconds: float, lease: int = 0) -> int:
+        """The stored prefix of ``keys`` (as ``lookup``), protected from eviction by read
+        lease ``lease`` for ``seconds`` at most, in one write transaction: what a capture
+        that copies only the rest relies on is then still there when its commit comes,
+        which ends the lease (``commit(root, release=lease)``)."""
         keys = [require_hex(k, "page key") for k in keys]
         if not self._reader.lookup(keys):
             return 0  # nothing to protect: no write transaction
         with index.write_txn(self._wconn) as conn:
             n = stored_prefix(conn, keys)
             if n:
-                conn.execute(_READ_LEASE_SQL, (self._clock() + seconds, keys[n - 1], n - 1))
+                now = self._clock()
+                conn.execute(_READ_LEASE_SQL, (lease, now, now + seconds, keys[n - 1], n - 1))
         return n
 
     # ------------------------------------------------------------------ eviction
@@ -854,7 +889,7 @@ class PageStore:
         now = self._clock()
         rows = self._rconn.execute(
             "SELECT id FROM roots WHERE lease_until <= ? AND NOT EXISTS (SELECT 1 FROM "
-            "read_leases WHERE root_id = roots.id AND until > ?) "
+            "reads WHERE root_id = roots.id AND until > ?) "
             "ORDER BY lease_until, last_access LIMIT ?",
             (now, now, k),
         ).fetchall()
@@ -870,8 +905,8 @@ class PageStore:
             now = self._clock()
             for root_id in ids:
                 row = conn.execute(
-                    "SELECT max(r.lease_until, coalesce(l.until, 0)) FROM roots r "
-                    "LEFT JOIN read_leases l ON l.root_id = r.id WHERE r.id = ?", (root_id,)
+                    "SELECT max(r.lease_until, coalesce((SELECT max(until) FROM reads "
+                    "WHERE root_id = r.id), 0)) FROM roots r WHERE r.id = ?", (root_id,)
                 ).fetchone()
                 # Re-checked under the write lock: a restore may have renewed the lease.
                 if row is None or row[0] > now:
@@ -916,6 +951,7 @@ class PageStore:
             bytes=progress.bytes, reclaimed_objects=progress.reclaimed_objects,
             reclaimed_bytes=progress.reclaimed_bytes, skipped=progress.skipped,
             dropped=progress.dropped, read_leased=progress.read_leased,
+            read_yielded=progress.read_yielded,
             yielded_roots=progress.yielded_roots, yielded_bytes=progress.yielded_bytes,
         )
 

@@ -18,6 +18,7 @@ class PageJob:
     req_id: str
     keys: bytes
     block_ids: list[int]
+    lease: int = 0  # a load's: the read lease its lookup took, which the load ends
 
     @property
     def pages(self) -> int:

@@ -16,7 +16,7 @@ from sparkcache import kvmem, registry
 from sparkcache.config import AccessMode
 from sparkcache.identity import Namespace
 from sparkcache.prefix_lookup import ALIVE_RECHECK_S, PrefixLookup
-from sparkcache.protocol import process_gone
+from sparkcache.protocol import new_lease_id, process_gone
 from sparkcache.vllm.block_hash_keys import KeySource, key_source
 from sparkcache.vllm.metadata import PageJob, SparkCacheMetadata
 from sparkcache.vllm.request_keys import RequestKeys, default_memo
@@ -38,6 +38,7 @@ REGISTRY_RECHECK_S = 1.0
 class _Request:
     keys: RequestKeys
     load: tuple[int, int] | None = None  # pages [start, end) found by the last lookup
+    lease: int = 0  # the read lease that lookup took, until a load is given it
     loading: bool = False  # an async load was handed to the workers and has not ended
     loading_blocks: tuple[int, ...] = ()  # the blocks of that load
     # A load of it failed (a block came back a load error): it gets no other, or a store
@@ -177,11 +178,16 @@ class SchedulerSide:
         # The answers expected: the pages the keys' memo took from the conversation's
         # previous turn, which saved them when it finished, then where its latest saves
         # ended (the previous turn's may not be committed yet).
-        pages = self.lookup.lookup(keys, beyond=start, hints=state.keys.expected_ends())
+        self._release(state)  # an earlier answer's, not loaded
+        lease = new_lease_id()
+        pages = self.lookup.lookup(keys, beyond=start, hints=state.keys.expected_ends(),
+                                   lease=lease)
         self.counters["lookups"] += 1
         if pages * self.block <= num_computed_tokens or pages <= start:
+            if pages:
+                self.lookup.release(lease)
             return 0, False
-        state.load = (start, pages)
+        state.load, state.lease = (start, pages), lease
         self.counters["hit_tokens"] += (pages - start) * self.block
         return pages * self.block - num_computed_tokens, True
 
@@ -202,7 +208,8 @@ class SchedulerSide:
         state.loading_blocks = tuple(block_ids[start:end])
         self._meta.loads.append(
             PageJob(request.request_id, state.keys.key_bytes(start, end),
-                    block_ids[start:end]))
+                    block_ids[start:end], state.lease))
+        state.lease = 0  # the load ends it
 
     def build_connector_meta(self, scheduler_output: Any) -> SparkCacheMetadata:
         meta, self._meta = self._meta, SparkCacheMetadata()
@@ -320,10 +327,18 @@ class SchedulerSide:
         try:
             held, params = self._save(request, block_ids)
         finally:
-            self._reqs.pop(request.request_id, None)  # the request is over
+            state = self._reqs.pop(request.request_id, None)  # the request is over
+            if state is not None:
+                self._release(state)
         if held:
             self._held[request.request_id] = time.monotonic()
         return held, params
+
+    def _release(self, state: _Request) -> None:
+        """End the read lease of a lookup whose load will not come."""
+        if state.lease:
+            self.lookup.release(state.lease)
+            state.lease = 0
 
     def _save(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
         state = self._reqs.get(request.request_id)

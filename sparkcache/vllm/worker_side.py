@@ -178,7 +178,7 @@ class WorkerSide:
             except Exception:
                 self._job_fault("load", job)
                 if job.req_id not in self._inflight:
-                    self._end_load(job, None, 0)
+                    self._end_unsent(job, None)
 
     def _job_fault(self, kind: str, job: PageJob) -> None:
         self.counters[f"{kind}_fault"] += 1
@@ -271,17 +271,17 @@ class WorkerSide:
         n = job.pages
         pages = None
         if not self._valid(job):
-            self._end_load(job, None, 0)
+            self._end_unsent(job, None)
             return
         if self.staging is not None:
             pages = self.staging.take(n)
             if pages is None:
                 self.counters["load_staging_full"] += 1
-                self._end_load(job, None, 0)
+                self._end_unsent(job, None)
                 return
         self._loading.add(job.req_id)
         target = pages if pages is not None else job.block_ids[:n]
-        if self.client.load_keys(job.req_id, job.keys, target):
+        if self.client.load_keys(job.req_id, job.keys, target, lease=job.lease):
             self._inflight[job.req_id] = (job, pages, time.perf_counter())
         else:
             self._end_load(job, pages, 0)
@@ -304,6 +304,12 @@ class WorkerSide:
             self.counters["load_seconds"] += time.perf_counter() - started
             self._end_load(job, pages, got)
         return bool(results)
+
+    def _end_unsent(self, job: PageJob, pages: list[int] | None) -> None:
+        """End a load never handed to the client, and the read lease its lookup took
+        (the client ends the lease of a load it took)."""
+        self.client.release(job.lease)
+        self._end_load(job, pages, 0)
 
     def _end_load(self, job: PageJob, pages: list[int] | None, got: int) -> None:
         """The load is over (``got`` pages in its blocks): the blocks of the rest are load
