@@ -36,7 +36,7 @@ def test_a_container_sized_dev_shm_is_refused_naming_what_is_needed(
     assert asked == ["/dev/shm"]
     assert str(e.value) == (
         "/dev/shm has 64.0MiB free; rank segments need 1.9GiB (2 ranks x (4 slots x "
-        "240.0MiB + 6.9MiB of rings and stats)); use fewer or smaller capture slots "
+        "240.0MiB + 7.0MiB of rings and stats)); use fewer or smaller capture slots "
         "(SPARKCACHE_CAPTURE_SLOTS, SPARKCACHE_CAPTURE_SLOT_BYTES) or a larger /dev/shm "
         "(docker run --shm-size)"
     )
