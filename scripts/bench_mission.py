@@ -119,6 +119,8 @@ class Engine:
             self.loaded[r.load_id] = r
         for c in self.client.poll_completions():
             self.completed.add(c.seq_id)
+            if c.status != "captured":  # never committed: no durability report follows
+                self.durable[c.seq_id] = None
         for d in self.client.poll_durable():
             self.durable[d.seq_id] = d
         self.steps_us.append((time.perf_counter() - t0) * 1e6)
@@ -300,7 +302,8 @@ def run_round(engine: Engine, lookup: PrefixLookup, convs: list[Conversation],
     seq_write_s = sequential_write(client.cfg.store_dir, added) if added >= 16 << 20 else None
     for c, _, blocks, *_ in jobs:
         first = c.done == 0
-        ok = c.published and engine.durable[c.name].durable
+        ok = c.published and engine.durable[c.name] is not None \
+            and engine.durable[c.name].durable
         if first:
             c.first_stored = bool(ok)
         c.done += 1
@@ -438,6 +441,7 @@ def bench(work: Path, args: argparse.Namespace) -> dict:
             "shm_bytes_per_rank": peak[0],
             "refused_publications_at_cap": counters.skipped["store_full"],
             "skipped_publications": dict(counters.skipped),
+            "publications_released_by_deadline": counters.released_by_deadline,
             "wrong_pages": sum(r["wrong"] for r in rounds),
             "restored_gib": sum(r["loaded_bytes"] for r in rounds) / GIB,
             "published_gib": sum(r["added_bytes"] for r in rounds) / GIB,
