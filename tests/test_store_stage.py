@@ -165,11 +165,6 @@ def test_an_index_made_before_holds_gains_the_column(tmp_path: Path) -> None:
     assert index.SCHEMA_VERSION == "2"
 
 
-def test_a_staged_root_id_is_validated(store: PageStore) -> None:
-    with pytest.raises(ValueError):
-        store.stage(Root("zz", []))
-
-
 def test_a_held_page_once_adopted_is_collected_at_once_when_its_root_goes(
         store: PageStore, clock: Clock) -> None:
     """The hold protects a page only while it waits for its root: a root evicted later
