@@ -19,6 +19,7 @@ from sparkcache import segments
 from sparkcache.prefix_lookup import PrefixLookup
 from sparkcache.protocol import new_lease_id
 from sparkcache.store import PageStore
+from sparkcache.store.eviction import READ_GRACE_S
 from workers.lifecycle import Role
 
 pytestmark = pytest.mark.slow
@@ -149,10 +150,15 @@ def test_read_leases_end_with_their_reads_at_an_agents_turn_rate(
     """Turns far faster than the lookup's lease (30 s): each looks its conversation up
     (through the scheduler's ring or the engine's), most load what was counted while the
     next turns publish, some never load (their request went: released, and one
-    conversation's never, a lost message). Read leases end with their reads, so the store
-    stays under its hard cap with no publication refused (used bytes past it by at most
-    one publication: the client admits one by the used bytes it last read), and no root
-    under a read in flight loses a page: every load gets every page its lookup counted."""
+    conversation's never, a lost message). Read leases end with their reads, so eviction
+    never has to take a read lease but the lost ones, no publication waits for room longer
+    than maintenance takes to evict (had leases held, the store would be pinned until they
+    aged past READ_GRACE_S), and no root under a read in flight loses a page: every load
+    gets every page its lookup counted.
+
+    A publication may meet ``store_full`` for a moment: the client admits by the used
+    bytes maintenance last reported, and on a busy machine maintenance's slices and
+    reports lag a fast publisher. It is retried as an engine's next turn would be."""
     rng = random.Random(13)
     store = tmp_path / "store"
     settings = {k: v for k, v in LEASED_AT_THE_CAP.items() if k != "lookup_lease_seconds"}
@@ -170,8 +176,8 @@ def test_read_leases_end_with_their_reads_at_an_agents_turn_rate(
         for sid, tokens in convs.items():
             assert engine.publish(sid, tokens, tries=1), client.counters
             engine.drain(timeout=30)
-        started = time.monotonic()
-        loads, released, lost, used_max, published, largest = 0, 0, 0, 0, 0, 0
+        loads, released, lost, published, waited_max = 0, 0, 0, 0, 0.0
+        looked_up: dict[str, tuple[float, int]] = {}  # when, and the pages counted
         for i in range(150):
             sid = f"c{i // 4 % len(convs)}"  # an agent's turns come in streaks
             tokens = convs[sid]
@@ -180,6 +186,7 @@ def test_read_leases_end_with_their_reads_at_an_agents_turn_rate(
                 counted = scheduler.lookup(engine.keys(tokens), lease=lease) * page
             else:
                 counted = client.lookup(tokens, lease=lease)
+            looked_up[sid] = (time.monotonic(), counted // page)
             load_id = None
             if counted and i % 5 == 4:
                 if sid == "c4":
@@ -193,30 +200,33 @@ def test_read_leases_end_with_their_reads_at_an_agents_turn_rate(
                 assert client.load(load_id, tokens, blocks, lease=lease), client.counters
             # The next turns publish while the load is in flight.
             longer = tokens + turn_of(1)
-            assert engine.publish(sid, longer, tries=1), (i, client.counters.skipped)
+            asked = time.monotonic()
+            assert engine.publish(sid, longer, tries=2000), (i, client.counters.skipped)
+            waited_max = max(waited_max, time.monotonic() - asked)
             convs[sid] = longer
             published += len(longer) // page
-            largest = max(largest, len(longer) // page)
             engine.drain(timeout=30)
             if load_id is not None:
                 result = engine.wait_loaded([load_id])[load_id]
                 assert (result.status, result.tokens) == ("ok", counted), (i, result)
                 engine.free.extend(blocks)
                 loads += 1
-            rec = stats.read(int(Role.MAINTENANCE))
-            used_max = max(used_max, rec.used_bytes)
-        elapsed = time.monotonic() - started
+        ended = time.monotonic()
         scheduler.close()
         counters = client.counters
         rec = wait_for(lambda: (r := stats.read(int(Role.MAINTENANCE))).read_releases
                        >= loads + released and r, 10, "maintenance to take the releases")
     page_bytes = client._reg.views.page_bytes
-    # Far faster than the lease: had leases lasted it, every conversation would be
-    # read-leased at the end, more than the hard cap holds.
-    assert elapsed < cfg.lookup_lease_seconds, elapsed
-    assert sum(len(t) // page for t in convs.values()) * page_bytes > cfg.hard_cap_bytes
+    # Far faster than the lease: had leases lasted it, what was looked up within the last
+    # lease would be read-leased at the end, more than the hard cap holds.
+    recent = [pages for at, pages in looked_up.values()
+              if at > ended - cfg.lookup_lease_seconds]
+    assert sum(recent) * page_bytes > cfg.hard_cap_bytes, looked_up
     assert published * page_bytes > 3 * cfg.hard_cap_bytes
     assert loads >= 60 and released >= 10 and lost >= 1, (loads, released, lost)
-    assert counters.skipped["store_full"] == 0 and not engine.not_durable, counters
-    assert used_max <= cfg.hard_cap_bytes + largest * page_bytes, used_max
+    assert not engine.not_durable, counters
     assert rec.evicted_roots > 0, "the store never evicted: the test proves nothing"
+    # Eviction took no read lease but the lost ones, and no publication waited for leases
+    # to age: had they held, a store they pinned would wait for READ_GRACE_S.
+    assert rec.read_yielded_roots <= lost, (rec.read_yielded_roots, lost)
+    assert waited_max < READ_GRACE_S / 2, (waited_max, counters.skipped)
