@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from sparkcache.maintenance_policy import CostModel, SliceBudget, SliceMeter
-from sparkcache.store import PageStore
+from sparkcache.store import PageStore, objects
 from sparkcache.store.eviction import EvictionPlan
 from sparkcache.store.fileops import COMMIT_STEPS, EVICTION_STEPS
 from sparkcache.store.fsck import fsck
@@ -46,9 +46,9 @@ def random_root(rng: random.Random) -> tuple[str, list[str]]:
     return secrets.token_hex(16), keys
 
 
-# Steps reached once per page written; the others once per commit.
-# Steps each page's record passes through; the others (a pooled file taken, the rename)
-# happen once for the one file a commit writes.
+# Steps each chunk of a file passes through (``objects.WRITE_CHUNK_BYTES``; in the
+# children here a record each); the others (a pooled file taken, the rename) happen once
+# for the one file a commit writes.
 PER_PAGE_STEPS = {"commit.temp_write", "commit.written"}
 # Files in the pool before each commit child, more than its commits take, so that every
 # page it writes overwrites a pooled file holding another page's bytes (store/pool.py).
@@ -76,6 +76,7 @@ def commit_child(store_dir: Path, step: str, nth: int, seed: int, conn: Connecti
     third record depending on ``nth``, so kills land at different points of a commit.
     Every commit's file is written over a pooled file.
     """
+    objects.WRITE_CHUNK_BYTES = 1  # a chunk per record: kills land between records
     seed_pool(store_dir, POOLED)
     occurrence = 1 + nth % 3 if step in PER_PAGE_STEPS else 1
     hook = KillAt(step, occurrence, armed=False)

@@ -14,9 +14,11 @@ import pytest
 
 from sparkcache.store import CommitFailed, PageStore
 from sparkcache.store import durability as dur
+from sparkcache.store.objects import WRITE_CHUNK_BYTES, record_span
 from sparkcache.store.testing import FaultyFileOps, make_root, page_bytes
 
 SIZE = 4096
+BIG = 512 * 1024  # 30 pages make a pack of several write chunks
 
 
 def keys(n: int) -> list[str]:
@@ -69,14 +71,16 @@ class Recording(FaultyFileOps):
     def __init__(self, per_file_sync: bool) -> None:
         super().__init__(per_file_sync=per_file_sync)
         self.events: list[str] = []
+        self.writebacks: list[tuple[int, int]] = []
 
     def write(self, fd: int, pieces: list[memoryview]) -> int:
         self.events.append("write")
         return super().write(fd, pieces)
 
-    def start_writeback(self, fd: int) -> None:
+    def start_writeback(self, fd: int, offset: int, nbytes: int) -> None:
         self.events.append("start_writeback")
-        super().start_writeback(fd)
+        self.writebacks.append((offset, nbytes))
+        super().start_writeback(fd, offset, nbytes)
 
     def rename(self, src: str, dst: str, src_dir_fd: int, dst_dir_fd: int) -> None:
         self.events.append("rename")
@@ -99,13 +103,20 @@ def test_every_page_is_durable_before_the_index_transaction(
     ops = Recording(per_file_sync)
     with PageStore(tmp_path / "s", 0, fileops=ops, hook=ops.events.append) as store:
         page_keys = keys(30)
-        store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
+        store.commit(make_root(secrets.token_hex(16), page_keys, BIG))
+        size = sum(f.stat().st_size for f in object_files(store))
     ev = ops.events
     first = {e: ev.index(e) for e in ev}
     last = {e: len(ev) - 1 - ev[::-1].index(e) for e in ev}
-    # Each page's writeback starts as soon as it is written, before the next page.
-    assert ev.count("start_writeback") == ev.count("commit.written") == len(page_keys)
-    assert ev.count("write") >= len(page_keys)
+    # Each chunk's writeback starts as soon as it is written, before the next chunk: the
+    # ranges tile the file in order, a chunk no longer than WRITE_CHUNK_BYTES and a page.
+    spans = ops.writebacks
+    assert len(spans) == ev.count("commit.written") > 1
+    assert [at for at, _ in spans] == [sum(n for _, n in spans[:i]) for i in range(len(spans))]
+    assert sum(n for _, n in spans) == size
+    assert all(n < WRITE_CHUNK_BYTES + record_span(BIG) for _, n in spans)
+    writebacks = [i for i, e in enumerate(ev) if e == "start_writeback"]
+    assert all("write" in ev[a + 1:b] for a, b in zip([-1, *writebacks], writebacks, strict=False))
     assert last["write"] < last["start_writeback"] < first["rename"]
     assert ev.count("rename") == 1  # one pack
     if per_file_sync:
@@ -121,7 +132,7 @@ def test_every_page_is_durable_before_the_index_transaction(
 
 def test_a_failed_writeback_start_fails_the_commit_cleanly(tmp_path: Path) -> None:
     class WritebackFails(FaultyFileOps):
-        def start_writeback(self, fd: int) -> None:
+        def start_writeback(self, fd: int, offset: int, nbytes: int) -> None:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     with PageStore(tmp_path / "s", 0, fileops=WritebackFails()) as store:

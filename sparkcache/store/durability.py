@@ -65,11 +65,13 @@ def sync_filesystem(fd: int) -> None:
         _raise_errno()
 
 
-def start_writeback(fd: int) -> None:
-    """Submit ``fd``'s dirty pages to the disk without waiting for them (a head start for
-    the sync that follows, never a substitute). A filesystem that cannot is no error; an
-    I/O error is raised."""
-    failed = _libc.sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0
+def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
+    """Submit the dirty pages of ``nbytes`` at ``offset`` of ``fd`` (0: to the end) to the
+    disk without waiting for them (a head start for the sync that follows, never a
+    substitute). Only the range just written: asked for the whole file each time, the
+    kernel walks every page written before it again. A filesystem that cannot is no
+    error; an I/O error is raised."""
+    failed = _libc.sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) != 0
     if failed and ctypes.get_errno() not in _UNSUPPORTED:
         _raise_errno()
 

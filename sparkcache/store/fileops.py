@@ -56,9 +56,10 @@ class FileOps:
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
 
-    def start_writeback(self, fd: int) -> None:
-        """Submit ``fd``'s dirty pages to the disk without waiting (a hint, not a sync)."""
-        durability.start_writeback(fd)
+    def start_writeback(self, fd: int, offset: int, nbytes: int) -> None:
+        """Submit the dirty pages of ``nbytes`` at ``offset`` of ``fd`` to the disk without
+        waiting (a hint, not a sync)."""
+        durability.start_writeback(fd, offset, nbytes)
 
     def sync_filesystem(self, fd: int) -> None:
         """Make everything written to ``fd``'s filesystem durable (``syncfs``)."""

@@ -35,6 +35,7 @@ import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import crc32c
 
@@ -54,6 +55,11 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEX
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 assert HEADER_SIZE == 64
+
+# A file is written this many bytes at a time, each chunk's writeback started once it is
+# written: one writev and one sync_file_range per chunk, where two writes and a writeback
+# per record cost more than the bytes of a 64 KiB page (~110 of its ~390 us, measured).
+WRITE_CHUNK_BYTES = 4 << 20
 
 # A record of a pack starts on a block boundary and its span is padded with zeros to the
 # next one: collecting it frees (punches) whole blocks and nothing of its neighbours.
@@ -126,7 +132,7 @@ class Record:
     payload: list[memoryview]
     padding: int = 0
 
-    @property
+    @cached_property
     def size(self) -> int:
         return HEADER_SIZE + sum(p.nbytes for p in self.payload) + self.padding
 
@@ -136,9 +142,10 @@ def write_temp(
     hook: StepHook, recycled_fd: int | None = None,
 ) -> int:
     """Write ``<key>.<generation>.tmp`` under ``dir_fd``: ``records`` one after another
-    (one record: an object file; more: a pack, ``key`` being its first record's), each
-    record's writeback started as soon as it is written, so the disk writes one while the
-    next is written. Returns the open descriptor.
+    (one record: an object file; more: a pack, ``key`` being its first record's),
+    ``WRITE_CHUNK_BYTES`` at a time, each chunk's writeback started as soon as it is
+    written, so the disk writes one while the next is written. Returns the open
+    descriptor.
 
     ``recycled_fd``: the temp is a pooled file already renamed to that name
     (``FilePool.take``), overwritten in place from its start, then cut to its size if it
@@ -151,17 +158,23 @@ def write_temp(
     try:
         if recycled_fd is not None:
             hook("commit.recycled")
-        for record in records:
-            size = record.size - HEADER_SIZE - record.padding
-            first, rest = split_pieces(record.payload, size // 2)
-            _write_all(ops, fd, [memoryview(record.header()), *first])
-            hook("commit.temp_write")
-            _write_all(ops, fd, [*rest, memoryview(_ZEROS)[:record.padding]])
-            ops.start_writeback(fd)
-            hook("commit.written")
-        total = sum(r.size for r in records)
-        if recycled_fd is not None and os.fstat(fd).st_size != total:
-            os.ftruncate(fd, total)
+        at, chunk, chunk_bytes = 0, [], 0
+        for i, record in enumerate(records):
+            chunk += [memoryview(record.header()), *record.payload]
+            if record.padding:
+                chunk.append(memoryview(_ZEROS)[:record.padding])
+            chunk_bytes += record.size
+            if chunk_bytes >= WRITE_CHUNK_BYTES or i == len(records) - 1:
+                # In two writes, with a step between: a kill there leaves a torn file.
+                first, rest = split_pieces(chunk, chunk_bytes // 2)
+                _write_all(ops, fd, first)
+                hook("commit.temp_write")
+                _write_all(ops, fd, rest)
+                ops.start_writeback(fd, at, chunk_bytes)
+                hook("commit.written")
+                at, chunk, chunk_bytes = at + chunk_bytes, [], 0
+        if recycled_fd is not None and os.fstat(fd).st_size != at:
+            os.ftruncate(fd, at)
     except BaseException:
         ops.close(fd)
         try:

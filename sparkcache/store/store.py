@@ -531,21 +531,25 @@ class PageStore:
         """Inside the commit transaction: rows for the files we wrote, re-check the rest."""
         rows = index.rows_for_keys(conn, "generation, state", list(sizes))
         conflict = set()
+        new_rows = []
+        exists: dict[int, bool] = {}  # id(file) -> whether it is still there: a pack once
+
+        def gone(w: WrittenFile) -> bool:
+            if id(w) not in exists:
+                exists[id(w)] = self._writer.exists(w)
+            return not exists[id(w)]
+
         for key, size in sizes.items():
             row = rows.get(key)
             mine = written.get(key)
             if mine is None:
                 if row is None or row[1] != "live":
                     conflict.add(key)
-            elif (row is None or row[1] != "live") and not self._writer.exists(mine):
+            elif (row is None or row[1] != "live") and gone(mine):
                 # Swept by a concurrent reconcile() before we held the lock: write it again.
                 conflict.add(key)
             elif row is None:
-                conn.execute(
-                    "INSERT INTO objects (key, generation, bytes, refcount, state, created, "
-                    "file_key, file_offset) VALUES (?, ?, ?, 0, 'live', ?, ?, ?)",
-                    (key, mine.generation, size, now, *_location(key, mine)),
-                )
+                new_rows.append((key, mine.generation, size, now, *_location(key, mine)))
             elif row[1] != "live":
                 # The quarantined copy was moved aside; ours replaces it.
                 conn.execute(
@@ -557,6 +561,9 @@ class PageStore:
                 surplus.append(key)
         if conflict:
             raise _Conflict(conflict)
+        conn.executemany(
+            "INSERT INTO objects (key, generation, bytes, refcount, state, created, "
+            "file_key, file_offset) VALUES (?, ?, ?, 0, 'live', ?, ?, ?)", new_rows)
 
     def _drop_root(self, conn: sqlite3.Connection, root_id: str) -> int:
         """Delete a root and its references inside the caller's transaction; its bytes."""
