@@ -126,6 +126,67 @@ def test_conversations_keep_one_root_each_and_count_each_page_once(
         assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in keys]
 
 
+def test_a_request_saving_as_it_runs_grows_its_root_by_its_new_pages(
+    store: PageStore, clock: Clock
+) -> None:
+    """A request publishes every few pages under its own id (saves while it runs): each
+    publication's index work is its new pages, not the prefix its root already holds, so a
+    300k-token prefill's ~290 saves do not rewrite its root ~290 times. Rows, references
+    and bytes come out as one commit of the whole would leave them; a later turn (a new
+    id) supersedes the grown root as any other."""
+    statements: list[str] = []
+    store._wconn.set_trace_callback(statements.append)
+    tokens = [7] * (PAGE * 400)
+    root_id = rid()
+    for end in (100, 200, 203, 400):
+        statements.clear()
+        result = commit(store, tokens[: end * PAGE], root_id)
+        assert (result.pages, result.roots_superseded) == (end, 0)
+        clock.now += 1
+    # The last save: 197 new pages, a row each; nothing of the 203 held is rewritten.
+    rows = [q for q in statements if q.startswith("INSERT INTO root_pages")]
+    assert len(rows) == 197, len(rows)
+    assert not [q for q in statements if q.startswith("DELETE FROM root_pages")]
+    assert stored_roots(store) == {root_id: keys_of(tokens)}
+    assert refcount_errors(store) == []
+    usage = store.usage()
+    assert (usage.entries, usage.objects, usage.used_bytes) == (1, 400, 400 * SIZE)
+    (lease_until, last_access) = store._rconn.execute(
+        "SELECT lease_until, last_access FROM roots").fetchone()
+    assert (lease_until, last_access) == (clock.now - 1 + LEASE, clock.now - 1)
+    # The next turn, a new request: one root again, the grown one superseded.
+    longer = tokens + [8] * PAGE
+    assert commit(store, longer).roots_superseded == 1
+    assert list(stored_roots(store).values()) == [keys_of(longer)]
+    assert refcount_errors(store) == []
+    keys = keys_of(longer)
+    bufs = [bytearray(SIZE) for _ in keys]
+    assert store.restore(keys, bufs) == len(keys)
+    assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in keys]
+
+
+def test_a_quarantined_page_inside_the_held_prefix_is_written_again(
+    store: PageStore, clock: Clock
+) -> None:
+    """The prefix a root holds is taken as stored only up to a quarantined page: the
+    next publication of the sequence writes that page and every one after it that is not
+    live, and restores all of it."""
+    tokens = [9] * (PAGE * 40)
+    root_id = rid()
+    commit(store, tokens[: 30 * PAGE], root_id)
+    keys = keys_of(tokens)
+    (generation,) = store._rconn.execute(
+        "SELECT generation FROM objects WHERE key = ?", (keys[10],)).fetchone()
+    store.quarantine(keys[10], generation, "test")
+    assert store.lookup(keys) == 10
+    result = commit(store, tokens, root_id)
+    assert result.pages_written == 11  # the quarantined page and the 10 new ones
+    bufs = [bytearray(SIZE) for _ in keys]
+    assert store.restore(keys, bufs) == len(keys)
+    assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in keys]
+    assert refcount_errors(store) == []
+
+
 def test_evicting_a_conversation_frees_all_its_bytes(store: PageStore, clock: Clock) -> None:
     prompts = {c: turns(c, 4) for c in range(3)}
     for p in prompts.values():

@@ -68,6 +68,7 @@ from sparkcache.store.records import (
     CommitFailed,
     CommitResult,
     EvictResult,
+    PageData,
     ReconcileResult,
     RemoveResult,
     Root,
@@ -77,6 +78,9 @@ from sparkcache.store.records import (
 from sparkcache.store.writer import ObjectWriter, WrittenFile
 
 log = logging.getLogger(__name__)
+
+# Quarantined keys are few: a partial index holds them (``index``).
+_QUARANTINED_KEYS = "SELECT key FROM objects WHERE state = 'quarantined'"
 
 DEFAULT_LEASE_SECONDS = 300.0
 # Read lease ``?1`` taken at ``?2`` until ``?3`` on the roots holding page ``?5`` with key
@@ -132,6 +136,21 @@ class StoreCounters:
     lock_wait_s: float = 0.0
     lock_wait_max_s: float = 0.0
     read_releases: int = 0  # releases of read leases written (``record_release``)
+
+
+class _Sizes:
+    """Payload bytes of a commit's pages by key, measured when first asked: a commit that
+    extends its sequence's root never asks for most of them."""
+
+    def __init__(self, pages: dict[str, PageData], data: dict[str, list[memoryview]]) -> None:
+        self._pages, self._data, self._sizes = pages, data, {}
+
+    def __getitem__(self, key: str) -> int:
+        size = self._sizes.get(key)
+        if size is None:
+            pieces = self._data.get(key) or self._pages[key].pieces()
+            size = self._sizes[key] = sum(p.nbytes for p in pieces)
+        return size
 
 
 @dataclass(frozen=True)
@@ -315,20 +334,28 @@ class PageStore:
         return set(staged)
 
     def _store(self, root: Root, place: bool, release: int = 0) -> CommitResult:
-        pieces = [p.pieces() for p in root.pages]
         keys = [p.key for p in root.pages]
-        data = dict(zip(keys, pieces, strict=True))
+        pages = {p.key: p for p in root.pages}
+        data: dict[str, list[memoryview]] = {}  # the pieces of the keys looked at
         written: dict[str, WrittenFile] = {}  # page key -> the file holding its record
         retries = 0
         surplus: list[str] = []
         try:
             while True:
-                live = self._live_keys(list(data.keys() - written.keys()))
-                delta = [k for k in data if k not in live and k not in written]
+                # Only the pages past the prefix a root holds live are looked at, row by
+                # row: a conversation's next turn costs its new pages, not its length.
+                with index.read_txn(self._rconn):  # one snapshot, ended before the writes
+                    held = self._held_live_prefix(self._rconn, keys)
+                fresh = list(dict.fromkeys(keys[held:]))
+                for k in fresh:
+                    if k not in data:
+                        data[k] = pages[k].pieces()
+                live = self._live_keys([k for k in fresh if k not in written])
+                delta = [k for k in fresh if k not in live and k not in written]
                 self._writer.write(delta, data, written)
                 try:
-                    placement = self._publish(root.root_id, keys, pieces, written, surplus,
-                                              place, release)
+                    placement = self._publish(root.root_id, keys, held, pages, data, written,
+                                              surplus, place, release)
                     break
                 except _Conflict as exc:
                     conflict = exc.keys
@@ -380,31 +407,53 @@ class PageStore:
         rows = index.rows_for_keys(self._rconn, "state", keys)
         return {k for k, (state,) in rows.items() if state == "live"}
 
+    def _held_live_prefix(self, conn: sqlite3.Connection, keys: list[str]) -> int:
+        """How many leading ``keys`` one root holds at their positions, short of the first
+        quarantined one: live and referenced, so neither written nor re-checked row by
+        row. Found in O(log n) probes for chained keys (``_held_prefix``), then compared
+        with that root's keys in one range read: keys a caller did not chain may share
+        a page with a root at its position and differ before it (then 0)."""
+        n = self._held_prefix(conn, keys)
+        if n == 0:
+            return 0
+        [(root_id,)] = conn.execute("SELECT root_id FROM root_pages WHERE key = ? AND pos = ? "
+                                    "LIMIT 1", (keys[n - 1], n - 1)).fetchall()
+        held = [k for (k,) in conn.execute("SELECT key FROM root_pages WHERE root_id = ? "
+                                           "AND pos < ? ORDER BY pos", (root_id, n))]
+        if held != keys[:n]:
+            return 0
+        quarantined = {k for (k,) in conn.execute(_QUARANTINED_KEYS)}
+        return next((i for i in range(n) if keys[i] in quarantined), n) if quarantined else n
+
     def _publish(
         self,
         root_id: str,
         keys: list[str],
-        pieces: list[list[memoryview]],
+        held: int,
+        pages: dict[str, PageData],
+        data: dict[str, list[memoryview]],
         written: dict[str, WrittenFile],
         surplus: list[str],
         place: bool,
         release: int,
     ) -> _Placement:
         """Step 3: the index transaction. Raises ``_Conflict`` (rolled back) with the keys
-        that vanished, to be written again. ``place``: the root too; else the pages are
-        staged (``stage``).
+        that vanished, to be written again (none: the ``held`` prefix a root held live is
+        no longer). ``place``: the root too; else the pages are staged (``stage``).
 
         Fills ``surplus`` with keys we wrote that another committer stored first.
         """
         now = self._clock()
-        sizes = {k: sum(p.nbytes for p in v) for k, v in zip(keys, pieces, strict=True)}
+        sizes = _Sizes(pages, data)
         surplus.clear()
         asked = time.perf_counter()
         with index.write_txn(self._wconn) as conn:
             waited = time.perf_counter() - asked  # BEGIN IMMEDIATE returned: the lock is ours
             self.counters.lock_wait_s += waited
             self.counters.lock_wait_max_s = max(self.counters.lock_wait_max_s, waited)
-            self._adopt_objects(conn, sizes, written, surplus, now)
+            if held and self._held_live_prefix(conn, keys[:held]) < held:
+                raise _Conflict(set())  # evicted or quarantined meanwhile: look again
+            self._adopt_objects(conn, {k: sizes[k] for k in data}, written, surplus, now)
             if place:
                 placement = self._place_root(conn, root_id, keys, sizes, now)
                 if release:
@@ -422,7 +471,7 @@ class PageStore:
         conn: sqlite3.Connection,
         root_id: str,
         keys: list[str],
-        sizes: dict[str, int],
+        sizes: _Sizes,
         now: float,
     ) -> _Placement:
         """Inside the commit transaction: insert the root, its pages and references in
@@ -436,12 +485,18 @@ class PageStore:
         lease_until = now + self.lease_seconds
         if self._renew_extensions(conn, keys, now, lease_until):
             return _Placement(superseded=0, covered=True)
+        prefix_roots = self._prefix_roots(conn, keys)
+        if [r[0] for r in prefix_roots] == [root_id]:
+            # The same sequence's next publication (a request saving as it runs): its root
+            # grows by the new pages, its rows of the others stay as they are.
+            self._extend_root(conn, root_id, keys, sizes, now, lease_until)
+            return _Placement(superseded=0, covered=False)
         # References are netted: a superseded root's pages are the new root's too, so
         # dropping one and adding the other leaves their refcounts as they were.
         refs = Counter(keys)
         last_access, superseded = now, 0
         reads = []
-        for old_id, old_lease, old_access in self._prefix_roots(conn, keys):
+        for old_id, old_lease, old_access in prefix_roots:
             # A lease taken on the old prefix (a lookup about to restore it, a capture
             # relying on it) must keep protecting those pages, now held by the new root.
             lease_until = max(lease_until, old_lease)
@@ -467,6 +522,20 @@ class PageStore:
             [(root_id, *read) for read in reads])
         self._add_refs(conn, refs)
         return _Placement(superseded=superseded, covered=False)
+
+    def _extend_root(self, conn: sqlite3.Connection, root_id: str, keys: list[str],
+                     sizes: _Sizes, now: float, lease_until: float) -> None:
+        """Inside the commit transaction: root ``root_id``, a prefix of ``keys``, becomes
+        ``keys``: its row renewed and grown, rows and references for its new pages only."""
+        (had,) = conn.execute("SELECT pages FROM roots WHERE id = ?", (root_id,)).fetchone()
+        new = keys[had:]
+        conn.execute(
+            "UPDATE roots SET bytes = bytes + ?, pages = ?, last_access = max(last_access, ?), "
+            "lease_until = max(lease_until, ?) WHERE id = ?",
+            (sum(sizes[k] for k in new), len(keys), now, lease_until, root_id))
+        conn.executemany("INSERT INTO root_pages VALUES (?, ?, ?)",
+                         [(root_id, had + i, key) for i, key in enumerate(new)])
+        self._add_refs(conn, Counter(new))
 
     def _renew_extensions(
         self, conn: sqlite3.Connection, keys: list[str], now: float, lease_until: float
