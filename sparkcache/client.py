@@ -342,7 +342,7 @@ class SparkCacheClient:
 
     def register_kv_caches(self, tensors: Sequence[torch.Tensor], block_dim: int = 1,
                            block_size_dim: int | None = None, *,
-                           kv_layout: str | None = None) -> bool:
+                           kv_layout: str | None = None, kv_dtype: str | None = None) -> bool:
         """Register the layer tensors (block ``b`` of a page is ``t.select(block_dim, b)``
         of each; dimension ``block_size_dim``, by default the next one, is ``page_tokens``
         long: vLLM 0.33's ``[blocks, heads, block size, K+V head size]`` views take
@@ -352,7 +352,9 @@ class SparkCacheClient:
 
         ``kv_layout`` is for tensors that stage another set's pages (an engine whose KV no
         other process can open copies its pages through shared ones): the page layout of
-        the tensors whose bytes these stand for. The namespace is also written to the
+        the tensors whose bytes these stand for. ``kv_dtype``: the KV format where the
+        tensors' dtype does not name it (vLLM keeps every fp8 / fp4 format in uint8
+        tensors), in the namespace in its place. The namespace is also written to the
         registry, so a process without tensors (vLLM's scheduler) computes the same keys."""
         try:
             tensors = list(tensors)
@@ -367,7 +369,8 @@ class SparkCacheClient:
             self.cfg.check_page_fits(views.page_bytes)
             reg_gen = int.from_bytes(os.urandom(4), "little") or 1
             ns = Namespace(
-                self.model_id, str(tensors[0].dtype), kv_layout or views.page_layout(),
+                self.model_id, kv_dtype or str(tensors[0].dtype),
+                kv_layout or views.page_layout(),
                 self.tp_size, self.rank, self.cfg.page_tokens,
             )
             kvmem.write_registry(

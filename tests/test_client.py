@@ -93,6 +93,25 @@ def test_unregistered_and_bad_registration(tmp_path: Path, instance: str) -> Non
     assert c.counters.skipped["register_failed"] == 2
 
 
+def test_the_kv_format_is_in_the_namespace(tmp_path: Path, instance: str) -> None:
+    """vLLM keeps every fp8 / fp4 KV format in uint8 tensors: a format named at
+    registration is the namespace's dtype, so engines of two formats on one store never
+    share a page's key; unnamed, the storage dtype is, as before (an unquantized cache
+    keeps the pages stored under it)."""
+    caches = SharedKVCaches.create(instance, 0, [SHAPE] * LAYERS, torch.uint8)
+    try:
+        keys = {}
+        for fmt in (None, "fp8_e4m3", "fp8_e5m2"):
+            c = SparkCacheClient(make_cfg(tmp_path / "store", instance), 0, model_id="m")
+            assert c.register_kv_caches(caches.tensors, kv_dtype=fmt)
+            assert c._reg.namespace.dtype == (fmt or "torch.uint8")
+            keys[fmt] = tuple(c._keys(list(range(40))))
+            c.close()
+        assert len(set(keys.values())) == 3
+    finally:
+        caches.close()
+
+
 def test_restore_refuses_block_ids_out_of_range(tmp_path: Path, instance: str, kv) -> None:
     c = _client(tmp_path, instance, kv)
     assert c.restore(list(range(20)), [0, 10**6]) == 0

@@ -93,6 +93,44 @@ def _kv_dtype(vllm_config: VllmConfig) -> str:
     return name
 
 
+def kv_format(vllm_config: VllmConfig) -> str | None:
+    """The KV cache format for the namespace where the tensors' storage dtype does not say
+    it (None where it does: an unquantized cache, which keeps the namespace pages were
+    stored under before). fp8 and fp4 formats are all uint8 tensors."""
+    name = _kv_dtype(vllm_config)
+    return None if name in _UNQUANTIZED else name
+
+
+def model_variant(model_config: Any) -> dict[str, Any]:
+    """What of the model's settings changes the KV of the same checkpoint and tokens: weight
+    quantization, ``hf_overrides`` (where RoPE scaling and theta are set) and any RoPE
+    settings of the config; empty where none is set, so a plain model's namespace stays
+    what it was."""
+    out: dict[str, Any] = {}
+    quantization = getattr(model_config, "quantization", None)
+    if quantization:
+        out["quantization"] = str(quantization)
+    overrides = getattr(model_config, "hf_overrides", None)
+    if overrides:
+        # A function rewriting the config cannot be named: its name is what there is.
+        out["hf_overrides"] = (getattr(overrides, "__qualname__", repr(overrides))
+                               if callable(overrides) else overrides)
+    for name in ("rope_scaling", "rope_theta", "rope_parameters"):
+        value = getattr(model_config, name, None)
+        if value:
+            out[name] = value
+    return out
+
+
+def model_identity(name: str, model_config: Any) -> str:
+    """``name`` (the checkpoint, or the operator's ``model_id``), with ``model_variant``
+    as JSON where the model has one."""
+    variant = model_variant(model_config)
+    if not variant:
+        return name
+    return json.dumps([name, variant], sort_keys=True, separators=(",", ":"), default=str)
+
+
 def vllm_namespace(
     vllm_config: VllmConfig, memory_order: str, tp_size: int | None = None, *, rank: int = 0,
 ) -> Namespace:
@@ -141,7 +179,8 @@ def vllm_namespace(
         "mla" if model_config.use_mla else "mha",
         memory_order,
     ])
-    return Namespace(str(model_id), _kv_dtype(vllm_config), layout, tp_size, rank, block_size)
+    return Namespace(model_identity(str(model_id), model_config), _kv_dtype(vllm_config),
+                     layout, tp_size, rank, block_size)
 
 
 # ---------------------------------------------------------------- extras

@@ -28,6 +28,9 @@ class Settings:
     block_size: int
     staging_bytes: int
     save_stride_pages: int  # 0: a request is saved only when it finishes or is preempted
+    # The KV format where the tensors' dtype does not name it (fp8 / fp4 caches are all
+    # uint8): part of the namespace, so engines of different formats never share a page.
+    kv_dtype: str | None = None
 
 
 def from_vllm(vllm_config: Any) -> Settings:
@@ -44,10 +47,14 @@ def from_vllm(vllm_config: Any) -> Settings:
     # A page is one vLLM block: the keys the scheduler computes per block are page keys.
     overrides["page_tokens"] = str(block_size)
     cfg = config.load(overrides=overrides, check_store_dir=False)
+    from sparkcache.vllm.request_keys import kv_format, model_identity
+
     model = vllm_config.model_config
     model_id = extra.get("model_id") or (
         f"{model.model}@{model.revision}" if getattr(model, "revision", None) else model.model
     )
+    # Quantized weights or other RoPE settings make other KV of the same checkpoint.
+    model_id = model_identity(str(model_id), model)
     try:
         staging = int(extra.get("staging_bytes", DEFAULT_STAGING_BYTES))
     except (TypeError, ValueError):
@@ -60,8 +67,8 @@ def from_vllm(vllm_config: Any) -> Settings:
         raise ValueError(f"save_stride_pages {extra.get('save_stride_pages')!r}: a "
                          f"non-negative integer (pages computed between saves of a running "
                          f"request; 0: saved only when it finishes or is preempted)")
-    return Settings(cfg, str(model_id), int(vllm_config.parallel_config.tensor_parallel_size),
-                    block_size, staging, stride)
+    return Settings(cfg, model_id, int(vllm_config.parallel_config.tensor_parallel_size),
+                    block_size, staging, stride, kv_format(vllm_config))
 
 
 def _non_negative(value: Any) -> int:

@@ -106,7 +106,8 @@ class WorkerSide:
         if not all(t.is_cuda for t in tensors):
             self.shared_kv = self._adopt(tensors)
         if all(t.is_cuda for t in tensors) or self.shared_kv is not None:
-            ok = self.client.register_kv_caches(tensors, block_dim, size_dim)
+            ok = self.client.register_kv_caches(tensors, block_dim, size_dim,
+                                                kv_dtype=self.settings.kv_dtype)
         else:
             # Private CPU memory: stage through shared pages (see StagingPool).
             layout = kvmem.page_layout(tensors, block_dim)
@@ -116,7 +117,7 @@ class WorkerSide:
                                        block_dim, pages)
             ok = self.client.register_kv_caches(
                 self.staging.tensors, 0, self._staged_size_dim(block_dim, size_dim),
-                kv_layout=layout)
+                kv_layout=layout, kv_dtype=self.settings.kv_dtype)
         if not ok:
             raise RuntimeError("SparkCache refused the KV caches (see the log)")
 

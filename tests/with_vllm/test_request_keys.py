@@ -534,19 +534,43 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(model_dir: Path, cache_dtype: str = "auto", revision: str | None = None,
-            extra: dict | None = None):
+            extra: dict | None = None, hf_overrides: dict | None = None):
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
 
     return VllmConfig(
         model_config=ModelConfig(model=str(model_dir), dtype="bfloat16", seed=0,
                                  skip_tokenizer_init=True, max_model_len=1024,
-                                 revision=revision),
+                                 revision=revision, hf_overrides=hf_overrides or {}),
         cache_config=CacheConfig(block_size=P, cache_dtype=cache_dtype),
         kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector",
                                             kv_role="kv_both",
                                             kv_connector_extra_config=extra or {}),
         device_config=DeviceConfig("cpu"),
     )
+
+
+def test_the_connectors_namespace_names_the_kv_format_and_the_model_variant(
+        model_dir: Path, monkeypatch) -> None:
+    """What the connector registers (``settings.from_vllm``): the KV format where the
+    tensors' uint8 does not say it, and the weight quantization and config overrides (RoPE
+    among them) that make other KV of the same checkpoint. A plain model keeps the
+    namespace its pages were stored under."""
+    from sparkcache.vllm import settings
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    plain = settings.from_vllm(_config(model_dir))
+    assert (plain.model_id, plain.kv_dtype) == (str(model_dir), None)
+    assert settings.from_vllm(_config(model_dir, "bfloat16")).kv_dtype is None
+    formats = {settings.from_vllm(_config(model_dir, d)).kv_dtype
+               for d in ("fp8", "fp8_e4m3", "fp8_e5m2")}
+    assert formats == {"fp8", "fp8_e4m3", "fp8_e5m2"}
+    rope = settings.from_vllm(_config(model_dir, hf_overrides={"rope_theta": 20000.0}))
+    assert rope.model_id != plain.model_id and "rope_theta" in rope.model_id
+    named = settings.from_vllm(_config(model_dir, extra={"model_id": "tiny"},
+                                       hf_overrides={"rope_theta": 20000.0}))
+    assert named.model_id not in ("tiny", rope.model_id)
+    assert vllm_namespace(_config(model_dir, hf_overrides={"rope_theta": 20000.0}),
+                          "LBHNC").model_id == rope.model_id
 
 
 def test_namespace_from_the_vllm_config(model_dir: Path, monkeypatch) -> None:
