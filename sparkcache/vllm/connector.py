@@ -19,6 +19,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+try:  # vLLM 0.33 reports hits by tier; 0.32 (the CPU engine's) has no tiers
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:
+    CacheHitSource = None
+
 from sparkcache.ratelog import RateLimitedLog
 from sparkcache.vllm import settings as settings_mod
 from sparkcache.vllm.metadata import SparkCacheMetadata
@@ -41,6 +46,15 @@ def _tp_rank() -> int:
 
 
 class SparkCacheConnector(KVConnectorBase_V1):
+    if CacheHitSource is not None:
+        _cache_hit_source = CacheHitSource.DISK  # vLLM's hit metrics, by tier
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No: sleep mode frees and remaps the KV cache the workers registered, which
+        capture and restore hold mapped; vLLM then refuses the combination at start-up."""
+        return False
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -250,6 +264,17 @@ class SparkCacheConnector(KVConnectorBase_V1):
         except Exception:
             self._fault("get_block_ids_with_load_errors")
         return set()
+
+    def reset_cache(self) -> bool | None:
+        """After a weight update: see ``SchedulerSide.reset``. The worker side has nothing
+        of its own to reset (its keys come from the scheduler)."""
+        if self._scheduler is None:
+            return None
+        try:
+            return self._scheduler.reset()
+        except Exception:
+            self._fault("reset_cache")
+            return False
 
     def shutdown(self) -> None:
         for side in (self._scheduler, self._worker):

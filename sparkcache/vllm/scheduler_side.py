@@ -7,6 +7,7 @@ vLLM's hash covers); the workers take the keys it sends."""
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -45,6 +46,9 @@ class _Request:
     # that answers lookups but cannot load (a rank whose worker side is down, a page
     # that keeps failing) would have vLLM reschedule it into the same load forever.
     load_failed: bool = False
+    # ``reset`` generation its keys were made in: a request from before a reset (its
+    # KV computed with the old weights, say) gets no load after it.
+    epoch: int = 0
     # The last answer: (tokens computed when asked, the answer), and until when it holds.
     answer: tuple[int, tuple[int, bool]] | None = None
     answer_until: float = 0.0
@@ -79,6 +83,10 @@ class SchedulerSide:
         self.counted = False
         self._ns: Namespace | None = None
         self._ns_retry_at = 0.0
+        # vLLM's reset_cache (after a weight update): each makes a new namespace, so
+        # nothing stored before it is found again by this process (``reset``).
+        self._epoch = 0
+        self._epoch_tag = ""
         self._reqs: dict[str, _Request] = {}
         self._meta = SparkCacheMetadata()
         # Finished requests whose blocks vLLM holds for their saves: since when.
@@ -113,8 +121,24 @@ class SchedulerSide:
                 or first.get("tp_size") != self.settings.tp_size:
             self.counters["namespace_mismatch"] += 1
             return None
+        if self._epoch_tag:
+            first["model_id"] = f"{first['model_id']}#reset:{self._epoch_tag}"
         self._ns = Namespace(**first, rank=0)
         return self._ns
+
+    def reset(self) -> bool:
+        """vLLM's ``reset_cache``, called after a weight update: every later lookup misses
+        and every later save is stored apart, under a namespace of its own for this
+        process's life. What was stored before stays for eviction (and is found again
+        by a vLLM started afresh, which loads its weights again); saves of requests from
+        before the reset keep their keys; those requests get no load. True."""
+        self._epoch += 1
+        self._epoch_tag = secrets.token_hex(8)
+        self._ns, self._ns_retry_at = None, 0.0
+        self.counters["resets"] += 1
+        log.info("SparkCache: cache reset (weights updated): earlier pages are no longer "
+                 "looked up by this engine")
+        return True
 
     def _keys(self, request: Any, tokens: int) -> list[str] | None:
         """Keys of the full pages among the first ``tokens`` tokens of ``request``,
@@ -128,7 +152,8 @@ class SchedulerSide:
             state = self._reqs[request.request_id] = _Request(RequestKeys(
                 ns, hash_block_size=self._hash_block_size,
                 lookahead_tokens=self._lookahead,
-                memo=default_memo() if source.memo else None, block_hash_algo=source.algo))
+                memo=default_memo() if source.memo else None, block_hash_algo=source.algo),
+                epoch=self._epoch)
         keys = state.keys.update(request)
         return keys[: tokens // self.block]
 
@@ -172,6 +197,9 @@ class SchedulerSide:
             return 0, False
         start = -(-num_computed_tokens // self.block)  # pages vLLM has (or part of)
         state = self._reqs[request.request_id]
+        if state.epoch != self._epoch:
+            self.counters["lookup_before_reset"] += 1
+            return 0, False
         if state.load_failed:
             self.counters["load_failed_before"] += 1
             return 0, False
@@ -381,7 +409,7 @@ class SchedulerSide:
         for reason, n in self.lookup.misses.items():
             out[f"skipped:lookup_{reason}"] += n
         for reason in ("lookup_skipped", "namespace_mismatch", "aborted_while_loading",
-                       "load_failed_before"):
+                       "load_failed_before", "lookup_before_reset"):
             if self.counters[reason]:
                 out[f"skipped:{reason}"] = self.counters[reason]
         return out

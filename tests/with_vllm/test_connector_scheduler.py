@@ -164,6 +164,44 @@ def test_first_turn_saved_second_loaded_async_byte_exact(
         r.run_until_idle()
 
 
+def test_sleep_mode_is_refused_and_hits_are_reported_as_disk() -> None:
+    """Sleep mode frees and remaps the KV cache capture and restore hold mapped: vLLM asks
+    the connector and refuses the combination. Hits are the disk tier's where vLLM
+    reports hits by tier (0.33); the CPU engine's vLLM has no tiers."""
+    from sparkcache.vllm.connector import SparkCacheConnector
+
+    assert SparkCacheConnector.supports_sleep_mode(None) is False
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:
+        return
+    assert SparkCacheConnector._cache_hit_source is CacheHitSource.DISK
+
+
+def test_reset_cache_after_a_weight_update_misses_what_was_stored_before(
+        supervisor: Path, instance: str) -> None:
+    """vLLM resets the connector's cache after a weight update
+    (``reset_prefix_cache(reset_connector=True)``): the reset succeeds, the next turn
+    does not load the pages stored before it (KV of the old weights), and what that turn
+    saves is found by the turn after."""
+    prefix = list(range(900, 900 + 5 * BLOCK))
+    with rig(supervisor, instance) as r:
+        run_turn(r, "A", [*prefix, 1])
+        wait_stored(r, 5)
+        side = r.sched.get_kv_connector()._scheduler
+        assert r.sched.reset_prefix_cache(reset_connector=True) is True
+        run_turn(r, "B", [*prefix, 2])
+        assert "B" not in r.loads  # missed: nothing of before the reset is looked up
+        wait_stored(r, 10)  # B's five pages, under keys of their own beside A's
+        table = load_turn(r, "C", [*prefix, 3])
+        assert not r.load_errors
+        for page in range(5):
+            assert r.block_holds(0, table[page], prefix[page * BLOCK:(page + 1) * BLOCK],
+                                 page * BLOCK), f"page {page} not restored exactly"
+        r.run_until_idle()
+    assert side.counters["resets"] == 1
+
+
 PLAIN, SALT, LORA = {}, {"cache_salt": "tenant-a"}, {"lora_request": LoRARequest("ad", 1, "/ad")}
 
 
