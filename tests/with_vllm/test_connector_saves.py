@@ -191,7 +191,7 @@ def test_a_bad_save_stride_is_refused_naming_what_is_allowed(tmp_path: Path, bad
         extra = {"store_dir": str(tmp_path), "save_stride_pages": stride}
         return SimpleNamespace(
             kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
-            cache_config=SimpleNamespace(block_size=BLOCK),
+            cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="bfloat16"),
             model_config=SimpleNamespace(model="m", revision=None),
             parallel_config=SimpleNamespace(tensor_parallel_size=1))
 
