@@ -98,7 +98,8 @@ def stored_prefix(conn: sqlite3.Connection, keys: Sequence[str]) -> int:
     return n
 
 
-_QUARANTINED = "SELECT key FROM objects WHERE state = 'quarantined'"
+# Quarantined keys are few: a partial index holds them (``index``).
+QUARANTINED_KEYS = "SELECT key FROM objects WHERE state = 'quarantined'"
 
 
 # At most this many hints are read (two keys each): the statement stays one index read
@@ -142,7 +143,7 @@ def chained_prefix(conn: sqlite3.Connection, keys: Sequence[str], beyond: int = 
                 lo = mid + 1
             else:
                 hi = mid
-        quarantined = {key for (key,) in conn.execute(_QUARANTINED)}
+        quarantined = {key for (key,) in conn.execute(QUARANTINED_KEYS)}
     return _short_of_quarantined(keys, beyond, lo, quarantined)
 
 
@@ -166,7 +167,7 @@ def _confirmed_hint(conn: sqlite3.Connection, keys: Sequence[str], beyond: int,
     quarantined: set[str] = set()
     for key, refcount in conn.execute(
             f"SELECT key, refcount FROM objects WHERE key IN ({marks}) "
-            f"UNION ALL SELECT key, -1 FROM ({_QUARANTINED})", probes).fetchall():
+            f"UNION ALL SELECT key, -1 FROM ({QUARANTINED_KEYS})", probes).fetchall():
         if refcount < 0:
             quarantined.add(key)
         else:

@@ -61,7 +61,7 @@ from sparkcache.store.objects import (
     verify_file,
 )
 from sparkcache.store.pool import FilePool
-from sparkcache.store.reader import StoreReader, stored_prefix
+from sparkcache.store.reader import QUARANTINED_KEYS, StoreReader, stored_prefix
 from sparkcache.store.records import (
     ROOT_ID_HEX_LEN,
     CollectResult,
@@ -78,9 +78,6 @@ from sparkcache.store.records import (
 from sparkcache.store.writer import ObjectWriter, WrittenFile
 
 log = logging.getLogger(__name__)
-
-# Quarantined keys are few: a partial index holds them (``index``).
-_QUARANTINED_KEYS = "SELECT key FROM objects WHERE state = 'quarantined'"
 
 DEFAULT_LEASE_SECONDS = 300.0
 # Read lease ``?1`` taken at ``?2`` until ``?3`` on the roots holding page ``?5`` with key
@@ -422,7 +419,7 @@ class PageStore:
                                            "AND pos < ? ORDER BY pos", (root_id, n))]
         if held != keys[:n]:
             return 0
-        quarantined = {k for (k,) in conn.execute(_QUARANTINED_KEYS)}
+        quarantined = {k for (k,) in conn.execute(QUARANTINED_KEYS)}
         return next((i for i in range(n) if keys[i] in quarantined), n) if quarantined else n
 
     def _publish(
