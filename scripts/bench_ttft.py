@@ -77,7 +77,7 @@ def _engine_runs(model: Path, store: Path, instance: str, prefix_tokens: int) ->
               max_num_batched_tokens=2048, seed=0,
               kv_transfer_config=KVTransferConfig(
                   kv_connector="SparkCacheConnector", kv_connector_module_path="sparkcache.vllm",
-                  kv_role="kv_both",
+                  kv_role="kv_both", kv_load_failure_policy="recompute",
                   kv_connector_extra_config={"store_dir": str(store), "instance": instance,
                                              "model_id": "bench-ttft",
                                              "staging_bytes": str(1 << 30)}))

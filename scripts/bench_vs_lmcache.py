@@ -369,6 +369,7 @@ class Store:
         if self.kind == "sparkcache":
             return {"kv_connector": "SparkCacheConnector",
                     "kv_connector_module_path": "sparkcache.vllm", "kv_role": "kv_both",
+                    "kv_load_failure_policy": "recompute",
                     "kv_connector_extra_config": {"store_dir": str(self.store_dir),
                                                   "instance": self.instance,
                                                   "model_id": "bench-vs-lmcache"}}

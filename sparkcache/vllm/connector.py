@@ -45,6 +45,21 @@ def _tp_rank() -> int:
         return 0
 
 
+def _recompute_failed_loads(transfer: Any) -> None:
+    """A cache is best effort: a page that fails verification or vanished must be
+    computed, not fail its request, which vLLM's default ``kv_load_failure_policy``
+    ("fail") does. The launch config in docs/vllm.md sets "recompute"; any other value is
+    set to it, with a warning naming what was asked (the scheduler reads the policy after
+    it made this connector)."""
+    policy = getattr(transfer, "kv_load_failure_policy", "recompute")
+    if policy != "recompute":
+        log.warning("SparkCache: kv_load_failure_policy %r set to 'recompute': a page that "
+                    "fails verification or is gone is computed, never failing its request "
+                    "(put \"kv_load_failure_policy\": \"recompute\" in "
+                    "--kv-transfer-config to say so)", policy)
+        transfer.kv_load_failure_policy = "recompute"
+
+
 class SparkCacheConnector(KVConnectorBase_V1):
     if CacheHitSource is not None:
         _cache_hit_source = CacheHitSource.DISK  # vLLM's hit metrics, by tier
@@ -66,14 +81,8 @@ class SparkCacheConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         # Jobs for this rank while its worker side is not running (``Unserved``).
         self._unserved = Unserved() if role != KVConnectorRole.SCHEDULER else None
-        transfer = vllm_config.kv_transfer_config
-        if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
-            # A cache is best effort: a page that fails verification or vanished must be
-            # computed, not fail the request (vLLM's default policy is "fail"). The
-            # scheduler reads the policy after it made this connector.
-            log.info("SparkCache: kv_load_failure_policy set to 'recompute'")
-            transfer.kv_load_failure_policy = "recompute"
         try:
+            _recompute_failed_loads(vllm_config.kv_transfer_config)
             settings = settings_mod.from_vllm(vllm_config)
             if role == KVConnectorRole.SCHEDULER:
                 self._scheduler = SchedulerSide(

@@ -222,7 +222,8 @@ def rig(store: Path, instance: str, *, tp: int = 1, num_blocks: int = 128,
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
         kv_transfer_config=KVTransferConfig(
             kv_connector="SparkCacheConnector", kv_connector_module_path="sparkcache.vllm",
-            kv_role="kv_both", kv_connector_extra_config=settings),
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config=settings),
         device_config=DeviceConfig("cpu"),
     )
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD,

@@ -178,6 +178,26 @@ def test_sleep_mode_is_refused_and_hits_are_reported_as_disk() -> None:
     assert SparkCacheConnector._cache_hit_source is CacheHitSource.DISK
 
 
+def test_a_load_failure_policy_other_than_recompute_is_set_with_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's default policy fails a request whose load reported a bad block; the
+    connector sets "recompute" and says so, naming what was asked. The launch config of
+    docs/vllm.md asks for "recompute": nothing said."""
+    from vllm.config import KVTransferConfig
+
+    from sparkcache.vllm.connector import _recompute_failed_loads
+
+    for asked, warned in (("fail", True), ("recompute", False)):
+        transfer = KVTransferConfig(kv_connector="SparkCacheConnector", kv_role="kv_both",
+                                    kv_load_failure_policy=asked)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "sparkcache.vllm.connector"):
+            _recompute_failed_loads(transfer)
+        assert transfer.kv_load_failure_policy == "recompute"
+        assert ("kv_load_failure_policy 'fail' set to 'recompute'" in caplog.text) is warned
+        assert bool(caplog.records) is warned
+
+
 def test_reset_cache_after_a_weight_update_misses_what_was_stored_before(
         supervisor: Path, instance: str) -> None:
     """vLLM resets the connector's cache after a weight update

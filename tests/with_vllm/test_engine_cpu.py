@@ -59,6 +59,7 @@ def engine(tmp_path_factory):
                   kv_transfer_config=KVTransferConfig(
                       kv_connector="SparkCacheConnector",
                       kv_connector_module_path="sparkcache.vllm", kv_role="kv_both",
+                      kv_load_failure_policy="recompute",
                       kv_connector_extra_config={"store_dir": str(store),
                                                  "instance": instance,
                                                  "model_id": "tiny-llama-random"}))
