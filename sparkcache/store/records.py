@@ -42,6 +42,11 @@ class PageData:
             return [memoryview(d).cast("B") for d in self.data]
         return [memoryview(self.data).cast("B")]
 
+    @property
+    def nbytes(self) -> int:
+        """The page's payload bytes."""
+        return sum(p.nbytes for p in self.pieces())
+
 
 @dataclass(frozen=True)
 class Root:

@@ -135,21 +135,6 @@ class StoreCounters:
     read_releases: int = 0  # releases of read leases written (``record_release``)
 
 
-class _Sizes:
-    """Payload bytes of a commit's pages by key, measured when first asked: a commit that
-    extends its sequence's root never asks for most of them."""
-
-    def __init__(self, pages: dict[str, PageData], data: dict[str, list[memoryview]]) -> None:
-        self._pages, self._data, self._sizes = pages, data, {}
-
-    def __getitem__(self, key: str) -> int:
-        size = self._sizes.get(key)
-        if size is None:
-            pieces = self._data.get(key) or self._pages[key].pieces()
-            size = self._sizes[key] = sum(p.nbytes for p in pieces)
-        return size
-
-
 @dataclass(frozen=True)
 class _Placement:
     """What a commit's transaction did with its root (see ``PageStore._place_root``)."""
@@ -441,7 +426,9 @@ class PageStore:
         Fills ``surplus`` with keys we wrote that another committer stored first.
         """
         now = self._clock()
-        sizes = _Sizes(pages, data)
+        # Payload bytes by key, of the pages the commit asks for: an extension never
+        # asks for those its root already holds.
+        sizes = {k: sum(p.nbytes for p in v) for k, v in data.items()}
         surplus.clear()
         asked = time.perf_counter()
         with index.write_txn(self._wconn) as conn:
@@ -450,9 +437,9 @@ class PageStore:
             self.counters.lock_wait_max_s = max(self.counters.lock_wait_max_s, waited)
             if held and self._held_live_prefix(conn, keys[:held]) < held:
                 raise _Conflict(set())  # evicted or quarantined meanwhile: look again
-            self._adopt_objects(conn, {k: sizes[k] for k in data}, written, surplus, now)
+            self._adopt_objects(conn, sizes, written, surplus, now)
             if place:
-                placement = self._place_root(conn, root_id, keys, sizes, now)
+                placement = self._place_root(conn, root_id, keys, pages, sizes, now)
                 if release:
                     conn.execute(_RELEASE_SQL, (release,))
             else:
@@ -468,7 +455,8 @@ class PageStore:
         conn: sqlite3.Connection,
         root_id: str,
         keys: list[str],
-        sizes: _Sizes,
+        pages: dict[str, PageData],
+        sizes: dict[str, int],
         now: float,
     ) -> _Placement:
         """Inside the commit transaction: insert the root, its pages and references in
@@ -507,7 +495,8 @@ class PageStore:
         self._unlink_root(conn, root_id, refs)
         conn.execute(
             "INSERT INTO roots VALUES (?, ?, ?, ?, ?, ?)",
-            (root_id, sum(sizes[k] for k in keys), len(keys), now, last_access, lease_until),
+            (root_id, sum(pages[k].nbytes for k in keys), len(keys), now, last_access,
+             lease_until),
         )
         conn.executemany(
             "INSERT INTO root_pages VALUES (?, ?, ?)",
@@ -521,7 +510,7 @@ class PageStore:
         return _Placement(superseded=superseded, covered=False)
 
     def _extend_root(self, conn: sqlite3.Connection, root_id: str, keys: list[str],
-                     sizes: _Sizes, now: float, lease_until: float) -> None:
+                     sizes: dict[str, int], now: float, lease_until: float) -> None:
         """Inside the commit transaction: root ``root_id``, a prefix of ``keys``, becomes
         ``keys``: its row renewed and grown, rows and references for its new pages only."""
         (had,) = conn.execute("SELECT pages FROM roots WHERE id = ?", (root_id,)).fetchone()

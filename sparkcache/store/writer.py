@@ -123,8 +123,8 @@ class ObjectWriter:
         records = []
         for i, key in enumerate(keys):
             header = partial(_nth_header, headers[i // HEADER_BATCH], i % HEADER_BATCH)
-            payload = sum(p.nbytes for p in data[key]) + HEADER_SIZE
-            padding = record_span(payload - HEADER_SIZE) - payload if file.packed else 0
+            payload = sum(p.nbytes for p in data[key])
+            padding = record_span(payload) - HEADER_SIZE - payload if file.packed else 0
             records.append(Record(header, data[key], padding))
         at = 0
         for key, record in zip(keys, records, strict=True):

@@ -46,9 +46,9 @@ class _Request:
     # that answers lookups but cannot load (a rank whose worker side is down, a page
     # that keeps failing) would have vLLM reschedule it into the same load forever.
     load_failed: bool = False
-    # ``reset`` generation its keys were made in: a request from before a reset (its
-    # KV computed with the old weights, say) gets no load after it.
-    epoch: int = 0
+    # The ``reset`` its keys were made after ("": none): a request from before a reset
+    # (its KV computed with the old weights, say) gets no load after it.
+    reset_tag: str = ""
     # The last answer: (tokens computed when asked, the answer), and until when it holds.
     answer: tuple[int, tuple[int, bool]] | None = None
     answer_until: float = 0.0
@@ -85,8 +85,7 @@ class SchedulerSide:
         self._ns_retry_at = 0.0
         # vLLM's reset_cache (after a weight update): each makes a new namespace, so
         # nothing stored before it is found again by this process (``reset``).
-        self._epoch = 0
-        self._epoch_tag = ""
+        self._reset_tag = ""
         self._reqs: dict[str, _Request] = {}
         self._meta = SparkCacheMetadata()
         # Finished requests whose blocks vLLM holds for their saves: since when.
@@ -121,8 +120,8 @@ class SchedulerSide:
                 or first.get("tp_size") != self.settings.tp_size:
             self.counters["namespace_mismatch"] += 1
             return None
-        if self._epoch_tag:
-            first["model_id"] = f"{first['model_id']}#reset:{self._epoch_tag}"
+        if self._reset_tag:
+            first["model_id"] = f"{first['model_id']}#reset:{self._reset_tag}"
         self._ns = Namespace(**first, rank=0)
         return self._ns
 
@@ -132,8 +131,7 @@ class SchedulerSide:
         process's life. What was stored before stays for eviction (and is found again
         by a vLLM started afresh, which loads its weights again); saves of requests from
         before the reset keep their keys; those requests get no load. True."""
-        self._epoch += 1
-        self._epoch_tag = secrets.token_hex(8)
+        self._reset_tag = secrets.token_hex(8)
         self._ns, self._ns_retry_at = None, 0.0
         self.counters["resets"] += 1
         log.info("SparkCache: cache reset (weights updated): earlier pages are no longer "
@@ -153,7 +151,7 @@ class SchedulerSide:
                 ns, hash_block_size=self._hash_block_size,
                 lookahead_tokens=self._lookahead,
                 memo=default_memo() if source.memo else None, block_hash_algo=source.algo),
-                epoch=self._epoch)
+                reset_tag=self._reset_tag)
         keys = state.keys.update(request)
         return keys[: tokens // self.block]
 
@@ -197,7 +195,7 @@ class SchedulerSide:
             return 0, False
         start = -(-num_computed_tokens // self.block)  # pages vLLM has (or part of)
         state = self._reqs[request.request_id]
-        if state.epoch != self._epoch:
+        if state.reset_tag != self._reset_tag:
             self.counters["lookup_before_reset"] += 1
             return 0, False
         if state.load_failed:

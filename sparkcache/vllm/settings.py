@@ -9,6 +9,7 @@ from typing import Any
 
 from sparkcache import config
 from sparkcache.config import Config
+from sparkcache.vllm.request_keys import kv_format, model_identity
 
 DEFAULT_STAGING_BYTES = 256 << 20
 # A running request's pages are published each time this many more are computed (1024
@@ -47,8 +48,6 @@ def from_vllm(vllm_config: Any) -> Settings:
     # A page is one vLLM block: the keys the scheduler computes per block are page keys.
     overrides["page_tokens"] = str(block_size)
     cfg = config.load(overrides=overrides, check_store_dir=False)
-    from sparkcache.vllm.request_keys import kv_format, model_identity
-
     model = vllm_config.model_config
     model_id = extra.get("model_id") or (
         f"{model.model}@{model.revision}" if getattr(model, "revision", None) else model.model

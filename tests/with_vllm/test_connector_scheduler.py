@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import pickle
 import time
@@ -164,13 +165,34 @@ def test_first_turn_saved_second_loaded_async_byte_exact(
         r.run_until_idle()
 
 
-def test_sleep_mode_is_refused_and_hits_are_reported_as_disk() -> None:
-    """Sleep mode frees and remaps the KV cache capture and restore hold mapped: vLLM asks
-    the connector and refuses the combination. Hits are the disk tier's where vLLM
-    reports hits by tier (0.33); the CPU engine's vLLM has no tiers."""
+def test_sleep_mode_is_refused_and_hits_are_reported_as_disk(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    """Sleep mode frees and remaps the KV cache capture and restore hold mapped: vLLM's own
+    check of a config asks the connector (through its factory) and refuses the
+    combination. (This CPU platform refuses sleep mode before that, so the model config
+    is told it is on after it was made.) Hits are the disk tier's where vLLM reports hits
+    by tier (0.33); the CPU engine's vLLM has no tiers."""
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+
     from sparkcache.vllm.connector import SparkCacheConnector
 
-    assert SparkCacheConnector.supports_sleep_mode(None) is False
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+        "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6, "torch_dtype": "float16", "head_dim": 64}))
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(tmp_path), dtype="bfloat16", seed=0,
+                                 skip_tokenizer_init=True, max_model_len=1024),
+        cache_config=CacheConfig(block_size=BLOCK),
+        kv_transfer_config=KVTransferConfig(kv_connector="SparkCacheConnector",
+                                            kv_connector_module_path="sparkcache.vllm",
+                                            kv_role="kv_both"),
+        device_config=DeviceConfig("cpu"))
+    object.__setattr__(config.model_config, "enable_sleep_mode", True)
+    with pytest.raises(ValueError, match="SparkCacheConnector does not support sleep mode"):
+        config._verify_kv_transfer_compat()
     try:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
     except ImportError:
