@@ -128,6 +128,10 @@ class SliceMeter:
         # The last reading of the clock, and the one that ended the last unit of work.
         self._read = self._worked_until = self.started
         self._spent = False  # a check found no time left for any unit
+        # Seconds spent waiting for the index's write lock (``lock_waited``), in all and
+        # not yet taken off a unit's cost.
+        self.waited = 0.0
+        self._wait_unspent = 0.0
         self.roots = 0
         self.bytes = 0
         self.units = 0  # pages dropped and objects collected
@@ -155,7 +159,7 @@ class SliceMeter:
         if self._spent:
             return 0
         reserve = self.costs.estimate(TXN) or 0.0
-        left = self.started + self.budget.seconds - self.now() - reserve
+        left = self.started + self.waited + self.budget.seconds - self.now() - reserve
         if left < self.costs.cheapest():
             # No unit of any kind fits: later checks need not read the clock again (a
             # reading is work too, and the reserve covers only the check that found this).
@@ -170,7 +174,8 @@ class SliceMeter:
         """Count ``units`` of ``kind`` done in ``seconds``, ending at the last reading of
         ``now()``: the time since the last unit ended counts too (the budget checks that
         let these start), so the estimates cover all that a slice's time goes to."""
-        seconds = max(seconds, self._read - self._worked_until)
+        seconds = max(0.0, max(seconds, self._read - self._worked_until) - self._wait_unspent)
+        self._wait_unspent = 0.0
         if kind != TXN:
             self.units += units
         self._worked_until = self._read
@@ -181,6 +186,22 @@ class SliceMeter:
 
     def take_root(self) -> None:
         self.roots += 1
+
+    def lock_waited(self, seconds: float) -> None:
+        """The slice waited ``seconds`` for the index's write lock, held by a commit. Not
+        work: it counts against neither the slice's time nor the unit whose time it falls
+        in (nor, in the worker, the duty cap). Counted as work, a commit's hold of a
+        second or more taught the cost model that a transaction costs more than a whole
+        slice, and at the cap, where commits hold the lock the most, every slice then did
+        one unit of work: eviction fell to ~25 MiB/s and publications were refused
+        (docs/maintenance.md, "Waiting for the lock is not work")."""
+        self.now()  # the wait is over: the next unit's time starts here
+        self.waited += seconds
+        self._wait_unspent += seconds
+
+    def worked_s(self, end: float) -> float:
+        """The slice's seconds of work, from its start to ``end``: its lock waits left out."""
+        return max(0.0, end - self.started - self.waited)
 
 
 class DutyCycle:

@@ -175,6 +175,35 @@ def test_time_between_units_is_the_next_units_and_a_spent_slice_stops_reading() 
     assert clock.now == pytest.approx(m.started + 0.0085)
 
 
+def test_a_wait_for_the_write_lock_is_no_units_cost_and_no_part_of_the_slice() -> None:
+    """A slice that waited for the index's write lock (a commit held it) keeps its whole
+    time budget for work, and the unit and the transaction around the wait learn only
+    what they did: a wait of a second once made every later slice do one unit."""
+    clock = FakeClock()
+    costs = CostModel()
+    m = meter(seconds=0.02, clock=clock, costs=costs)
+    begun = m.now()
+    clock.now += 0.5  # BEGIN IMMEDIATE waits for a commit's lock
+    m.lock_waited(0.5)
+    clock.now += 0.001  # then the transaction's work
+    m.spend(TXN, 1, 0, seconds=m.now() - begun)
+    assert costs.estimate(TXN) == pytest.approx(0.001)
+    clock.now += 0.001
+    m.spend(PAGE, 10, 0, seconds=0.001)
+    assert costs.estimate(PAGE) == pytest.approx(0.0001)
+    # 2 ms of work done, 1 ms in reserve for the COMMIT: 17 ms left, 170 pages.
+    assert m.affordable(PAGE, 10**6) == pytest.approx(170, abs=1)
+    assert m.waited == pytest.approx(0.5)
+    assert m.worked_s(m.now()) == pytest.approx(0.002)
+    # A wait between units is taken off the next unit's time, not charged to it.
+    clock.now += 0.3
+    m.lock_waited(0.3)
+    clock.now += 0.001
+    m.spend(PAGE, 10, 0, seconds=0.001)
+    assert costs.estimate(PAGE) == pytest.approx(0.0001)
+    assert m.worked_s(m.now()) == pytest.approx(0.003)
+
+
 def test_costs_rise_at_once_and_decay_slowly() -> None:
     costs = CostModel()
     assert costs.estimate(UNLINK) is None

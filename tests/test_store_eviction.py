@@ -12,6 +12,7 @@ import hashlib
 import os
 import random
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -431,6 +432,43 @@ def test_no_step_exceeds_its_root_byte_or_time_budget(tmp_path: Path) -> None:
         assert slices > 10
     report = fsck(tmp_path / "s", grace_seconds=0)
     assert report.ok, report.problems
+
+
+def test_a_slice_that_waits_for_a_commits_lock_keeps_its_budget_for_work(
+        tmp_path: Path, lease_clock: LeaseClock) -> None:
+    """Another writer (a commit) holds the index's write lock for 0.3 s while a slice
+    evicts and collects: the slice reports the wait, its work is judged without it, and
+    its transactions' learnt cost is not the wait (real clock)."""
+    with PageStore(tmp_path / "s", 0, lease_seconds=1, clock=lease_clock) as store:
+        for i in range(4):
+            commit(store, chain(f"c{i}", 20), lease_clock)
+        lease_clock.now += 10
+        costs = CostModel()
+        for step in ("evict", "collect"):
+            locked = threading.Event()
+
+            def hold(locked: threading.Event = locked) -> None:
+                holder = index.connect(store.layout.index_path, create=False)
+                try:
+                    holder.execute("BEGIN IMMEDIATE")
+                    locked.set()
+                    time.sleep(0.3)
+                    holder.execute("COMMIT")
+                finally:
+                    holder.close()
+
+            thread = threading.Thread(target=hold)
+            thread.start()
+            assert locked.wait(10)
+            m = meter(seconds=0.2, costs=costs, clock=time.monotonic)
+            if step == "evict":
+                assert store.evict(m, EvictionPlan(), 10 * SIZE).reclaimed_bytes >= 10 * SIZE
+            else:
+                assert store.collect(1024, m).objects + store.unlinking.objects > 0
+            thread.join()
+            assert m.waited >= 0.2, step
+            assert m.worked_s(time.monotonic()) < 0.2, step
+            assert costs.estimate(TXN) < 0.1, step
 
 
 def explain_each(conn, statements: list[str]) -> list[str]:

@@ -82,6 +82,8 @@ class Budget(Protocol):
 
     def take_root(self) -> None: ...
 
+    def lock_waited(self, seconds: float) -> None: ...
+
 
 @dataclass
 class Candidate:

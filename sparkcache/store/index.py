@@ -13,7 +13,7 @@ import sqlite3
 import stat
 import time
 import urllib.parse
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
@@ -328,13 +328,18 @@ class OutcomeUnknown(StoreError):
 
 
 @contextmanager
-def write_txn(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+def write_txn(conn: sqlite3.Connection, locked: Callable[[float], None] | None = None,
+              ) -> Iterator[sqlite3.Connection]:
     """``BEGIN IMMEDIATE`` ... ``COMMIT``; rolled back on any exception before COMMIT.
+    ``locked``, if given, is told the seconds BEGIN waited for the write lock.
 
     A failing COMMIT raises OutcomeUnknown: after an I/O error the WAL frames may still
     reach the disk and be replayed, so callers must not undo what the transaction refers to.
     """
+    asked = time.perf_counter()
     conn.execute("BEGIN IMMEDIATE")
+    if locked is not None:
+        locked(time.perf_counter() - asked)
     try:
         yield conn
     except BaseException:

@@ -134,6 +134,11 @@ class StoreCounters:
     lock_wait_max_s: float = 0.0
     read_releases: int = 0  # releases of read leases written (``record_release``)
 
+    def waited(self, seconds: float) -> None:
+        """A commit's wait for the write lock."""
+        self.lock_wait_s += seconds
+        self.lock_wait_max_s = max(self.lock_wait_max_s, seconds)
+
 
 @dataclass(frozen=True)
 class _Placement:
@@ -430,11 +435,7 @@ class PageStore:
         # asks for those its root already holds.
         sizes = {k: sum(p.nbytes for p in v) for k, v in data.items()}
         surplus.clear()
-        asked = time.perf_counter()
-        with index.write_txn(self._wconn) as conn:
-            waited = time.perf_counter() - asked  # BEGIN IMMEDIATE returned: the lock is ours
-            self.counters.lock_wait_s += waited
-            self.counters.lock_wait_max_s = max(self.counters.lock_wait_max_s, waited)
+        with index.write_txn(self._wconn, self.counters.waited) as conn:
             if held and self._held_live_prefix(conn, keys[:held]) < held:
                 raise _Conflict(set())  # evicted or quarantined meanwhile: look again
             self._adopt_objects(conn, sizes, written, surplus, now)
@@ -994,7 +995,8 @@ class PageStore:
         # and the collection that unlinks what it freed commits synced, after it. Its
         # COMMIT then holds the write lock for no fsync: maintenance's I/O has the lowest
         # priority, so an fsync of its waits behind commits' I/O while commits wait for it.
-        with gate, index.unsynced(self._wconn), index.write_txn(self._wconn) as conn:
+        with gate, index.unsynced(self._wconn), \
+                index.write_txn(self._wconn, budget.lock_waited) as conn:
             # After BEGIN IMMEDIATE, so lookups are never shut out while this waits for
             # the write lock; released (by the outer stack) only after COMMIT.
             gate.enter_context(self.gate.exclusive())
@@ -1132,7 +1134,7 @@ class PageStore:
         without a budget; with one, in a transaction without an fsync, which would hold
         the write lock while commits wait (``sync_collected`` makes it durable)."""
         with (index.unsynced(self._wconn) if budget is not None else contextlib.nullcontext(),
-              index.write_txn(self._wconn) as conn):
+              index.write_txn(self._wconn, budget and budget.lock_waited) as conn):
             # Staged pages (``stage``) wait for their root while their hold lasts.
             rows = conn.execute(
                 "SELECT key, generation, bytes, file_key, file_offset FROM objects "
