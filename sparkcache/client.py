@@ -542,12 +542,15 @@ class SparkCacheClient:
             return "too_large"
         root = hashlib.blake2b(reg.seed + str(seq_id).encode(), digest_size=16).digest()
         pub_id = next(self._pub_ids)
-        # A publication larger than the arena goes to commit a slot at a time; its blocks
-        # are lent for longer, in proportion (capture checks the same bound).
+        # A publication larger than the arena goes to commit a slot at a time, and after
+        # those lent before it: its blocks are lent for longer, in proportion (capture
+        # checks the bound).
         now = time.monotonic()
+        ahead = min(sum(len(p.blocks) for p in self._pending.values()),
+                    segments.PUBLISH_AHEAD_MAX_PAGES)
         deadline = now + release_seconds(
             self.cfg.release_timeout_seconds, n * reg.views.page_bytes,
-            conn.arena.slots * conn.arena.slot_bytes)
+            conn.arena.slots * conn.arena.slot_bytes, ahead * reg.views.page_bytes)
         recs = _PUBLISH_SHARED.batch(n, pub_id, int.from_bytes(root[:8], "little"),
                                      int.from_bytes(root[8:], "little"), deadline,
                                      reg.reg_gen, n)

@@ -71,15 +71,19 @@ def new_lease_id() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1 | 1
 
 
-def release_seconds(timeout_s: float, publication_bytes: int, arena_bytes: int) -> float:
+def release_seconds(timeout_s: float, publication_bytes: int, arena_bytes: int,
+                    ahead_bytes: int = 0) -> float:
     """How long the engine lends a publication's blocks to capture: ``timeout_s``
-    (``release_timeout_seconds``) for each arena's worth of its pages. Capture copies a
+    (``release_timeout_seconds``) for each arena's worth of its pages and of the pages
+    lent before it and not yet given back (``ahead_bytes``). Capture copies a
     publication larger than its slots a slot at a time, each after commit has written one
-    before it (docs/pipeline.md, "Publications in parts"), so a fixed timeout would expire
-    every publication past a few slots long; this one assumes commit writes an arena's
-    bytes within ``timeout_s``. Client and capture compute the same bound: the client
-    sets the deadline, capture refuses one later than this."""
-    arenas = -(-max(publication_bytes, 1) // max(arena_bytes, 1))
+    before it (docs/pipeline.md, "Publications in parts"), and publications in order, so
+    a fixed timeout would expire every publication past a few slots long, and one queued
+    behind another of gigabytes; this one assumes commit writes an arena's bytes within
+    ``timeout_s``. The client sets the deadline with the pages it has lent ahead (at most
+    ``segments.PUBLISH_AHEAD_MAX_PAGES``); capture refuses one later than the bound with
+    that most ahead."""
+    arenas = -(-max(publication_bytes + ahead_bytes, 1) // max(arena_bytes, 1))
     return timeout_s * arenas
 
 

@@ -59,6 +59,9 @@ RINGS: dict[str, tuple[RecordLayout, int]] = {
     "load": (LOAD, 32768),
     "loaded": (LOADED, 1024),
 }
+# The most pages of publications lent ahead of one that its deadline allows for
+# (``protocol.release_seconds``): what the ring holds and capture has taken from it.
+PUBLISH_AHEAD_MAX_PAGES = 2 * RINGS["publish"][1]
 ARENA = "arena"
 STATS = "stats"
 STATS_SLOTS = 4  # one per worker role (workers.lifecycle.Role: its value is its slot)

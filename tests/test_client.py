@@ -37,6 +37,7 @@ from sparkcache.client import SparkCacheClient
 from sparkcache.filesystems import MEMORY_FILESYSTEMS
 from sparkcache.identity import KeyExtras
 from sparkcache.kvmem import SharedKVCaches
+from sparkcache.protocol import release_seconds
 from sparkcache.synthetic import MODEL_ID
 from workers.lifecycle import FAULT_FILE_ENV, FAULT_ROLE_ENV, Role
 
@@ -484,3 +485,17 @@ def test_the_pending_limit_counts_sequences_and_keeps_room_for_final_saves(
             os.kill(capture, signal.SIGCONT)
         c.close()
         stop_supervisor(sup)
+
+
+def test_a_publications_deadline_covers_the_pages_lent_before_it() -> None:
+    """Capture copies publications in order, so one queued behind an arena's worth of
+    others is lent one timeout more; the client counts at most PUBLISH_AHEAD_MAX_PAGES
+    ahead, and capture's bound (that most ahead) is never below a deadline it sets."""
+    arena, page = 1 << 30, 64 << 10
+    assert release_seconds(5.0, 10 * page, arena) == 5.0
+    assert release_seconds(5.0, 10 * page, arena, ahead_bytes=arena) == 10.0
+    assert release_seconds(5.0, arena + page, arena, ahead_bytes=2 * arena) == 20.0
+    bound = release_seconds(5.0, page, arena, segments.PUBLISH_AHEAD_MAX_PAGES * page)
+    for ahead in (0, 1000, segments.PUBLISH_AHEAD_MAX_PAGES):
+        assert release_seconds(5.0, page, arena, ahead * page) <= bound
+

@@ -165,10 +165,12 @@ class Capture:
     # ------------------------------------------------------------------ one publication
 
     def _release_s(self, reg: _Registered, npages: int) -> float:
-        """The longest the engine lends ``npages`` pages' blocks (``release_seconds``)."""
+        """The longest the engine lends ``npages`` pages' blocks (``release_seconds``),
+        queued behind the most pages it may count ahead of them."""
         return release_seconds(self.cfg.release_timeout_seconds,
                                npages * reg.views.page_bytes,
-                               self.arena.slots * self.arena.slot_bytes)
+                               self.arena.slots * self.arena.slot_bytes,
+                               segments.PUBLISH_AHEAD_MAX_PAGES * reg.views.page_bytes)
 
     def _registration(self, reg_gen: int) -> _Registered | None:
         if self.reg is not None and self.reg.reg_gen == reg_gen:
