@@ -137,6 +137,8 @@ class ClientCounters:
     loads: int = 0  # taken for the restore worker (at once, or through the queue)
     loaded_pages: int = 0  # written into blocks by it
     load_status: Counter = field(default_factory=Counter)  # reported loads, by status
+    # Publications that waited for room in the publish ring (taken all the same).
+    publications_queued: int = 0
     # Loads (and later parts of large ones) that waited in the queue for room (the ring,
     # MAX_LOADS), and how long, summed.
     loads_queued: int = 0
@@ -330,6 +332,12 @@ class SparkCacheClient:
         # in the order they came. Bounded by the engine: one load per request it holds
         # blocks for (vLLM: its running requests), never refused for room.
         self._waiting: deque[_Load] = deque()
+        # Publications taken (their blocks lent, in ``_pending``) that the publish ring
+        # had no room for, in order: pushed as capture makes room (``_push_waiting``),
+        # released like any other at their deadline. The ring holds 32,768 pages, fewer
+        # than two 300k-token publications; refused, the second was never stored, and
+        # neither was the conversation's next turn. Bounded by ``max_pending``.
+        self._unpushed: deque[tuple[int, np.ndarray]] = deque()
         self._load_ids: set[Hashable] = set()  # the engine's ids of both
         self._load_results: list[LoadResult] = []
         self._load_wire_ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
@@ -557,10 +565,15 @@ class SparkCacheClient:
         recs["key_hi"], recs["key_lo"] = halves[:, 0], halves[:, 1]
         recs["block_id"] = block_ids[:n]
         recs["page_index"] = _PAGE_INDEX[:n]
-        try:
-            conn.publish.push_batch(recs)
-        except RingFull:
-            return "ring_full"
+        queued = bool(self._unpushed)  # in order: none overtakes one waiting
+        if not queued:
+            try:
+                conn.publish.push_batch(recs)
+            except RingFull:
+                queued = True
+        if queued:
+            self._unpushed.append((pub_id, recs))
+            self.counters.publications_queued += 1
         self._pending[pub_id] = _Pending(seq_id, list(block_ids[:n]), deadline, now)
         self.counters.published += 1
         self.counters.pages_published += n
@@ -573,9 +586,26 @@ class SparkCacheClient:
         log.warning("%s: ring error; reconnecting later", what, exc_info=True)
         self._disconnect()
 
-    def _poll(self, conn: _Connection) -> None:
-        """Move completions to ``_released`` and durability reports to ``_settled``."""
+    def _push_waiting(self, conn: _Connection) -> None:
+        """Push the publications waiting for room in the ring, in order, while it has
+        room; one released meanwhile (its deadline) is dropped, never pushed: its blocks
+        may be the engine's again."""
         now = time.monotonic()
+        while self._unpushed:
+            pub_id, recs = self._unpushed[0]
+            entry = self._pending.get(pub_id)
+            if entry is not None and entry.deadline > now:
+                try:
+                    conn.publish.push_batch(recs)
+                except RingFull:
+                    return
+            self._unpushed.popleft()
+
+    def _poll(self, conn: _Connection) -> None:
+        """Move completions to ``_released`` and durability reports to ``_settled``, and
+        push the publications waiting for room."""
+        now = time.monotonic()
+        self._push_waiting(conn)
         for pub_id, status, copied in self._drain(conn.completion):
             entry = self._pending.pop(pub_id, None)
             if entry is None:

@@ -31,13 +31,14 @@ from pipeline_util import (
 )
 
 from shm import Ring
-from shm.layouts import FREED
+from shm.layouts import FREED, PUBLISH
 from sparkcache import segments
 from sparkcache.client import SparkCacheClient
 from sparkcache.filesystems import MEMORY_FILESYSTEMS
 from sparkcache.identity import KeyExtras
 from sparkcache.kvmem import SharedKVCaches
 from sparkcache.protocol import release_seconds
+from sparkcache.store.reader import StoreReader
 from sparkcache.synthetic import MODEL_ID
 from workers.lifecycle import FAULT_FILE_ENV, FAULT_ROLE_ENV, Role
 
@@ -498,4 +499,100 @@ def test_a_publications_deadline_covers_the_pages_lent_before_it() -> None:
     bound = release_seconds(5.0, page, arena, segments.PUBLISH_AHEAD_MAX_PAGES * page)
     for ahead in (0, 1000, segments.PUBLISH_AHEAD_MAX_PAGES):
         assert release_seconds(5.0, page, arena, ahead * page) <= bound
+
+
+# More pages than half the publish ring's 32,768 records: two such publications do not fit
+# in it together.
+RING_HALF_PLUS = segments.RINGS["publish"][1] // 2 + 16
+
+
+def _capture_stopped(c: SparkCacheClient) -> int:
+    """Wait for the client's capture worker to be up, stop it (SIGSTOP); its pid."""
+    wait_for(lambda: c._connection() is not None and c._conn.worker_alive(Role.CAPTURE),
+             30, "capture up")
+    pid = int(c._conn.stats.read(int(Role.CAPTURE)).pid)
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def test_a_publication_the_ring_has_no_room_for_waits_its_turn_and_is_stored(
+        tmp_path: Path, instance: str) -> None:
+    """Capture stopped, two publications of more than half the publish ring each: the
+    second is taken (not skipped as ``ring_full``) and waits in the client; once capture
+    runs again it is pushed, and both are durable and restore."""
+    kv = SharedKVCaches.create(instance, 0, [SHAPE], torch.float16)  # 4 KiB pages
+    c = SparkCacheClient(make_cfg(tmp_path / "store", instance), 0, model_id="m")
+    sup = start_supervisor(tmp_path / "store", instance)
+    capture = None
+    try:
+        assert c.register_kv_caches(kv.tensors)
+        capture = _capture_stopped(c)
+        blocks = [i % BLOCKS for i in range(RING_HALF_PLUS)]
+        keys = {name: [os.urandom(16).hex() for _ in blocks] for name in ("a", "b")}
+        for name, ks in keys.items():
+            assert c.publish_keys(name, ks, blocks), c.counters.skipped
+        assert c.counters.publications_queued == 1 and c.pending == 2
+        os.kill(capture, signal.SIGCONT)
+        capture = None
+        settled: dict = {}
+
+        def both() -> bool:
+            c.poll_completions()
+            settled.update((d.seq_id, d) for d in c.poll_durable())
+            return len(settled) == 2
+
+        wait_for(both, 120, "both publications durable")
+        assert all(d.durable for d in settled.values()), settled
+        assert not c.counters.skipped
+        reader = StoreReader(tmp_path / "store", 0)
+        try:
+            for ks in keys.values():
+                assert len(reader.plan(ks)) == len(ks)
+        finally:
+            reader.close()
+    finally:
+        if capture is not None:
+            os.kill(capture, signal.SIGCONT)
+        c.close()
+        stop_supervisor(sup)
+        kv.close()
+
+
+def test_a_waiting_publication_released_by_its_deadline_is_never_pushed(
+        tmp_path: Path, instance: str) -> None:
+    """The second publication waits for room while capture is stopped, and its deadline
+    passes: it is released (expired) and dropped from the wait, so capture never gets
+    it once it runs again (its blocks may be the engine's again by then)."""
+    kv = SharedKVCaches.create(instance, 0, [SHAPE], torch.float16)
+    c = SparkCacheClient(make_cfg(tmp_path / "store", instance,
+                                  release_timeout_seconds="0.02"), 0, model_id="m")
+    sup = start_supervisor(tmp_path / "store", instance)
+    capture = None
+    try:
+        assert c.register_kv_caches(kv.tensors)
+        capture = _capture_stopped(c)
+        blocks = [i % BLOCKS for i in range(RING_HALF_PLUS)]
+        for name in ("a", "b"):
+            assert c.publish_keys(name, [os.urandom(16).hex() for _ in blocks], blocks)
+        assert c.counters.publications_queued == 1
+        released: list = []
+        wait_for(lambda: released.extend(c.poll_completions()) or len(released) == 2, 30,
+                 "both released by their deadlines")
+        assert {r.status for r in released} == {"expired"} and c.pending == 0
+        os.kill(capture, signal.SIGCONT)
+        capture = None
+        ring = Ring.attach(segments.name(instance, 0, "publish"), PUBLISH)
+        try:
+            wait_for(lambda: ring.depth() == 0, 30, "capture took what was pushed")
+            time.sleep(0.5)
+            c.poll_completions()  # a poll pushes whatever waits: nothing may
+            assert ring.batch_counts()[0] == 1  # "a" alone
+        finally:
+            ring.close()
+    finally:
+        if capture is not None:
+            os.kill(capture, signal.SIGCONT)
+        c.close()
+        stop_supervisor(sup)
+        kv.close()
 
