@@ -158,7 +158,11 @@ class SliceMeter:
         transaction's commit."""
         if self._spent:
             return 0
-        reserve = self.costs.estimate(TXN) or 0.0
+        # Room for the COMMIT, at most half the slice: a COMMIT that checkpoints the WAL
+        # (tens of milliseconds, now and then, beside busy commits) is learnt at once as
+        # the cost of every COMMIT, and a reserve of a whole slice left each later slice
+        # one unit (docs/maintenance.md, "Waiting for the lock is not work").
+        reserve = min(self.costs.estimate(TXN) or 0.0, self.budget.seconds / 2)
         left = self.started + self.waited + self.budget.seconds - self.now() - reserve
         if left < self.costs.cheapest():
             # No unit of any kind fits: later checks need not read the clock again (a

@@ -204,6 +204,17 @@ def test_a_wait_for_the_write_lock_is_no_units_cost_and_no_part_of_the_slice() -
     assert m.worked_s(m.now()) == pytest.approx(0.003)
 
 
+def test_a_commit_slower_than_the_slice_leaves_half_of_it_for_work() -> None:
+    """One COMMIT that checkpointed the WAL (40 ms, against a 20 ms slice) is learnt at
+    once; the next slices still keep at most half their time in reserve for theirs."""
+    clock = FakeClock()
+    costs = CostModel()
+    costs.observe(PAGE, 100, 0.001)  # 10 us a page
+    costs.observe(TXN, 1, 0.040)
+    m = meter(seconds=0.02, clock=clock, costs=costs)
+    assert m.affordable(PAGE, 10**6) == pytest.approx(1000, abs=1)
+
+
 def test_costs_rise_at_once_and_decay_slowly() -> None:
     costs = CostModel()
     assert costs.estimate(UNLINK) is None

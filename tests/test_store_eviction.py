@@ -24,6 +24,7 @@ from sparkcache.store import PageStore, index
 from sparkcache.store.eviction import (
     READ_GRACE_S,
     RECORD,
+    ROW,
     SYNC,
     TXN,
     UNLINK,
@@ -584,7 +585,7 @@ def test_a_slices_deletions_are_durable_before_any_of_their_files_goes(
         monkeypatch.setattr(index, "sync_wal", sync_wal)
         monkeypatch.setattr(index, "unsynced", unsynced)
         costs = CostModel()
-        for kind in (UNLINK, RECORD, TXN, SYNC):  # measured: a slice affords all it has
+        for kind in (ROW, UNLINK, RECORD, TXN, SYNC):  # measured: a slice affords all it has
             costs.observe(kind, 1, 1e-6)
         for rounds in (1, 2):
             ids = [os.urandom(16).hex() for _ in range(3)]
@@ -631,7 +632,7 @@ def test_a_file_collection_has_yet_to_unlink_is_no_orphan_to_fsck(tmp_path: Path
         assert fsck(store_dir).ok
         store.remove_roots(ids)
         costs = CostModel()
-        for kind in (UNLINK, RECORD, TXN, SYNC):
+        for kind in (ROW, UNLINK, RECORD, TXN, SYNC):
             costs.observe(kind, 1, 1e-6)
         assert store.collect(16, meter(costs=costs)).objects == 0  # rows gone, files not
         assert store.unlinking.objects == 6 and all(p.exists() for p in files)

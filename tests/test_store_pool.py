@@ -212,10 +212,12 @@ def test_the_last_piece_of_a_file_counts_the_blocks_it_holds(tmp_path: Path) -> 
         store.commit(make_root(root, [secrets.token_hex(16) for _ in range(20)], SIZE))
         pack = next(p for p in (store_dir / "rank-0" / "objects").rglob("*") if p.is_file())
         store.remove_roots([root])
-        # Its rows go, then the file is queued to be cut short, a unit of a slice each.
+        # Its rows go, then the file is queued to be cut short, a unit of a slice each
+        # (with the worker's learnt costs: one row is probed first).
+        costs = CostModel()
         for _ in range(10):
             if not store._shrinking:
-                store.collect(16, SliceMeter(SliceBudget(16, 1 << 30, 60.0), CostModel(),
+                store.collect(16, SliceMeter(SliceBudget(16, 1 << 30, 60.0), costs,
                                              time.monotonic))
         (entry,) = store._shrinking
         os.truncate(pack, left)  # as earlier slices' cuts could leave it

@@ -47,6 +47,7 @@ from typing import Protocol
 PAGE = "page"  # one page reference dropped from a root (index rows)
 UNLINK = "unlink"  # one unreferenced object collected (row deleted, file unlinked)
 RECORD = "record"  # a pack's record collected, its punch deferred (row deleted, one read)
+ROW = "row"  # an unreferenced object's row deleted by collection (its file goes later)
 TXN = "txn"  # beginning and committing one write transaction (and its fsync, if synced)
 SYNC = "sync"  # the WAL fsynced outside a transaction (collection's deletions made durable)
 # Page references dropped per statement batch; between batches the budget is asked again.

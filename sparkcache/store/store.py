@@ -43,7 +43,7 @@ from pathlib import Path
 
 from sparkcache.identity import require_hex
 from sparkcache.store import eviction, index, recovery
-from sparkcache.store.eviction import RECORD, SYNC, TXN, UNLINK, Budget, EvictionPlan
+from sparkcache.store.eviction import RECORD, ROW, SYNC, TXN, UNLINK, Budget, EvictionPlan
 from sparkcache.store.fileops import FileOps, StepHook, no_hook
 from sparkcache.store.gate import LookupGate
 from sparkcache.store.layout import (
@@ -1085,18 +1085,17 @@ class PageStore:
         done = self._unlink_waiting(budget)
         if self._unlinking or self._shrinking:
             return CollectResult(done.objects, done.bytes, shrunk)  # out of time
-        # Rows deleted by what the cheaper kind affords: a pack's record whose punch is
-        # deferred costs a read, and what its time does not cover waits for the next call.
-        n = (max(budget.affordable(UNLINK, n), budget.affordable(RECORD, n))
-             or (1 if budget.fresh else 0))
+        # Rows deleted as their deletion's time affords; their files go in later slices,
+        # each unit budgeted there.
+        n = budget.affordable(ROW, n) or (1 if budget.fresh else 0)
         if n <= 0 or (budget.bytes_left() <= 0 and not budget.fresh):
             return done
-        begun = budget.now()
         rows = self._delete_garbage(n, budget)
         # Only here do files outlive their rows for long (the sync, then later slices).
         self._renew_times({(row[3] or row[0], row[1]) for row in rows})
         self._unsynced.extend(rows)
-        budget.spend(TXN, 1, 0, budget.now() - begun)
+        budget.now()
+        budget.spend(TXN, 1, 0, 0.0)  # the COMMIT, and the times renewed, since the rows
         return CollectResult(done.objects, done.bytes, shrunk)
 
     def sync_collected(self) -> bool:
@@ -1148,6 +1147,11 @@ class PageStore:
                 "DELETE FROM objects WHERE key = ? AND generation = ? AND refcount = 0",
                 [(row[0], row[1]) for row in rows],
             )
+            if budget is not None:
+                # The rows' own work, apart from the COMMIT's (``collect``): charged to
+                # the transaction, it made every slice keep that much in reserve.
+                budget.now()
+                budget.spend(ROW, len(rows), 0, 0.0)
             self._hook("collect.delete")
         return rows
 
