@@ -43,6 +43,9 @@ def from_vllm(vllm_config: Any) -> Settings:
             f"kv_connector_extra_config: unknown key(s) {unknown}; allowed: "
             f"{sorted(config.FIELDS) + sorted(OWN_KEYS)}"
         )
+    refused = _unsupported_parallelism(vllm_config.parallel_config)
+    if refused is not None:
+        raise ValueError(refused)
     block_size = int(vllm_config.cache_config.block_size)
     overrides = {k: str(v) for k, v in extra.items() if k in config.FIELDS}
     # A page is one vLLM block: the keys the scheduler computes per block are page keys.
@@ -68,6 +71,30 @@ def from_vllm(vllm_config: Any) -> Settings:
                          f"request; 0: saved only when it finishes or is preempted)")
     return Settings(cfg, model_id, int(vllm_config.parallel_config.tensor_parallel_size),
                     block_size, staging, stride, kv_format(vllm_config))
+
+
+# Parallelism whose ranks would share a tensor-parallel rank's registration on one node:
+# a second pipeline stage or data-parallel engine registers rank r again, overwriting the
+# first's (never served after, nothing logged), and context parallelism splits a block's
+# tokens across ranks that publish and load them as whole pages.
+_UNSUPPORTED_PARALLELISM = (
+    ("pipeline_parallel_size", "pipeline parallelism"),
+    ("data_parallel_size_local", "several data-parallel engines on one node"),
+    ("decode_context_parallel_size", "decode context parallelism"),
+    ("prefill_context_parallel_size", "prefill context parallelism"),
+)
+
+
+def _unsupported_parallelism(parallel: Any) -> str | None:
+    """Why SparkCache cannot serve ``parallel`` (vLLM's ParallelConfig), or None."""
+    for name, what in _UNSUPPORTED_PARALLELISM:
+        size = int(getattr(parallel, name, 1) or 1)
+        if size > 1:
+            return (f"{what} ({name}={size}) is not supported: a rank's pages and "
+                    f"registration are keyed by its tensor-parallel rank alone; supported: "
+                    f"tensor parallelism, {name}=1 (data-parallel engines on separate "
+                    f"nodes each with their own store are fine)")
+    return None
 
 
 def _non_negative(value: Any) -> int:

@@ -199,3 +199,35 @@ def test_a_bad_save_stride_is_refused_naming_what_is_allowed(tmp_path: Path, bad
     assert settings.from_vllm(config("8")).save_stride_pages == 8
     with pytest.raises(ValueError, match=r"save_stride_pages .*non-negative integer"):
         settings.from_vllm(config(bad))
+
+
+@pytest.mark.parametrize("name", ["pipeline_parallel_size", "data_parallel_size_local",
+                                  "decode_context_parallel_size",
+                                  "prefill_context_parallel_size"])
+def test_parallelism_that_would_share_a_ranks_registration_is_refused(
+        tmp_path: Path, name: str) -> None:
+    """A second pipeline stage (or data-parallel engine on the node, or context-parallel
+    rank) would register tensor-parallel rank r again, overwriting the first's with
+    nothing logged: the settings are refused, naming the setting and what is supported,
+    and the connector is disabled (vLLM serves on). vLLM's own ParallelConfig has each
+    field, at 1 by default, and passes."""
+    from types import SimpleNamespace
+
+    from sparkcache.vllm import settings
+
+    def config(**parallel: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            kv_transfer_config=SimpleNamespace(
+                kv_connector_extra_config={"store_dir": str(tmp_path)}),
+            cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="bfloat16"),
+            model_config=SimpleNamespace(model="m", revision=None),
+            parallel_config=SimpleNamespace(tensor_parallel_size=2, **parallel))
+
+    vllm_config = pytest.importorskip("vllm.config")
+    real = vllm_config.ParallelConfig()
+    if not hasattr(real, name):
+        pytest.skip(f"this vLLM has no {name}")
+    assert settings.from_vllm(config(**{name: getattr(real, name)})).tp_size == 2
+    with pytest.raises(ValueError, match=rf"\({name}=2\) is not supported.*{name}=1"):
+        settings.from_vllm(config(**{name: 2}))
+
