@@ -506,13 +506,31 @@ def test_a_publications_deadline_covers_the_pages_lent_before_it() -> None:
 RING_HALF_PLUS = segments.RINGS["publish"][1] // 2 + 16
 
 
-def _capture_stopped(c: SparkCacheClient) -> int:
-    """Wait for the client's capture worker to be up, stop it (SIGSTOP); its pid."""
-    wait_for(lambda: c._connection() is not None and c._conn.worker_alive(Role.CAPTURE),
-             30, "capture up")
-    pid = int(c._conn.stats.read(int(Role.CAPTURE)).pid)
-    os.kill(pid, signal.SIGSTOP)
-    return pid
+@contextlib.contextmanager
+def _capture_stopped(tmp_path: Path, instance: str, **cfg: str):
+    """A client of 4 KiB pages beside a supervisor whose capture worker is stopped
+    (SIGSTOP): yields the client and ``resume()``, which lets capture run again."""
+    kv = SharedKVCaches.create(instance, 0, [SHAPE], torch.float16)
+    c = SparkCacheClient(make_cfg(tmp_path / "store", instance, **cfg), 0, model_id="m")
+    sup = start_supervisor(tmp_path / "store", instance)
+    stopped: list[int] = []
+
+    def resume() -> None:
+        while stopped:
+            os.kill(stopped.pop(), signal.SIGCONT)
+
+    try:
+        assert c.register_kv_caches(kv.tensors)
+        wait_for(lambda: c._connection() is not None and c._conn.worker_alive(Role.CAPTURE),
+                 30, "capture up")
+        stopped.append(int(c._conn.stats.read(int(Role.CAPTURE)).pid))
+        os.kill(stopped[0], signal.SIGSTOP)
+        yield c, resume
+    finally:
+        resume()
+        c.close()
+        stop_supervisor(sup)
+        kv.close()
 
 
 def test_a_publication_the_ring_has_no_room_for_waits_its_turn_and_is_stored(
@@ -520,20 +538,13 @@ def test_a_publication_the_ring_has_no_room_for_waits_its_turn_and_is_stored(
     """Capture stopped, two publications of more than half the publish ring each: the
     second is taken (not skipped as ``ring_full``) and waits in the client; once capture
     runs again it is pushed, and both are durable and restore."""
-    kv = SharedKVCaches.create(instance, 0, [SHAPE], torch.float16)  # 4 KiB pages
-    c = SparkCacheClient(make_cfg(tmp_path / "store", instance), 0, model_id="m")
-    sup = start_supervisor(tmp_path / "store", instance)
-    capture = None
-    try:
-        assert c.register_kv_caches(kv.tensors)
-        capture = _capture_stopped(c)
+    with _capture_stopped(tmp_path, instance) as (c, resume):
         blocks = [i % BLOCKS for i in range(RING_HALF_PLUS)]
         keys = {name: [os.urandom(16).hex() for _ in blocks] for name in ("a", "b")}
         for name, ks in keys.items():
             assert c.publish_keys(name, ks, blocks), c.counters.skipped
         assert c.counters.publications_queued == 1 and c.pending == 2
-        os.kill(capture, signal.SIGCONT)
-        capture = None
+        resume()
         settled: dict = {}
 
         def both() -> bool:
@@ -550,12 +561,6 @@ def test_a_publication_the_ring_has_no_room_for_waits_its_turn_and_is_stored(
                 assert len(reader.plan(ks)) == len(ks)
         finally:
             reader.close()
-    finally:
-        if capture is not None:
-            os.kill(capture, signal.SIGCONT)
-        c.close()
-        stop_supervisor(sup)
-        kv.close()
 
 
 def test_a_waiting_publication_released_by_its_deadline_is_never_pushed(
@@ -563,14 +568,7 @@ def test_a_waiting_publication_released_by_its_deadline_is_never_pushed(
     """The second publication waits for room while capture is stopped, and its deadline
     passes: it is released (expired) and dropped from the wait, so capture never gets
     it once it runs again (its blocks may be the engine's again by then)."""
-    kv = SharedKVCaches.create(instance, 0, [SHAPE], torch.float16)
-    c = SparkCacheClient(make_cfg(tmp_path / "store", instance,
-                                  release_timeout_seconds="0.02"), 0, model_id="m")
-    sup = start_supervisor(tmp_path / "store", instance)
-    capture = None
-    try:
-        assert c.register_kv_caches(kv.tensors)
-        capture = _capture_stopped(c)
+    with _capture_stopped(tmp_path, instance, release_timeout_seconds="0.02") as (c, resume):
         blocks = [i % BLOCKS for i in range(RING_HALF_PLUS)]
         for name in ("a", "b"):
             assert c.publish_keys(name, [os.urandom(16).hex() for _ in blocks], blocks)
@@ -579,8 +577,7 @@ def test_a_waiting_publication_released_by_its_deadline_is_never_pushed(
         wait_for(lambda: released.extend(c.poll_completions()) or len(released) == 2, 30,
                  "both released by their deadlines")
         assert {r.status for r in released} == {"expired"} and c.pending == 0
-        os.kill(capture, signal.SIGCONT)
-        capture = None
+        resume()
         ring = Ring.attach(segments.name(instance, 0, "publish"), PUBLISH)
         try:
             wait_for(lambda: ring.depth() == 0, 30, "capture took what was pushed")
@@ -589,10 +586,3 @@ def test_a_waiting_publication_released_by_its_deadline_is_never_pushed(
             assert ring.batch_counts()[0] == 1  # "a" alone
         finally:
             ring.close()
-    finally:
-        if capture is not None:
-            os.kill(capture, signal.SIGCONT)
-        c.close()
-        stop_supervisor(sup)
-        kv.close()
-
