@@ -195,6 +195,12 @@ class SchedulerSide:
             return 0, False
         start = -(-num_computed_tokens // self.block)  # pages vLLM has (or part of)
         state = self._reqs[request.request_id]
+        if getattr(request, "skip_reading_prefix_cache", False):
+            # Asked to read no prefix cache (prompt logprobs, some pooling requests):
+            # vLLM 0.33 drops an external hit of such a request itself, so a lookup would
+            # only take a read lease and count a hit that is never loaded. Still saved.
+            self.counters["lookup_skip_reading"] += 1
+            return 0, False
         if state.reset_tag != self._reset_tag:
             self.counters["lookup_before_reset"] += 1
             return 0, False
@@ -407,7 +413,7 @@ class SchedulerSide:
         for reason, n in self.lookup.misses.items():
             out[f"skipped:lookup_{reason}"] += n
         for reason in ("lookup_skipped", "namespace_mismatch", "aborted_while_loading",
-                       "load_failed_before", "lookup_before_reset"):
+                       "load_failed_before", "lookup_before_reset", "lookup_skip_reading"):
             if self.counters[reason]:
                 out[f"skipped:{reason}"] = self.counters[reason]
         return out

@@ -244,6 +244,29 @@ def test_reset_cache_after_a_weight_update_misses_what_was_stored_before(
     assert side.counters["resets"] == 1
 
 
+def test_a_request_that_reads_no_prefix_cache_is_not_looked_up(
+        supervisor: Path, instance: str) -> None:
+    """A request asking to read no prefix cache (``skip_reading_prefix_cache``, as vLLM
+    sets it for prompt logprobs) gets no load, and the store is not asked: no lookup, no
+    lease, no hit counted. vLLM 0.33 drops such a hit itself; the connector's lookup
+    took a lease and counted a hit never loaded. Its pages are still saved."""
+    prefix = list(range(700, 700 + 5 * BLOCK))
+    with rig(supervisor, instance) as r:
+        run_turn(r, "A", [*prefix, 1])
+        wait_stored(r, 5)
+        side = r.sched.get_kv_connector()._scheduler
+        lookups, hits = side.counters["lookups"], side.counters["hit_tokens"]
+        req = request("B", [*prefix, *range(5000, 5000 + 3 * BLOCK)])
+        req.skip_reading_prefix_cache = True
+        r.sched.add_request(req)
+        r.run_until_idle()
+        assert "B" not in r.loads
+        assert (side.counters["lookups"], side.counters["hit_tokens"]) == (lookups, hits)
+        assert side.counters["lookup_skip_reading"] >= 1
+        assert side.totals()["skipped:lookup_skip_reading"] >= 1
+        wait_stored(r, 8)  # B's own three pages after the prefix, saved as it finished
+
+
 PLAIN, SALT, LORA = {}, {"cache_salt": "tenant-a"}, {"lora_request": LoRARequest("ad", 1, "/ad")}
 
 
