@@ -586,11 +586,10 @@ class SparkCacheClient:
         log.warning("%s: ring error; reconnecting later", what, exc_info=True)
         self._disconnect()
 
-    def _push_waiting(self, conn: _Connection) -> None:
+    def _push_waiting(self, conn: _Connection, now: float) -> None:
         """Push the publications waiting for room in the ring, in order, while it has
-        room; one released meanwhile (its deadline) is dropped, never pushed: its blocks
-        may be the engine's again."""
-        now = time.monotonic()
+        room; one whose deadline is past (released, or about to be) is dropped, never
+        pushed: its blocks may be the engine's again."""
         while self._unpushed:
             pub_id, recs = self._unpushed[0]
             entry = self._pending.get(pub_id)
@@ -605,7 +604,7 @@ class SparkCacheClient:
         """Move completions to ``_released`` and durability reports to ``_settled``, and
         push the publications waiting for room."""
         now = time.monotonic()
-        self._push_waiting(conn)
+        self._push_waiting(conn, now)
         for pub_id, status, copied in self._drain(conn.completion):
             entry = self._pending.pop(pub_id, None)
             if entry is None:

@@ -194,8 +194,8 @@ class SliceMeter:
     def lock_waited(self, seconds: float) -> None:
         """The slice waited ``seconds`` for the index's write lock, held by a commit. Not
         work: it counts against neither the slice's time nor the unit whose time it falls
-        in (nor, in the worker, the duty cap). Counted as work, a commit's hold of a
-        second or more taught the cost model that a transaction costs more than a whole
+        in (nor, in the worker, the duty cap). Counted as work, a commit's hold of
+        30-200 ms taught the cost model that a transaction costs more than a whole
         slice, and at the cap, where commits hold the lock the most, every slice then did
         one unit of work: eviction fell to ~25 MiB/s and publications were refused
         (docs/maintenance.md, "Waiting for the lock is not work")."""

@@ -448,59 +448,6 @@ def test_vllm_033_views_publish_and_restore_byte_exact() -> None:
             assert read["cached"] == 0 and read["direct"] > read["buffered"], r
 
 
-def test_the_pending_limit_counts_sequences_and_keeps_room_for_final_saves(
-        tmp_path: Path, instance: str, kv) -> None:
-    """Capture stopped, so publications stay pending: 4 slots, a limit of 8 sequences.
-    Partial publications (a running request's pages so far) are taken for 4 sequences
-    only; another of a sequence already pending is taken however full it is (a sequence
-    counts once), and so are final ones up to 8 sequences. Each pending one is released
-    by its deadline."""
-    store = tmp_path / "store"
-    c = _client(tmp_path, instance, kv, release_timeout_seconds="2")
-    tokens = list(range(2 * PAGE_TOKENS))
-    sup = start_supervisor(store, instance, "--release-timeout-seconds", "2")
-    capture = None
-    try:
-        wait_for(lambda: c.publish("warm", tokens, [0, 1]), 30, "capture up")
-        wait_for(lambda: c.poll_completions() and not c.pending, 30, "warm copied")
-        capture = int(c._conn.stats.read(int(Role.CAPTURE)).pid)
-        os.kill(capture, signal.SIGSTOP)
-        keys = [f"{i:032x}" for i in range(2)]
-        limit = c.max_pending
-        assert limit == 8
-        for i in range(limit // 2):
-            assert c.publish_keys(f"run{i}", keys, [2 * i, 2 * i + 1], partial=True)
-        assert not c.publish_keys("run-late", keys, [20, 21], partial=True)
-        assert c.counters.skipped["pending_limit"] == 1
-        assert c.publish_keys("run0", keys, [0, 1], partial=True)  # counted once
-        for i in range(limit // 2):
-            assert c.publish_keys(f"fin{i}", keys, [30 + i, 40 + i])
-        assert c.pending == limit + 1
-        assert not c.publish_keys("fin-late", keys, [50, 51])
-        assert c.publish_keys("fin0", keys, [30, 40])  # counted once
-        assert c.counters.skipped["pending_limit"] == 2
-        released = wait_for(lambda: c.poll_completions(), 10, "the deadline's release")
-        assert {d.status for d in released} == {"expired"}
-    finally:
-        if capture is not None:
-            os.kill(capture, signal.SIGCONT)
-        c.close()
-        stop_supervisor(sup)
-
-
-def test_a_publications_deadline_covers_the_pages_lent_before_it() -> None:
-    """Capture copies publications in order, so one queued behind an arena's worth of
-    others is lent one timeout more; the client counts at most PUBLISH_AHEAD_MAX_PAGES
-    ahead, and capture's bound (that most ahead) is never below a deadline it sets."""
-    arena, page = 1 << 30, 64 << 10
-    assert release_seconds(5.0, 10 * page, arena) == 5.0
-    assert release_seconds(5.0, 10 * page, arena, ahead_bytes=arena) == 10.0
-    assert release_seconds(5.0, arena + page, arena, ahead_bytes=2 * arena) == 20.0
-    bound = release_seconds(5.0, page, arena, segments.PUBLISH_AHEAD_MAX_PAGES * page)
-    for ahead in (0, 1000, segments.PUBLISH_AHEAD_MAX_PAGES):
-        assert release_seconds(5.0, page, arena, ahead * page) <= bound
-
-
 # More pages than half the publish ring's 32,768 records: two such publications do not fit
 # in it together.
 RING_HALF_PLUS = segments.RINGS["publish"][1] // 2 + 16
@@ -533,6 +480,45 @@ def _capture_stopped(tmp_path: Path, instance: str, **cfg: str):
         kv.close()
 
 
+def test_the_pending_limit_counts_sequences_and_keeps_room_for_final_saves(
+        tmp_path: Path, instance: str) -> None:
+    """Capture stopped, so publications stay pending: 4 slots, a limit of 8 sequences.
+    Partial publications (a running request's pages so far) are taken for 4 sequences
+    only; another of a sequence already pending is taken however full it is (a sequence
+    counts once), and so are final ones up to 8 sequences. Each pending one is released
+    by its deadline."""
+    with _capture_stopped(tmp_path, instance, release_timeout_seconds="2") as (c, _):
+        keys = [f"{i:032x}" for i in range(2)]
+        limit = c.max_pending
+        assert limit == 8
+        for i in range(limit // 2):
+            assert c.publish_keys(f"run{i}", keys, [2 * i, 2 * i + 1], partial=True)
+        assert not c.publish_keys("run-late", keys, [20, 21], partial=True)
+        assert c.counters.skipped["pending_limit"] == 1
+        assert c.publish_keys("run0", keys, [0, 1], partial=True)  # counted once
+        for i in range(limit // 2):
+            assert c.publish_keys(f"fin{i}", keys, [30 + i, 40 + i])
+        assert c.pending == limit + 1
+        assert not c.publish_keys("fin-late", keys, [50, 51])
+        assert c.publish_keys("fin0", keys, [30, 40])  # counted once
+        assert c.counters.skipped["pending_limit"] == 2
+        released = wait_for(lambda: c.poll_completions(), 10, "the deadline's release")
+        assert {d.status for d in released} == {"expired"}
+
+
+def test_a_publications_deadline_covers_the_pages_lent_before_it() -> None:
+    """Capture copies publications in order, so one queued behind an arena's worth of
+    others is lent one timeout more; the client counts at most PUBLISH_AHEAD_MAX_PAGES
+    ahead, and capture's bound (that most ahead) is never below a deadline it sets."""
+    arena, page = 1 << 30, 64 << 10
+    assert release_seconds(5.0, 10 * page, arena) == 5.0
+    assert release_seconds(5.0, 10 * page, arena, ahead_bytes=arena) == 10.0
+    assert release_seconds(5.0, arena + page, arena, ahead_bytes=2 * arena) == 20.0
+    bound = release_seconds(5.0, page, arena, segments.PUBLISH_AHEAD_MAX_PAGES * page)
+    for ahead in (0, 1000, segments.PUBLISH_AHEAD_MAX_PAGES):
+        assert release_seconds(5.0, page, arena, ahead * page) <= bound
+
+
 def test_a_publication_the_ring_has_no_room_for_waits_its_turn_and_is_stored(
         tmp_path: Path, instance: str) -> None:
     """Capture stopped, two publications of more than half the publish ring each: the
@@ -544,6 +530,10 @@ def test_a_publication_the_ring_has_no_room_for_waits_its_turn_and_is_stored(
         for name, ks in keys.items():
             assert c.publish_keys(name, ks, blocks), c.counters.skipped
         assert c.counters.publications_queued == 1 and c.pending == 2
+        # 5 s for each 4 MiB arena of its pages (64 MiB: 17), and the second for the
+        # first's too, queued ahead of it (33), not for its own alone.
+        first, second = (p.deadline - p.lent_at for p in c._pending.values())
+        assert first == pytest.approx(85, abs=1) and second == pytest.approx(165, abs=1)
         resume()
         settled: dict = {}
 
