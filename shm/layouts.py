@@ -318,3 +318,13 @@ def split_key(hex_key: str) -> tuple[int, int]:
 
 def join_key(hi: int, lo: int) -> str:
     return (int(hi).to_bytes(8, "little") + int(lo).to_bytes(8, "little")).hex()
+
+
+def join_keys(hi: np.ndarray, lo: np.ndarray) -> list[str]:
+    """``join_key`` of each pair, for a whole batch at once: one hex conversion, where a
+    300k-token publication's 18,750 calls of ``join_key`` cost its workers ~60 ms."""
+    pairs = np.empty((len(hi), 2), "<u8")
+    pairs[:, 0] = hi
+    pairs[:, 1] = lo
+    text = pairs.tobytes().hex()
+    return [text[i : i + 32] for i in range(0, len(text), 32)]  # 16 bytes a key

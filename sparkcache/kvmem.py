@@ -308,6 +308,11 @@ class BlockViews:
             self._host.append(None if t.is_cuda else grid.numpy())
             self.run_bytes += [per_block // outer] * outer
         self.page_bytes = sum(self.run_bytes)
+        # Each host grid as one flat byte view and its (outer, blocks, inner): a run is a
+        # slice of it, where indexing the array cost ~5 us a page (a restore's per-page
+        # CPU is what bounds it at small pages).
+        self._flat = [(memoryview(h.reshape(-1)), *h.shape) for h in self._host
+                      if h is not None]
         # On a CUDA device every tensor crosses in one transfer per call, whatever its
         # strides: a copy per block of a view that is not contiguous (vLLM 0.33's over
         # LBNHC memory, the FLASH_ATTN default on Hopper) was that many small synchronous
@@ -451,8 +456,13 @@ class BlockViews:
     def page_runs(self, block: int) -> list[memoryview]:
         """Block ``block``'s runs, in page order, as writable byte views of the tensors
         themselves (``host_runs`` only): reading a page into them is its scatter."""
-        return [memoryview(host[o, block]) for host in self._host  # type: ignore[index]
-                for o in range(host.shape[0])]  # type: ignore[union-attr]
+        runs = []
+        for flat, outer, blocks, inner in self._flat:
+            at = block * inner
+            for _ in range(outer):
+                runs.append(flat[at : at + inner])
+                at += blocks * inner
+        return runs
 
     def scatter(self, block: int, data: np.ndarray) -> None:
         """The inverse of ``gather``: write the page ``data`` into block ``block``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import struct
 
 import numpy as np
@@ -379,6 +380,40 @@ def test_keys_as_bytes_are_the_halves_of_their_hex() -> None:
         key_halves(raw[:17])
     with pytest.raises(ValueError, match="page key"):
         keys_bytes(["AB" * 16])
+
+
+def test_join_keys_is_join_key_per_pair() -> None:
+    from shm.layouts import join_key, join_keys, split_key
+
+    keys = [f"{i:032x}" for i in (0, 1, 2**64, 2**128 - 1)] + [os.urandom(16).hex()]
+    halves = np.array([split_key(k) for k in keys], np.uint64)
+    assert join_keys(halves[:, 0], halves[:, 1]) == [join_key(*map(int, h)) for h in halves]
+    assert join_keys(halves[:, 0], halves[:, 1]) == keys
+    assert join_keys(halves[:0, 0], halves[:0, 1]) == []
+
+
+def test_page_runs_are_the_blocks_bytes_in_page_order_and_write_into_it() -> None:
+    """A restore reads a page straight into these views: they must be the block's runs,
+    in the order ``gather`` lays the page out, and nothing of its neighbours."""
+    layers = _layers(10, n=2)
+    for t in layers:
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
+                                                dtype=torch.uint8))
+    views = BlockViews(layers, 1)
+    page = np.empty(views.page_bytes, np.uint8)
+    for block in (0, 4, 9):
+        runs = views.page_runs(block)
+        views.gather(block, page)
+        assert b"".join(bytes(r) for r in runs) == page.tobytes()
+        assert [r.nbytes for r in runs] == views.run_bytes
+    before = [t.clone() for t in layers]
+    for r in views.page_runs(4):
+        r[:] = b"\xab" * r.nbytes
+    views.gather(4, page)
+    assert (page == 0xAB).all()
+    for t, old in zip(layers, before, strict=True):
+        changed = (t.view(torch.uint8) != old.view(torch.uint8)).nonzero()[:, 1].unique()
+        assert changed.tolist() == [4]  # only block 4's bytes
 
 
 def test_split_keys_is_split_key_per_key_and_names_a_bad_one() -> None:

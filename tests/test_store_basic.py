@@ -569,3 +569,25 @@ def test_an_index_made_before_read_leases_gains_them(tmp_path: Path, before: str
         assert store.remove_roots([root]).skipped == (root,)
     report = fsck(tmp_path / "s", grace_seconds=0)
     assert report.ok, report.problems
+
+
+def test_a_plan_is_the_same_through_a_root_and_key_by_key(store: PageStore) -> None:
+    """``plan`` reads the pages of a root holding the whole prefix in one range; keys
+    that are no root's prefix at their positions are looked up one by one. Either way it
+    is the leading live pages of the keys asked for, in order."""
+    keys = [secrets.token_hex(16) for _ in range(6)]
+    store.commit(make_root(rid(), keys, SIZE))
+    reader = StoreReader(store.layout.store_dir, 0)
+    try:
+        assert [p.key for p in reader.plan(keys[:4])] == keys[:4]  # a root's prefix
+        # The same last key at its position, other keys before it: not that root's.
+        other = [secrets.token_hex(16), *keys[1:4]]
+        assert reader.plan(other) == []
+        store.commit(make_root(rid(), other[:1], SIZE))
+        assert [p.key for p in reader.plan(other)] == other  # held page by page
+        assert [p.key for p in reader.plan([*keys, "ab" * 16])] == keys  # past the root
+        gen = next(p.generation for p in reader.plan(keys) if p.key == keys[2])
+        store.quarantine(keys[2], gen, "test")
+        assert [p.key for p in reader.plan(keys)] == keys[:2]  # ends at the quarantined
+    finally:
+        reader.close()

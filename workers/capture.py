@@ -33,7 +33,7 @@ from posix_ipc import SignalError
 
 from shm import FREE, RingClosed, RingEmpty, RingFull
 from shm.arena import writer_dead
-from shm.layouts import join_key
+from shm.layouts import join_keys
 from sparkcache import kvmem, registry, segments
 from sparkcache.protocol import CaptureStatus, process_gone, release_seconds
 from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT
@@ -268,7 +268,7 @@ class Capture:
             self.life.drop("block", f"publication with block ids outside "
                            f"0-{reg.views.num_blocks - 1}")
             return CaptureStatus.BAD_BLOCK, 0
-        keys = [join_key(h, lo) for h, lo in zip(recs["key_hi"], recs["key_lo"], strict=True)]
+        keys = join_keys(recs["key_hi"], recs["key_lo"])
         # Leased, not only looked up: under pressure the root holding these pages could
         # otherwise be evicted before commit, which then has no bytes for them. The
         # lease is named by the publication, whose commit ends it. Pages an earlier

@@ -48,7 +48,7 @@ import numpy as np
 from posix_ipc import SignalError
 
 from shm import RingClosed, RingEmpty, RingFull
-from shm.layouts import READ_PATHS, join_key, split_key
+from shm.layouts import READ_PATHS, join_keys, split_key
 from sparkcache import registry, segments
 from sparkcache.protocol import LoadStatus, process_gone
 from sparkcache.ratelog import RateLimitedLog
@@ -474,7 +474,7 @@ class Restore:
         reader = self._store()
         if reader is None:
             return _Outcome(LoadStatus.PARTIAL)
-        keys = [join_key(h, lo) for h, lo in zip(recs["key_hi"], recs["key_lo"], strict=True)]
+        keys = join_keys(recs["key_hi"], recs["key_lo"])
         plan = reader.plan(keys)
         # A page of another size than the engine's is not its page (a staging row would
         # also keep an earlier page's bytes past it): the load ends before it.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from sparkcache.identity import require_hex
 
@@ -42,9 +43,9 @@ class PageData:
             return [memoryview(d).cast("B") for d in self.data]
         return [memoryview(self.data).cast("B")]
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
-        """The page's payload bytes."""
+        """The page's payload bytes (asked several times a commit: kept)."""
         return sum(p.nbytes for p in self.pieces())
 
 
