@@ -229,6 +229,11 @@ class SchedulerSide:
             return
         start, end = state.load
         state.load = state.answer = None  # a later lookup asks the store again
+        # vLLM may take fewer tokens than answered (0.33 cuts a hit to a block boundary
+        # for its replay window, or caps it for an auxiliary connector): the pages it
+        # takes any token of are loaded, the rest it computes. A page taken in part is
+        # loaded whole: vLLM writes its own tokens over the rest of that block.
+        end = min(end, start - (-num_external_tokens // self.settings.block_size))
         # vLLM now waits for this load's report, whatever follows.
         state.loading = True
         block_ids = list(blocks.get_block_ids()[0])

@@ -478,7 +478,8 @@ def test_scheduler_side_answers_what_vllm_relies_on(
     (vLLM re-asks every step while the request waits for blocks), the same answer, with no
     new lookup or lease; a finished request's save leaves out the tokens of a step still in
     flight (async scheduling: not written yet on a GPU); a load with fewer blocks than its
-    pages still goes to the worker, which reports those blocks load errors; and a
+    pages still goes to the worker, which reports those blocks load errors; vLLM taking
+    fewer tokens than answered gets a load of the pages it took a token of; and a
     registration whose engine is gone is no namespace (its worker side is not serving).
     And a request whose load came back with a load error, reported a step before the
     load ended (another rank's), gets no other load."""
@@ -506,6 +507,10 @@ def test_scheduler_side_answers_what_vllm_relies_on(
         assert side.get_num_new_matched_tokens(asked, 0) == first
         assert side.lookup.lookups == lookups + 2
 
+        class FiveBlocks:
+            def get_block_ids(self) -> tuple[list[int], ...]:
+                return (list(range(30, 35)),)
+
         class TwoBlocks:  # fewer blocks than the load's five pages
             def get_block_ids(self) -> tuple[list[int], ...]:
                 return ([3, 4],)
@@ -519,15 +524,32 @@ def test_scheduler_side_answers_what_vllm_relies_on(
         assert worker.get_block_ids_with_load_errors() == {3, 4}
         worker.clear_connector_metadata()
 
-        class FiveBlocks:
-            def get_block_ids(self) -> tuple[list[int], ...]:
-                return (list(range(10, 15)),)
+        # vLLM takes fewer tokens than answered: the pages it takes any token of are
+        # loaded, no more.
+        for name, taken, loaded in (("F", 3 * BLOCK, [30, 31, 32]),
+                                    ("G", BLOCK + 1, [30, 31])):
+            fewer = request(name, [*prefix, 8, 9])
+            assert side.get_num_new_matched_tokens(fewer, 0) == first
+            side.update_state_after_alloc(fewer, FiveBlocks(), taken)
+            meta = side.build_connector_meta(SchedulerOutput.make_empty())
+            [job] = meta.loads
+            assert (job.pages, job.block_ids) == (len(loaded), loaded)
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+            deadline = time.monotonic() + 30
+            while not (done := worker.get_finished(set()))[1]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert done == (None, {name}) and worker.get_block_ids_with_load_errors() == set()
+            worker.clear_connector_metadata()
+            side.update_connector_output(KVConnectorOutput(finished_recving={name}))
+            side._reqs.pop(name)
 
         again = request("E", [*prefix, 6, 7])
         assert side.get_num_new_matched_tokens(again, 0) == first
         side.update_state_after_alloc(again, FiveBlocks(), 5 * BLOCK)
         side.build_connector_meta(SchedulerOutput.make_empty())
-        side.update_connector_output(KVConnectorOutput(invalid_block_ids={12}))  # rank 1
+        side.update_connector_output(KVConnectorOutput(invalid_block_ids={32}))  # rank 1
         side.update_connector_output(KVConnectorOutput(finished_recving={"E"}))  # rank 0 too
         assert side.get_num_new_matched_tokens(again, 0) == (0, False)
         side._reqs.pop("E")
