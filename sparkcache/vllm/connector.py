@@ -28,7 +28,7 @@ from sparkcache.ratelog import RateLimitedLog
 from sparkcache.vllm import settings as settings_mod
 from sparkcache.vllm.metadata import SparkCacheMetadata
 from sparkcache.vllm.scheduler_side import SchedulerSide
-from sparkcache.vllm.stats import Reporter, SparkCachePromMetrics, SparkCacheStats
+from sparkcache.vllm.stats import Reporter, SparkCachePromMetrics, SparkCacheStats, by_rank
 from sparkcache.vllm.worker_side import Unserved, WorkerSide
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,10 @@ class SparkCacheConnector(KVConnectorBase_V1):
         side.counted = False
         self._stats_at = now + STATS_REFRESH_S
         try:
-            return self._reporter.report(side.totals())
+            totals = side.totals()
+            if self._worker is not None:
+                totals = by_rank(totals, self._worker.rank)
+            return self._reporter.report(totals)
         except Exception:
             self._fault("stats")
             return None

@@ -220,7 +220,6 @@ class SchedulerSide:
                 self.lookup.release(lease)
             return 0, False
         state.load, state.lease = (start, pages), lease
-        self.counters["hit_tokens"] += (pages - start) * self.block
         return pages * self.block - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -234,6 +233,10 @@ class SchedulerSide:
         # takes any token of are loaded, the rest it computes. A page taken in part is
         # loaded whole: vLLM writes its own tokens over the rest of that block.
         end = min(end, start - (-num_external_tokens // self.settings.block_size))
+        # Counted at admission, as vLLM counts its own hits: an answer vLLM does not take
+        # (a request never admitted, a hit it drops) is no hit.
+        self.counters["hit_tokens"] += num_external_tokens
+        self.counted = True
         # vLLM now waits for this load's report, whatever follows.
         state.loading = True
         block_ids = list(blocks.get_block_ids()[0])

@@ -1,9 +1,10 @@
 """The connector's counters in vLLM's own stats and Prometheus metrics.
 
 Each side (scheduler and every worker) reports what it counted since its last report as
-``SparkCacheStats``; vLLM adds the workers' and the scheduler's together, logs them, and
-hands them to ``SparkCachePromMetrics``, which exposes them on vLLM's /metrics as
-``vllm:sparkcache_*`` counters."""
+``SparkCacheStats``, a worker side under names that carry its rank (``by_rank``); vLLM
+adds the reports together, logs them, and hands them to ``SparkCachePromMetrics``, which
+exposes them on vLLM's /metrics as ``vllm:sparkcache_*`` counters, a worker side's with a
+``rank`` label."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 METRICS = {
     "lookups": ("vllm:sparkcache_lookups", "Prefix lookups made by the scheduler."),
     "hit_tokens": ("vllm:sparkcache_hit_tokens",
-                   "Tokens the store held beyond vLLM's own hit, at lookup."),
+                   "Tokens loaded beyond vLLM's own hit, counted when vLLM admits the "
+                   "request (as vLLM counts its own hits)."),
     "loaded_tokens": ("vllm:sparkcache_loaded_tokens", "Tokens restored into KV blocks."),
     "load_seconds": ("vllm:sparkcache_load_seconds", "Seconds spent loading, all loads."),
     "load_errors": ("vllm:sparkcache_load_errors",
@@ -44,7 +46,27 @@ METRICS = {
                                 "Seconds the engine waited at preemptions for copies of "
                                 "the preempted requests' blocks."),
 }
-SKIPS = ("vllm:sparkcache_skips", "Lookups, saves and loads skipped or missed, by reason.")
+SKIPS = ("vllm:sparkcache_skips", "Lookups and saves the scheduler skipped, by reason.")
+# What each TP rank's worker side counts, reported under its rank: every rank loads and
+# publishes its own share of the same pages, so a sum across ranks (what vLLM's
+# aggregation would make of one name) counts each token TP times.
+WORKER_METRICS = frozenset({"loaded_tokens", "load_seconds", "load_errors", "saved_pages",
+                            "lent_bytes", "lent_seconds", "preemption_wait_seconds"})
+RANK_SKIPS = ("vllm:sparkcache_rank_skips",
+              "Saves and loads a rank's worker side skipped or missed, by reason and rank.")
+_RANK = "@rank"
+
+
+def by_rank(totals: Mapping[str, float], rank: int) -> dict[str, float]:
+    """A worker side's totals under names that carry its rank (``loaded_tokens@rank1``),
+    so vLLM's aggregation of the ranks' reports keeps them apart."""
+    return {f"{k}{_RANK}{rank}": v for k, v in totals.items()}
+
+
+def split_rank(name: str) -> tuple[str, str | None]:
+    """``(name, rank)`` of a reported name; rank None for the scheduler's."""
+    base, mark, rank = name.rpartition(_RANK)
+    return (base, rank) if mark and rank.isdigit() else (name, None)
 
 
 @dataclass
@@ -87,18 +109,25 @@ class SparkCachePromMetrics(KVConnectorPromMetrics):
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
-            key: self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            key: self._counter_cls(
+                name=name, documentation=doc,
+                labelnames=[*labelnames, "rank"] if key in WORKER_METRICS else labelnames)
             for key, (name, doc) in METRICS.items()
         }
         self._skips = self._counter_cls(name=SKIPS[0], documentation=SKIPS[1],
                                         labelnames=[*labelnames, "reason"])
+        self._rank_skips = self._counter_cls(name=RANK_SKIPS[0], documentation=RANK_SKIPS[1],
+                                             labelnames=[*labelnames, "reason", "rank"])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
         for key, value in transfer_stats_data.items():
             if not value or value < 0:
                 continue
-            if key.startswith("skipped:"):
-                self._skips.labels(*labels, key.split(":", 1)[1]).inc(value)
-            elif key in self._counters:
-                self._counters[key].labels(*labels).inc(value)
+            name, rank = split_rank(key)
+            ranked = [] if rank is None else [rank]
+            if name.startswith("skipped:"):
+                skips = self._skips if rank is None else self._rank_skips
+                skips.labels(*labels, name.split(":", 1)[1], *ranked).inc(value)
+            elif name in self._counters and (rank is not None) == (name in WORKER_METRICS):
+                self._counters[name].labels(*labels, *ranked).inc(value)

@@ -515,7 +515,9 @@ def test_scheduler_side_answers_what_vllm_relies_on(
             def get_block_ids(self) -> tuple[list[int], ...]:
                 return ([3, 4],)
 
+        hits = side.totals()["hit_tokens"]  # counted at admission, not at lookup
         side.update_state_after_alloc(asked, TwoBlocks(), 5 * BLOCK)
+        assert side.totals()["hit_tokens"] == hits + 5 * BLOCK
         meta = side.build_connector_meta(SchedulerOutput.make_empty())
         worker = r.workers[0]
         worker.bind_connector_metadata(meta)
@@ -530,7 +532,9 @@ def test_scheduler_side_answers_what_vllm_relies_on(
                                     ("G", BLOCK + 1, [30, 31])):
             fewer = request(name, [*prefix, 8, 9])
             assert side.get_num_new_matched_tokens(fewer, 0) == first
+            hits = side.totals()["hit_tokens"]
             side.update_state_after_alloc(fewer, FiveBlocks(), taken)
+            assert side.totals()["hit_tokens"] == hits + taken  # what vLLM took
             meta = side.build_connector_meta(SchedulerOutput.make_empty())
             [job] = meta.loads
             assert (job.pages, job.block_ids) == (len(loaded), loaded)
@@ -599,10 +603,12 @@ def test_at_the_hard_cap_every_request_completes(tmp_path: Path, instance: str) 
         assert skipped["store_full"] >= 1, skipped  # refused at the cap, counted
 
 
-def test_counters_reach_vllm_stats_and_a_prometheus_scrape(supervisor: Path,
+def test_counters_reach_vllm_stats_and_a_prometheus_scrape(tmp_path: Path,
                                                             instance: str) -> None:
     """What both sides count goes through vLLM's stats path (worker and scheduler
-    reports aggregated) into the connector's Prometheus metrics, read back by HTTP."""
+    reports aggregated) into the connector's Prometheus metrics, read back by HTTP. With
+    two TP ranks, each rank's loads are its own series (a sum would count each token
+    twice), and hits are what vLLM admitted."""
     import functools
     import urllib.request
 
@@ -612,7 +618,8 @@ def test_counters_reach_vllm_stats_and_a_prometheus_scrape(supervisor: Path,
     from sparkcache.vllm import SparkCacheConnector
 
     prefix = list(range(900, 900 + 3 * BLOCK))
-    with rig(supervisor, instance) as r:
+    with running_supervisor(tmp_path / "store", instance, "--ranks", "2") as store, \
+            rig(store, instance, tp=2) as r:
         run_turn(r, "A", [*prefix, 1])
         wait_stored(r, 3)
         load_turn(r, "B", [*prefix, 2, 3])
@@ -622,7 +629,8 @@ def test_counters_reach_vllm_stats_and_a_prometheus_scrape(supervisor: Path,
             lambda a, b: a.aggregate(b),
             [SparkCacheConnector.build_kv_connector_stats(p) for p in r.stats])
         data = total.reduce()
-        assert data["loaded_tokens"] == 3 * BLOCK and data["hit_tokens"] == 3 * BLOCK, data
+        assert data["loaded_tokens@rank0"] == data["loaded_tokens@rank1"] == 3 * BLOCK, data
+        assert data["hit_tokens"] == 3 * BLOCK and "loaded_tokens" not in data, data
         assert data["lookups"] >= 2 and data["saves"] >= 1, data
 
         registry = CollectorRegistry()
@@ -639,7 +647,11 @@ def test_counters_reach_vllm_stats_and_a_prometheus_scrape(supervisor: Path,
         finally:
             server.shutdown()
             thread.join(10)
-        line = 'vllm:sparkcache_loaded_tokens_total{engine="0",model_name="tiny"}'
+        for rank in (0, 1):
+            line = f'vllm:sparkcache_loaded_tokens_total{{engine="0",model_name="tiny",' \
+                   f'rank="{rank}"}}'
+            assert f"{line} {float(3 * BLOCK)}" in text, text
+        line = 'vllm:sparkcache_hit_tokens_total{engine="0",model_name="tiny"}'
         assert f"{line} {float(3 * BLOCK)}" in text, text
 
 
