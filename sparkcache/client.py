@@ -693,6 +693,18 @@ class SparkCacheClient:
         released, self._released = self._released, []
         return released
 
+    def busy_ids(self) -> set[Hashable]:
+        """The engine's ids of the publications and loads whose blocks a worker may still
+        use: lent to capture (until copied, refused or past their deadline), with the
+        restore worker, or waiting for it. For a caller whose own bookkeeping failed: a
+        job whose id is not here is over, its blocks the engine's. Polls first (both
+        polls' results are the caller's to have dropped); never raises."""
+        self.poll_completions()
+        self.poll_loads()
+        return ({e.seq_id for e in self._pending.values()}
+                | {e.load_id for e in self._loads.values()}
+                | {e.load_id for e in self._waiting})
+
     def poll_durable(self) -> list[Durability]:
         """Captured publications whose fate is now known: durable, or failed and why."""
         self._poll_safely()

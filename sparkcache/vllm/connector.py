@@ -81,6 +81,8 @@ class SparkCacheConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         # Jobs for this rank while its worker side is not running (``Unserved``).
         self._unserved = Unserved() if role != KVConnectorRole.SCHEDULER else None
+        # get_finished raised: the worker side's jobs are salvaged, new ones unserved.
+        self._salvaging = False
         try:
             _recompute_failed_loads(vllm_config.kv_transfer_config)
             settings = settings_mod.from_vllm(vllm_config)
@@ -227,7 +229,11 @@ class SparkCacheConnector(KVConnectorBase_V1):
                 not kv_connector_metadata.preempted or self._worker is None:
             return
         try:
-            self._worker.handle_preemptions(kv_connector_metadata)
+            if self._salvaging:  # nothing saved; the blocks only waited for
+                self._worker.wait_unused({job.req_id for job in
+                                          kv_connector_metadata.preempted})
+            else:
+                self._worker.handle_preemptions(kv_connector_metadata)
         except Exception:
             self._fault("handle_preemptions")
 
@@ -237,12 +243,13 @@ class SparkCacheConnector(KVConnectorBase_V1):
         try:
             meta = self._get_connector_metadata()
             assert isinstance(meta, SparkCacheMetadata)
-            if self._worker is not None:
+            if self._worker is not None and not self._salvaging:
                 self._worker.start(meta)
             elif self._unserved is not None and (meta.loads or meta.saves or meta.partial):
                 self._unserved.take(meta)
                 self._log.warning("unserved", "SparkCache: this rank's worker side is not "
-                                  "running; %d loads and saves answered without the cache",
+                                  "running (or failed); %d loads and saves answered without "
+                                  "the cache",
                                   self._unserved.jobs)
         except Exception:
             self._fault("start_load_kv")
@@ -258,21 +265,33 @@ class SparkCacheConnector(KVConnectorBase_V1):
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The worker side's reports; once they raised, its salvage's from then on, with
+        the jobs handed over since answered as an unserved rank's (``start_load_kv``):
+        vLLM waits for every job, so none may be left unreported."""
         try:
-            if self._worker is not None:
+            if self._worker is not None and not self._salvaging:
                 return self._worker.get_finished(finished_req_ids)
-            if self._unserved is not None:
-                return self._unserved.get_finished(finished_req_ids)
         except Exception:
             self._fault("get_finished")
+            self._salvaging = True
+        try:
+            sending, recving = self._unserved.get_finished(finished_req_ids) \
+                if self._unserved is not None else (None, None)
+            if self._worker is not None:
+                salvaged = self._worker.salvage(finished_req_ids)
+                sending = (sending or set()) | (salvaged[0] or set()) or None
+                recving = (recving or set()) | (salvaged[1] or set()) or None
+            return sending, recving
+        except Exception:
+            self._fault("get_finished salvage")
         return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         try:
+            errors = self._unserved.load_errors() if self._unserved is not None else set()
             if self._worker is not None:
-                return self._worker.load_errors()
-            if self._unserved is not None:
-                return self._unserved.load_errors()
+                errors |= self._worker.load_errors()
+            return errors
         except Exception:
             self._fault("get_block_ids_with_load_errors")
         return set()

@@ -81,7 +81,7 @@ class WorkerSide:
         self._holding: set[str] = set()
         self._sent: set[str] = set()  # saves done (or given up), not yet reported
         self._recved: set[str] = set()  # loads done, not yet reported
-        self._loading: set[str] = set()  # loads started and not ended
+        self._loading: dict[str, PageJob] = {}  # loads started and not ended
         # Loads the restore worker holds: request -> (job, staging pages, started at).
         self._inflight: dict[str, tuple[PageJob, list[int] | None, float]] = {}
         self._finished: set[str] = set()  # saved requests vLLM reported finished
@@ -280,7 +280,7 @@ class WorkerSide:
                 self.counters["load_staging_full"] += 1
                 self._end_unsent(job, None)
                 return
-        self._loading.add(job.req_id)
+        self._loading[job.req_id] = job
         target = pages if pages is not None else job.block_ids[:n]
         if self.client.load_keys(job.req_id, job.keys, target, lease=job.lease):
             self._inflight[job.req_id] = (job, pages, time.perf_counter())
@@ -321,7 +321,7 @@ class WorkerSide:
         if got < job.pages:
             self.counters["load_errors"] += 1
             self._load_errors.update(job.block_ids[got: job.pages])
-        self._loading.discard(job.req_id)
+        self._loading.pop(job.req_id, None)
         self._recved.add(job.req_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -342,6 +342,36 @@ class WorkerSide:
         if self._lent or idle_poll:
             self._poll_completions()
         return _take_reports(self._sent, self._finished, self._recved)
+
+    def salvage(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """``get_finished`` once it has raised, and from then on: this side's bookkeeping
+        is no longer trusted, only the client's (``busy_ids``). vLLM waits for every
+        job it handed over, so each still outstanding is reported once no worker can
+        touch its blocks: a load with all of them load errors (vLLM computes them, a page
+        that did land included), a save sent, unsaved or not, once vLLM reported its
+        request finished. Never sooner: capture copying blocks vLLM has reused would
+        store another request's bytes under these keys."""
+        self._finished |= finished_req_ids & (self._sent | self._holding)
+        busy = {str(i) for i in self.client.busy_ids()}
+        for req_id, job in list(self._loading.items()):
+            if req_id not in busy:
+                del self._loading[req_id]
+                self._inflight.pop(req_id, None)
+                self._load_errors.update(job.block_ids[: job.pages])
+                self._recved.add(req_id)
+        for req_id in [r for r in self._lent if r not in busy]:
+            del self._lent[req_id]
+        for req_id in [r for r in self._holding if r not in busy]:
+            self._holding.discard(req_id)
+            self._sent.add(req_id)
+        return _take_reports(self._sent, self._finished, self._recved)
+
+    def wait_unused(self, req_ids: set[str]) -> None:
+        """``handle_preemptions`` while salvaging: wait until no worker uses the blocks of
+        ``req_ids``, by the client's account (a publication ends by its deadline at the
+        latest)."""
+        while req_ids & {str(i) for i in self.client.busy_ids()}:
+            time.sleep(PREEMPTION_POLL_S)
 
     def totals(self) -> dict[str, float]:
         """Everything counted so far, under the names of ``stats.METRICS`` (skips as

@@ -703,6 +703,74 @@ def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_load_ended(
         r.run_until_idle()
 
 
+def test_a_fault_in_get_finished_reports_every_job_once_no_worker_uses_its_blocks(
+        supervisor: Path, instance: str) -> None:
+    """After the worker side's ``get_finished`` raised, its bookkeeping is not trusted,
+    but vLLM waits for every job: each is reported once the client says no worker uses
+    its blocks (never sooner: a stopped restore worker's load and a stopped capture's
+    save stay unreported, and a preemption waits for them), a load with all its blocks
+    load errors; jobs handed over later are answered as an unserved rank's. Every
+    request completes."""
+    import json
+    import os
+    import signal
+    import threading
+
+    prefix = list(range(700, 700 + 5 * BLOCK))
+    rt = json.loads((supervisor / "runtime.json").read_text())
+    pids = {w["role"]: w["pid"] for w in rt["workers"]}
+    with rig(supervisor, instance) as r:
+        run_turn(r, "A", [*prefix, 1])
+        wait_stored(r, 5)
+        worker = r.workers[0]
+        os.kill(pids["restore"], signal.SIGSTOP)
+        os.kill(pids["capture"], signal.SIGSTOP)
+        try:
+            r.sched.add_request(request("B", [*prefix, 2, 3], max_tokens=2))  # a load
+            r.sched.add_request(request("D", list(range(3000, 3000 + 3 * BLOCK)),
+                                        max_tokens=1))  # a save, lent to capture
+            for _ in range(4):
+                r.step()
+            assert "B" in r.loads and "B" not in r.finished_recving
+            assert worker._worker._lent["D"], "D's save should be lent to capture"
+
+            def broken(finished: set[str]) -> None:
+                raise RuntimeError("bookkeeping fault")
+
+            worker._worker.get_finished = broken
+            for _ in range(5):
+                r.step()
+            assert worker.faults["get_finished"] == 1
+            # Not reported while a stopped worker may still use the blocks.
+            assert "B" not in r.finished_recving and "D" not in r.finished_sending
+            # A preemption of D now waits, saving nothing, until capture is done with
+            # its blocks.
+            from sparkcache.vllm.metadata import PageJob, SparkCacheMetadata
+
+            preempted = SparkCacheMetadata(preempted=[PageJob("D", b"", [])])
+            waiting = threading.Thread(target=worker.handle_preemptions, args=(preempted,))
+            waiting.start()
+            waiting.join(0.5)
+            assert waiting.is_alive()
+        finally:
+            os.kill(pids["restore"], signal.SIGCONT)
+            os.kill(pids["capture"], signal.SIGCONT)
+        waiting.join(30)
+        assert not waiting.is_alive() and worker.faults["handle_preemptions"] == 0
+        deadline = time.monotonic() + 30
+        while not ({"B"} <= r.finished_recving and {"D"} <= r.finished_sending):
+            assert time.monotonic() < deadline, (r.finished_recving, r.finished_sending)
+            r.step()
+            time.sleep(0.02)
+        assert set(r.loads["B"]) <= r.load_errors  # computed by vLLM, every block
+        # A load handed over since is answered as an unserved rank's: recomputed.
+        r.load_errors.clear()
+        r.sched.add_request(request("E", [*prefix, 4, 5], max_tokens=2))
+        r.run_until_idle()
+        assert set(r.loads["E"]) <= r.load_errors and "E" in r.finished_recving
+        assert not r.sched.requests
+
+
 def test_loads_beyond_the_ring_and_the_load_limit_wait_and_complete(
         supervisor: Path, instance: str) -> None:
     """More requests loading at once than the client's limit of loads in flight, their
