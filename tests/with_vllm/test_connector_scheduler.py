@@ -811,3 +811,21 @@ def test_loads_beyond_the_ring_and_the_load_limit_wait_and_complete(
         assert not client.counters.misses and client.counters.loads_queued > 0
         assert n > client_mod.MAX_LOADS and n * pages > ring
         r.run_until_idle(timeout=300)
+
+
+def test_the_plugin_registers_the_connector_by_name_and_again_is_no_fault() -> None:
+    """The installed entry point is what vLLM's plugin loader runs (in each process, maybe
+    twice): after it, vLLM's factory resolves the bare name to the connector."""
+    from importlib.metadata import entry_points
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from sparkcache.vllm import SparkCacheConnector
+
+    [plugin] = [e for e in entry_points(group="vllm.general_plugins") if e.name == "sparkcache"]
+    register = plugin.load()
+    register()
+    register()  # a second load: nothing raised, nothing logged
+    config = KVTransferConfig(kv_connector="SparkCacheConnector", kv_role="kv_both")
+    assert KVConnectorFactory.get_connector_class(config) is SparkCacheConnector

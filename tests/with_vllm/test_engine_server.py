@@ -62,8 +62,9 @@ class Server:
 def start_server(ckpt: Path, store: Path, instance: str, root: Path,
                  supervisor: subprocess.Popen) -> Server:
     port = free_port()
-    kv = {"kv_connector": "SparkCacheConnector", "kv_connector_module_path": "sparkcache.vllm",
-          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+    # The connector by its name alone: the package's vLLM plugin registers it.
+    kv = {"kv_connector": "SparkCacheConnector", "kv_role": "kv_both",
+          "kv_load_failure_policy": "recompute",
           "kv_connector_extra_config": {"store_dir": str(store), "instance": instance,
                                         "model_id": MODEL_ID}}
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
