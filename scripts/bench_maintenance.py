@@ -83,12 +83,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psutil
+from sparkcache.workers.lifecycle import Role, State, WorkerSpec, run_worker
 
 from sparkcache import config, segments
 from sparkcache.maintenance_policy import CostModel, SliceBudget, SliceMeter
 from sparkcache.store import PageData, PageStore, Root
 from sparkcache.store.eviction import EvictionPlan
-from workers.lifecycle import Role, State, WorkerSpec, run_worker
 
 MIB = 1 << 20
 # What the supervisor gives maintenance (sparkcache.supervisor.MAINTENANCE_NICE; not

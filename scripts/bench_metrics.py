@@ -49,13 +49,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import psutil
+from sparkcache.shm import Ring
+from sparkcache.workers.lifecycle import Role, title
 
-from shm import Ring
 from sparkcache import config, runtime, segments
 from sparkcache.metrics.carry import Carry
 from sparkcache.metrics.collector import SparkCacheCollector
 from sparkcache.metrics.reading import Source, WorkerInfo
-from workers.lifecycle import Role, title
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import torch
+from sparkcache.workers.lifecycle import Role, State
 
 from sparkcache import config, segments
 from sparkcache.client import SparkCacheClient
@@ -78,7 +79,6 @@ from sparkcache.runtime import RUNTIME_FILE
 from sparkcache.store.layout import fanout, object_name
 from sparkcache.store.reader import StoreReader
 from sparkcache.store.testing import drop_from_page_cache
-from workers.lifecycle import Role, State
 
 GIB = 1 << 30
 MODEL_LAYERS, HEADS, HEAD_DIM, PAGE_TOKENS = 32, 8, 128, 16

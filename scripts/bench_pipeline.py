@@ -41,14 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import torch
+from sparkcache.shm import StatsBlock
+from sparkcache.shm.layouts import WORKER_STATS
+from sparkcache.workers.lifecycle import Role
 
-from shm import StatsBlock
-from shm.layouts import WORKER_STATS
 from sparkcache import config, segments
 from sparkcache.client import SparkCacheClient
 from sparkcache.kvmem import SharedKVCaches
 from sparkcache.runtime import RUNTIME_FILE
-from workers.lifecycle import Role
 
 GIB = 1 << 30
 MIB = 1 << 20

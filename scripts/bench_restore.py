@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import guest_memory  # scripts/, beside this file
 import numpy as np
 import torch
+from sparkcache.workers.lifecycle import Role, State
 
 from sparkcache import config, segments
 from sparkcache.client import LoadResult, SparkCacheClient
@@ -60,7 +61,6 @@ from sparkcache.kvmem import SharedKVCaches
 from sparkcache.runtime import RUNTIME_FILE
 from sparkcache.store import PageData, PageStore, Root
 from sparkcache.store.testing import drop_from_page_cache, object_file, page_bytes
-from workers.lifecycle import Role, State
 
 GIB = 1 << 30
 LAYERS, HEADS, HEAD_DIM, PAGE_TOKENS = 8, 8, 128, 16

@@ -31,8 +31,8 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shm.records import RecordLayout
-from shm.ring import DEFAULT_SPIN_S, Consumer, Producer, Ring, RingClosed
+from sparkcache.shm.records import RecordLayout
+from sparkcache.shm.ring import DEFAULT_SPIN_S, Consumer, Producer, Ring, RingClosed
 
 LAYOUT = RecordLayout("bench", 1, np.dtype([("seq", "<u8"), ("payload", "<u8")]))
 BATCH = 64

@@ -69,11 +69,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import guest_memory  # scripts/, beside this file
 import numpy as np
+from sparkcache.workers.restore import CHUNK_BYTES, READERS, STAGED_CHUNKS, _ReaderPool
 
 from sparkcache.store import PageStore, index, recovery
 from sparkcache.store.reader import StoreReader
 from sparkcache.store.testing import drop_from_page_cache, make_root
-from workers.restore import CHUNK_BYTES, READERS, STAGED_CHUNKS, _ReaderPool
 
 MIB = 1 << 20
 PAGES_PER_ROOT = 16

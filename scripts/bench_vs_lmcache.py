@@ -982,9 +982,9 @@ def _restore_disk_read(spec: dict) -> Callable[[], int] | None:
     function; None if it cannot be found. A turn restored from files the host has paged
     out since they were written reads them back here (docs/benchmarks.md, "Restart")."""
     import psutil
+    from sparkcache.workers.lifecycle import Role
 
     from sparkcache import config, segments
-    from workers.lifecycle import Role
 
     extra = spec["connector"]["kv_connector_extra_config"]
     cfg = config.load(env={}, overrides={"store_dir": extra["store_dir"],

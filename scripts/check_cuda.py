@@ -35,7 +35,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shm.layouts import READ_PATHS
+from sparkcache.shm.layouts import READ_PATHS
+from sparkcache.workers.lifecycle import Role
+
 from sparkcache import config, segments
 from sparkcache.client import SparkCacheClient
 from sparkcache.filesystems import filesystem_of
@@ -44,7 +46,6 @@ from sparkcache.kvmem import SharedKVCaches
 from sparkcache.runtime import RUNTIME_FILE
 from sparkcache.store.testing import evict_from_page_cache, page_bytes
 from sparkcache.synthetic import sequences
-from workers.lifecycle import Role
 
 LAYERS, HEADS, HEAD, TOKENS, BLOCKS = 8, 8, 128, 16, 512
 GIB = 1024**3

@@ -1,10 +1,10 @@
 """Shared-memory primitives, knowing nothing of KV caches: named segments with checked
 headers, SPSC rings of fixed-size records, slot arenas and seqlocked stats blocks."""
 
-from shm.arena import FREE, SlotArena, SlotOwnershipError
-from shm.records import RecordLayout
-from shm.ring import Consumer, Producer, Ring, RingClosed, RingEmpty, RingFull
-from shm.segment import (
+from sparkcache.shm.arena import FREE, SlotArena, SlotOwnershipError
+from sparkcache.shm.records import RecordLayout
+from sparkcache.shm.ring import Consumer, Producer, Ring, RingClosed, RingEmpty, RingFull
+from sparkcache.shm.segment import (
     ForeignSegment,
     LayoutMismatch,
     Segment,
@@ -13,7 +13,7 @@ from shm.segment import (
     segment_name,
     sweep,
 )
-from shm.stats import StatsBlock, TornRead
+from sparkcache.shm.stats import StatsBlock, TornRead
 
 __all__ = [
     "FREE",

@@ -38,8 +38,7 @@ import threading
 import time
 
 import numpy as np
-
-from shm.segment import Segment, SegmentSpec, creator_alive, process_start
+from sparkcache.shm.segment import Segment, SegmentSpec, creator_alive, process_start
 
 ARENA_LAYOUT_VERSION = 4  # 1 had "since" in wall-clock time; 2 no pid_start; 3 pid_start
 # in wall-clock time (psutil create_time)

@@ -7,8 +7,7 @@ the first 8 bytes) because records hold ints and floats only.
 from __future__ import annotations
 
 import numpy as np
-
-from shm.records import RecordLayout
+from sparkcache.shm.records import RecordLayout
 
 # client -> capture: one record per page, one batch per publication.
 PUBLISH = RecordLayout(

@@ -13,8 +13,7 @@ from collections import namedtuple
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from shm.segment import dtype_fingerprint
+from sparkcache.shm.segment import dtype_fingerprint
 
 _INT_CODES = {1: "b", 2: "h", 4: "i", 8: "q"}
 _FLOAT_CODES = {2: "e", 4: "f", 8: "d"}

@@ -64,9 +64,8 @@ from collections import deque
 
 import numpy as np
 import posix_ipc
-
-from shm.records import RecordLayout
-from shm.segment import (
+from sparkcache.shm.records import RecordLayout
+from sparkcache.shm.segment import (
     PAYLOAD_OFFSET,
     SEGMENT_MODE,
     SHM_DIR,

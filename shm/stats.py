@@ -18,8 +18,8 @@ import struct
 import time
 import zlib
 
-from shm.records import RecordLayout
-from shm.segment import PAYLOAD_OFFSET, Segment, SegmentSpec
+from sparkcache.shm.records import RecordLayout
+from sparkcache.shm.segment import PAYLOAD_OFFSET, Segment, SegmentSpec
 
 STATS_LAYOUT_VERSION = 1
 STATS_KIND = "stats"

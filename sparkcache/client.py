@@ -46,9 +46,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from shm import FREE, Producer, RingEmpty, RingFull
-from shm.layouts import LOAD, PUBLISH, join_key, split_key
-from shm.segment import process_start
 from sparkcache import kvmem, runtime, segments
 from sparkcache.config import AccessMode, Config
 from sparkcache.engine_stats import SLOT_CLIENT, EngineStatsWriter, client_fields
@@ -64,8 +61,11 @@ from sparkcache.protocol import (
     worker_alive,
 )
 from sparkcache.ratelog import RateLimitedLog
+from sparkcache.shm import FREE, Producer, RingEmpty, RingFull
+from sparkcache.shm.layouts import LOAD, PUBLISH, join_key, split_key
+from sparkcache.shm.segment import process_start
 from sparkcache.store.reader import StoreReader
-from workers.lifecycle import Role
+from sparkcache.workers.lifecycle import Role
 
 log = logging.getLogger(__name__)
 

@@ -24,17 +24,17 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from shm import StatsBlock
-from shm.layouts import (
+from sparkcache import segments
+from sparkcache.config import Config
+from sparkcache.shm import StatsBlock
+from sparkcache.shm.layouts import (
     ENGINE_STATS,
     LOAD_MISS_REASONS,
     LOAD_RESULTS,
     LOOKUP_MISS_REASONS,
     SKIP_REASONS,
 )
-from shm.segment import process_start
-from sparkcache import segments
-from sparkcache.config import Config
+from sparkcache.shm.segment import process_start
 
 if TYPE_CHECKING:
     from sparkcache.client import ClientCounters

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shm import Ring, SegmentError, SlotArena, StatsBlock
-from shm.layouts import ENGINE_STATS, WORKER_STATS
 from sparkcache import runtime, segments
 from sparkcache.metrics import reading
 from sparkcache.metrics.carry import Carry
 from sparkcache.metrics.reading import Reading, WorkerInfo
 from sparkcache.segments import RankSegments
-from workers.lifecycle import Role
+from sparkcache.shm import Ring, SegmentError, SlotArena, StatsBlock
+from sparkcache.shm.layouts import ENGINE_STATS, WORKER_STATS
+from sparkcache.workers.lifecycle import Role
 
 log = logging.getLogger(__name__)
 

@@ -17,18 +17,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from shm.segment import (
-    Segment,
-    SegmentSpec,
-    segment_name,
-    sweep,
-)
 from sparkcache.registry import (  # noqa: F401  (where callers have found them)
     read_registry,
     registry_path,
     write_registry,
 )
 from sparkcache.segments import engine_segment_role, is_engine_segment
+from sparkcache.shm.segment import (
+    Segment,
+    SegmentSpec,
+    segment_name,
+    sweep,
+)
 
 KV_SPEC = SegmentSpec("kvcache", 1)
 _ALIGN = 4096

@@ -17,8 +17,6 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from shm import Producer, RingFull, StatsBlock
-from shm.layouts import split_key
 from sparkcache import runtime, segments
 from sparkcache.config import AccessMode, Config
 from sparkcache.engine_stats import (
@@ -29,8 +27,10 @@ from sparkcache.engine_stats import (
 )
 from sparkcache.protocol import RequestKind, worker_alive
 from sparkcache.ratelog import RateLimitedLog
+from sparkcache.shm import Producer, RingFull, StatsBlock
+from sparkcache.shm.layouts import split_key
 from sparkcache.store.reader import StoreReader
-from workers.lifecycle import Role
+from sparkcache.workers.lifecycle import Role
 
 log = logging.getLogger(__name__)
 

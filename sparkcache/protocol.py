@@ -13,8 +13,8 @@ import os
 import time
 from enum import IntEnum
 
-from shm.segment import creator_alive
-from workers.lifecycle import State
+from sparkcache.shm.segment import creator_alive
+from sparkcache.workers.lifecycle import State
 
 
 class CaptureStatus(IntEnum):

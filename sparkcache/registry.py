@@ -16,7 +16,7 @@ from typing import Any
 
 import psutil
 
-from shm.segment import SHM_DIR
+from sparkcache.shm.segment import SHM_DIR
 from sparkcache.store import StoreError, layout
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shm.segment import creator_alive
+from sparkcache.shm.segment import creator_alive
 from sparkcache.store import StoreError, layout
 
 RUNTIME_FILE = "runtime.json"

@@ -9,8 +9,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from shm import Consumer, Producer, Ring, SlotArena, StatsBlock, segment_name
-from shm.layouts import (
+from sparkcache.config import AccessMode, Config
+from sparkcache.shm import Consumer, Producer, Ring, SlotArena, StatsBlock, segment_name
+from sparkcache.shm.layouts import (
     COMPLETION,
     DURABLE,
     ENGINE_STATS,
@@ -22,8 +23,7 @@ from shm.layouts import (
     REQUEST,
     WORKER_STATS,
 )
-from shm.records import RecordLayout
-from sparkcache.config import AccessMode, Config
+from sparkcache.shm.records import RecordLayout
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from shm import SegmentError
 from sparkcache.instance import Instance
+from sparkcache.shm import SegmentError
 from sparkcache.store import StoreError, index
 from sparkcache.store.layout import RankLayout
 

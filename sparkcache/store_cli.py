@@ -14,10 +14,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shm import SegmentError, StatsBlock, TornRead
-from shm.layouts import WORKER_STATS
 from sparkcache import runtime, segments
 from sparkcache.config import GiB as GIB
+from sparkcache.shm import SegmentError, StatsBlock, TornRead
+from sparkcache.shm.layouts import WORKER_STATS
 from sparkcache.store import index
 from sparkcache.store.fsck import DEFAULT_FSCK_GRACE_SECONDS, fsck
 from sparkcache.store.layout import RankLayout, list_ranks

@@ -25,15 +25,6 @@ from multiprocessing.connection import wait
 import posix_ipc
 import psutil
 
-from shm import SegmentError, TornRead, sweep
-from shm.segment import (
-    SHM_DIR,
-    foreign_entries,
-    instance_entries,
-    process_start,
-    read_creator,
-    user,
-)
 from sparkcache import __version__, runtime, segments
 from sparkcache.config import AccessMode, Config
 from sparkcache.filesystems import MEMORY_FILESYSTEMS, filesystem_of
@@ -42,6 +33,15 @@ from sparkcache.metrics.reading import Source, WorkerInfo
 from sparkcache.metrics.server import MetricsServer, MetricsServerError
 from sparkcache.ratelog import RateLimitedLog
 from sparkcache.runtime import RUNTIME_FILE, RUNTIME_SETTINGS
+from sparkcache.shm import SegmentError, TornRead, sweep
+from sparkcache.shm.segment import (
+    SHM_DIR,
+    foreign_entries,
+    instance_entries,
+    process_start,
+    read_creator,
+    user,
+)
 from sparkcache.store import StoreError, UnsafeStoreDir, layout
 from sparkcache.supervisor_states import (
     Action,
@@ -53,7 +53,7 @@ from sparkcache.supervisor_states import (
     WorkerView,
     tick,
 )
-from workers.lifecycle import Role, State, WorkerSpec, run_worker, title
+from sparkcache.workers.lifecycle import Role, State, WorkerSpec, run_worker, title
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ MAINTENANCE_IOPRIO = 7
 # Forked from one fork server that imported torch once (workers/forkserver.py); the others
 # are spawned, and never carry torch.
 FORKED_ROLES = frozenset({Role.CAPTURE, Role.RESTORE})
-FORKSERVER_MODULE = "workers.forkserver"
+FORKSERVER_MODULE = "sparkcache.workers.forkserver"
 WATCH_S = 0.5  # longest wait between looks at the workers (heartbeats, READY)
 STARTING_WATCH_S = 0.1  # ... while one is starting, so READY shows soon
 # How often a worker that has not begun to drain is sent SIGTERM again (_stop_role). The

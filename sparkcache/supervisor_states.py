@@ -32,8 +32,8 @@ import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 
-from workers.lifecycle import ENV_FAULT_EXIT
-from workers.lifecycle import State as WorkerLifecycle
+from sparkcache.workers.lifecycle import ENV_FAULT_EXIT
+from sparkcache.workers.lifecycle import State as WorkerLifecycle
 
 
 class WorkerState(str, Enum):

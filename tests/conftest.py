@@ -9,8 +9,7 @@ from collections.abc import Iterator
 
 import posix_ipc
 import pytest
-
-from shm.segment import instance_entries
+from sparkcache.shm.segment import instance_entries
 
 
 def _unlink_all(instance: str) -> None:

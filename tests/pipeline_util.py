@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from sparkcache.shm.segment import instance_entries
+from sparkcache.workers.lifecycle import die_with_parent
 
-from shm.segment import instance_entries
 from sparkcache import config
 from sparkcache.store.fsck import fsck
 from sparkcache.supervisor import RUNTIME_FILE
@@ -28,7 +29,6 @@ from sparkcache.synthetic import (  # noqa: F401  (re-exported for the tests)
     kv_shape,
     sequences,
 )
-from workers.lifecycle import die_with_parent
 
 T = TypeVar("T")
 

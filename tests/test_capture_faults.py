@@ -17,10 +17,8 @@ import psutil
 import pytest
 import torch
 from pipeline_util import sequences
-from worker_rig import rig
-
-from shm import Producer, RecordLayout, Ring
-from shm.segment import (
+from sparkcache.shm import Producer, RecordLayout, Ring
+from sparkcache.shm.segment import (
     PAYLOAD_OFFSET,
     SHM_DIR,
     UNWRITTEN_GRACE_S,
@@ -30,9 +28,11 @@ from shm.segment import (
     segment_name,
     sweep,
 )
+from sparkcache.workers.capture import Capture
+from worker_rig import rig
+
 from sparkcache import kvmem, segments
 from sparkcache.protocol import process_gone
-from workers.capture import Capture
 
 SETTINGS = {"release_timeout_seconds": "5"}
 
@@ -50,7 +50,7 @@ def test_failing_publications_keep_one_log_entry_and_one_line(
 
     monkeypatch.setattr(Capture, "_fill", broken_fill)
     with rig(tmp_path / "store", instance, **SETTINGS) as r:
-        caplog.set_level(logging.WARNING, logger="workers.lifecycle")
+        caplog.set_level(logging.WARNING, logger="sparkcache.workers.lifecycle")
         seqs = sequences(6, r.cfg.page_tokens, seed=12)
         for sid, tokens in seqs.items():
             assert r.engine.publish(sid, tokens, tries=1)

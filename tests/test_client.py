@@ -29,9 +29,10 @@ from pipeline_util import (
     wait_committed,
     wait_for,
 )
+from sparkcache.shm import Ring
+from sparkcache.shm.layouts import FREED, PUBLISH
+from sparkcache.workers.lifecycle import FAULT_FILE_ENV, FAULT_ROLE_ENV, Role
 
-from shm import Ring
-from shm.layouts import FREED, PUBLISH
 from sparkcache import segments
 from sparkcache.client import SparkCacheClient
 from sparkcache.filesystems import MEMORY_FILESYSTEMS
@@ -40,7 +41,6 @@ from sparkcache.kvmem import SharedKVCaches
 from sparkcache.protocol import release_seconds
 from sparkcache.store.reader import StoreReader
 from sparkcache.synthetic import MODEL_ID
-from workers.lifecycle import FAULT_FILE_ENV, FAULT_ROLE_ENV, Role
 
 
 @pytest.fixture

@@ -24,8 +24,8 @@ from pipeline_util import (
     wait_committed,
     wait_for,
 )
+from sparkcache.shm.segment import SHM_DIR
 
-from shm.segment import SHM_DIR
 from sparkcache import registry
 
 pytestmark = [

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from pipeline_util import ends_with_test, make_cfg, start_supervisor, stop_supervisor
+from sparkcache.shm.segment import instance_entries, segment_name
 
-from shm.segment import instance_entries, segment_name
 from sparkcache.segments import engine_segment_role
 from sparkcache.synthetic import SyntheticEngine
 

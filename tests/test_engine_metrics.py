@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 from pipeline_util import free_port, make_cfg, pipeline, wait_committed
-from test_metrics import get, scrape, value
-
-from shm.layouts import (
+from sparkcache.shm.layouts import (
     ENGINE_STATS,
     LOAD_MISS_REASONS,
     LOAD_RESULTS,
     LOOKUP_MISS_REASONS,
     SKIP_REASONS,
 )
+from test_metrics import get, scrape, value
+
 from sparkcache import engine_stats
 from sparkcache.client import ClientCounters
 from sparkcache.engine_stats import WRITE_INTERVAL_S, by_reason, client_fields

@@ -383,7 +383,7 @@ def test_keys_as_bytes_are_the_halves_of_their_hex() -> None:
 
 
 def test_join_keys_is_join_key_per_pair() -> None:
-    from shm.layouts import join_key, join_keys, split_key
+    from sparkcache.shm.layouts import join_key, join_keys, split_key
 
     keys = [f"{i:032x}" for i in (0, 1, 2**64, 2**128 - 1)] + [os.urandom(16).hex()]
     halves = np.array([split_key(k) for k in keys], np.uint64)
@@ -417,7 +417,8 @@ def test_page_runs_are_the_blocks_bytes_in_page_order_and_write_into_it() -> Non
 
 
 def test_split_keys_is_split_key_per_key_and_names_a_bad_one() -> None:
-    from shm.layouts import split_key
+    from sparkcache.shm.layouts import split_key
+
     from sparkcache.identity import split_keys
 
     keys = [f"{i:032x}" for i in (1, 2**64, 2**128 - 1)]

@@ -9,8 +9,8 @@ import stat
 
 import pytest
 import torch
+from sparkcache.shm.segment import SHM_DIR, instance_entries
 
-from shm.segment import SHM_DIR, instance_entries
 from sparkcache import kvmem
 
 

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 from pipeline_util import pipeline, sequences, wait_for
+from sparkcache.workers.lifecycle import Role
 
 from sparkcache import segments
 from sparkcache.prefix_lookup import PrefixLookup
 from sparkcache.protocol import new_lease_id
 from sparkcache.store import PageStore
 from sparkcache.store.eviction import READ_GRACE_S
-from workers.lifecycle import Role
 
 pytestmark = pytest.mark.slow
 

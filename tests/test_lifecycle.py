@@ -10,13 +10,21 @@ import time
 from pathlib import Path
 
 import pytest
+from sparkcache.shm import StatsBlock
+from sparkcache.shm.layouts import WORKER_STATS, join_key, split_key
+from sparkcache.workers import lifecycle
+from sparkcache.workers.lifecycle import (
+    TRANSITIONS,
+    BadTransition,
+    Lifecycle,
+    Role,
+    State,
+    WorkerSpec,
+    title,
+)
 
-from shm import StatsBlock
-from shm.layouts import WORKER_STATS, join_key, split_key
 from sparkcache import config, segments
 from tests.conftest import join_or_kill
-from workers import lifecycle
-from workers.lifecycle import TRANSITIONS, BadTransition, Lifecycle, Role, State, WorkerSpec, title
 
 
 def _life(tmp_path: Path, instance: str = "x") -> Lifecycle:

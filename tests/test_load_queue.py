@@ -24,6 +24,7 @@ from pipeline_util import (
     stop_supervisor,
     wait_for,
 )
+from sparkcache.workers import restore as restore_mod
 
 from sparkcache import client as client_mod
 from sparkcache import config, segments
@@ -31,7 +32,6 @@ from sparkcache.store import PageStore
 from sparkcache.store.objects import HEADER_SIZE
 from sparkcache.store.reader import StoreReader
 from sparkcache.store.testing import make_root, object_file
-from workers import restore as restore_mod
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 from eviction_util import FakeClock
+from sparkcache.shm.layouts import split_key
+from sparkcache.workers.lifecycle import Role
 from worker_rig import Rig, rig
 
-from shm.layouts import split_key
 from sparkcache import segments
 from sparkcache.client import HEALTH_CACHE_S
 from sparkcache.config import KiB
@@ -23,7 +24,6 @@ from sparkcache.store.fsck import fsck
 from sparkcache.store.objects import record_span
 from sparkcache.store.store import PUNCH_DELAY_S
 from sparkcache.store.testing import make_root
-from workers.lifecycle import Role
 
 PAGE = 16 * KiB
 # 20 pages to max_bytes, 10 to the low watermark, 30 to the hard cap; leases end at once.
@@ -154,7 +154,7 @@ def test_a_slice_far_over_its_budget_is_logged_with_its_longest_step(
     with rig(tmp_path / "store", instance, clock=clock, **SETTINGS) as r:
         for _ in range(6):
             put(r, 4)  # above max_bytes: an episode
-        with caplog.at_level(logging.WARNING, logger="workers.maintenance"):
+        with caplog.at_level(logging.WARNING, logger="sparkcache.workers.maintenance"):
             drive(r, clock, 5)
         assert maintenance_record(r).slice_max_s > 0.04
     warned = [m for m in caplog.messages if "against its budget of 20 ms" in m]

@@ -24,8 +24,8 @@ import psutil
 import pytest
 from pipeline_util import SETTINGS, free_port, pipeline, runtime, wait_committed, wait_for
 from prometheus_client.parser import text_string_to_metric_families
+from sparkcache.shm.layouts import DURATION_BUCKETS_S, READ_PATHS
 
-from shm.layouts import DURATION_BUCKETS_S, READ_PATHS
 from sparkcache import __version__, config
 from sparkcache.filesystems import MEMORY_FILESYSTEMS, filesystem_of
 from sparkcache.metrics.carry import COUNTER_FIELDS, Carry

@@ -80,7 +80,8 @@ def test_only_setup_pins_the_cpu_torch() -> None:
     assert '"torch==2.13.0"' in setup and "-c .venv/constraints.txt -e" in setup
 
 
-@pytest.mark.parametrize("module", ["sparkcache.cli", "workers.commit", "workers.maintenance"])
+@pytest.mark.parametrize("module", ["sparkcache.cli", "sparkcache.workers.commit",
+                                    "sparkcache.workers.maintenance"])
 def test_the_cli_and_the_store_workers_do_not_import_torch(module: str) -> None:
     """spawn re-imports the CLI in every worker: torch there costs each worker ~2 s of CPU
     at every start. Only capture and restore need it."""
@@ -89,3 +90,41 @@ def test_the_cli_and_the_store_workers_do_not_import_torch(module: str) -> None:
         capture_output=True, text=True, check=True, cwd=Path(__file__).parent.parent,
     )
     assert out.stdout.strip() == "False"
+
+
+def test_the_wheel_installs_sparkcache_alone_with_its_vllm_plugin(tmp_path: Path) -> None:
+    """What ``pip install`` of the wheel puts in site-packages: one top-level package,
+    ``sparkcache``, holding every module of the checkout (``shm/`` and ``workers/`` mapped
+    into it: top-level packages of those names would meet any other of the same names in
+    vLLM's environment), and the entry point vLLM's plugin loader runs."""
+    import shutil
+    import zipfile
+
+    if importlib.util.find_spec("setuptools") is None:
+        pytest.skip("setuptools is not installed in this environment")
+    # Built from a copy: a build leaves build/ and egg-info behind where it runs.
+    src = tmp_path / "src"
+    for name in ("sparkcache", "shm", "workers"):
+        shutil.copytree(REPO / name, src / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "import sys; from setuptools import build_meta as b; "
+         "print(b.build_wheel(sys.argv[1]))", str(tmp_path / "dist")],
+        cwd=src, capture_output=True, text=True, timeout=300, check=True,
+    )
+    wheel = tmp_path / "dist" / out.stdout.strip().splitlines()[-1]
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"sparkcache"}, tops
+    want = {f"sparkcache/{p.relative_to(REPO / 'sparkcache')}"
+            for p in (REPO / "sparkcache").rglob("*.py") if "__pycache__" not in p.parts}
+    for folder in ("shm", "workers"):
+        want |= {f"sparkcache/{folder}/{p.relative_to(REPO / folder)}"
+                 for p in (REPO / folder).rglob("*.py") if "__pycache__" not in p.parts}
+    assert want <= set(names), sorted(want - set(names))
+    [entry_points] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "[vllm.general_plugins]\nsparkcache = sparkcache.vllm.plugin:register" in text

@@ -27,11 +27,11 @@ from pipeline_util import (
     stop_supervisor,
     wait_committed,
 )
+from sparkcache.shm.layouts import PUBLISH, REQUEST
+from sparkcache.workers.lifecycle import Role
 
-from shm.layouts import PUBLISH, REQUEST
 from sparkcache import config, kvmem, segments
 from sparkcache.store import PageStore
-from workers.lifecycle import Role
 
 pytestmark = pytest.mark.slow
 

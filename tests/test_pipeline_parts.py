@@ -24,9 +24,8 @@ from pipeline_util import (
     wait_committed,
     wait_for,
 )
-
-from workers import slotfmt
-from workers.lifecycle import KILL_AT_ENV, KILL_FILE_ENV
+from sparkcache.workers import slotfmt
+from sparkcache.workers.lifecycle import KILL_AT_ENV, KILL_FILE_ENV
 
 pytestmark = pytest.mark.slow
 

@@ -44,14 +44,14 @@ from pipeline_util import (
     sequences,
     wait_committed,
 )
+from sparkcache.shm import FREE, StatsBlock
+from sparkcache.workers.lifecycle import KILL_AT_ENV, KILL_FILE_ENV, Role, State
 
-from shm import FREE, StatsBlock
 from sparkcache import segments
 from sparkcache.store import PageStore
 from sparkcache.store.fileops import COMMIT_STEPS, EVICTION_STEPS
 from sparkcache.store.objects import HEADER_SIZE
 from sparkcache.store.pool import free_name
-from workers.lifecycle import KILL_AT_ENV, KILL_FILE_ENV, Role, State
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,9 @@ import os
 import time
 
 import pytest
-
-from shm import SlotArena, segment_name
-from workers import prefault
-from workers.prefault import Prefaulter
+from sparkcache.shm import SlotArena, segment_name
+from sparkcache.workers import prefault
+from sparkcache.workers.prefault import Prefaulter
 
 MiB = 1024 * 1024
 

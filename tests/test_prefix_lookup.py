@@ -7,12 +7,13 @@ import signal
 import time
 from pathlib import Path
 
+from sparkcache.workers.lifecycle import FAULT_FILE_ENV, FAULT_ROLE_ENV, Role
+
 from sparkcache.identity import Namespace, sequence_keys
 from sparkcache.prefix_lookup import RETRY_INTERVAL_S, PrefixLookup
 from sparkcache.store import PageStore
 from sparkcache.store.testing import make_root
 from tests.pipeline_util import make_cfg, start_supervisor, stop_supervisor, wait_for
-from workers.lifecycle import FAULT_FILE_ENV, FAULT_ROLE_ENV, Role
 
 NS = Namespace("m", "float16", "pages", 1, 0, 16)
 

@@ -24,8 +24,9 @@ from pipeline_util import (
     wait_committed,
     wait_for,
 )
+from sparkcache.shm.segment import SHM_DIR, process_start
+from sparkcache.workers.lifecycle import KILL_AT_ENV, KILL_FILE_ENV, Role
 
-from shm.segment import SHM_DIR, process_start
 from sparkcache import segments
 from sparkcache.filesystems import MEMORY_FILESYSTEMS, filesystem_of
 from sparkcache.identity import keys_bytes
@@ -34,7 +35,6 @@ from sparkcache.store.direct import mostly_cached
 from sparkcache.store.objects import HEADER_SIZE
 from sparkcache.store.reader import StoreReader
 from sparkcache.store.testing import evict_from_page_cache, make_root, object_file, page_bytes
-from workers.lifecycle import KILL_AT_ENV, KILL_FILE_ENV, Role
 
 pytestmark = pytest.mark.slow
 

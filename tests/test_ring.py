@@ -13,8 +13,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-
-from shm import (
+from sparkcache.shm import (
     Consumer,
     LayoutMismatch,
     Producer,
@@ -26,9 +25,9 @@ from shm import (
     SegmentError,
     segment_name,
 )
-from shm.layouts import LOAD, PUBLISH
-from shm.ring import _CONSUMER_PID, _PRODUCER_PID
-from shm.segment import instance_entries
+from sparkcache.shm.layouts import LOAD, PUBLISH
+from sparkcache.shm.ring import _CONSUMER_PID, _PRODUCER_PID
+from sparkcache.shm.segment import instance_entries
 
 LAYOUT = RecordLayout("test-rec", 1, np.dtype([("seq", "<u8"), ("val", "<i4"), ("tag", "<u2")]))
 

@@ -12,8 +12,8 @@ import time
 
 import numpy as np
 import pytest
+from sparkcache.shm import Consumer, Producer, RecordLayout, Ring, RingClosed, segment_name
 
-from shm import Consumer, Producer, RecordLayout, Ring, RingClosed, segment_name
 from tests.conftest import join_or_kill
 
 LAYOUT = RecordLayout("mp-rec", 1, np.dtype([("seq", "<u8"), ("check", "<u8")]))
@@ -192,7 +192,7 @@ def test_a_producer_stalled_between_posting_and_recording_is_not_adopted(
     ring = Ring.create(segment_name(instance, 0, "ring"), LAYOUT, 16)
     go = spawn.Event()
     producer = spawn.Process(target=produce_stalled, args=(ring.name, go))
-    caplog.set_level(logging.WARNING, logger="shm.ring")
+    caplog.set_level(logging.WARNING, logger="sparkcache.shm.ring")
     c = Consumer(ring.name, LAYOUT, spin_s=0)
     try:
         producer.start()

@@ -13,9 +13,8 @@ import numpy as np
 import posix_ipc
 import psutil
 import pytest
-
-import shm.segment as shm_segment
-from shm import (
+import sparkcache.shm.segment as shm_segment
+from sparkcache.shm import (
     FREE,
     ForeignSegment,
     LayoutMismatch,
@@ -31,8 +30,8 @@ from shm import (
     segment_name,
     sweep,
 )
-from shm.arena import writer_dead
-from shm.segment import (
+from sparkcache.shm.arena import writer_dead
+from sparkcache.shm.segment import (
     SegmentSpec,
     creator_alive,
     foreign_entries,
@@ -40,6 +39,7 @@ from shm.segment import (
     process_start,
     user,
 )
+
 from tests.conftest import join_or_kill
 
 SPEC = SegmentSpec("test", 1)

@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 from pipeline_util import make_cfg, pipeline, wait_committed
+from sparkcache.shm.segment import process_start
 
-from shm.segment import process_start
 from sparkcache import runtime, sizing_cli
 from sparkcache.instance import Instance
 from sparkcache.sizing import Figure, SizingError, SizingInputs, advise

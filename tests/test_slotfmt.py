@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from workers import slotfmt
+from sparkcache.workers import slotfmt
 
 
 @given(npages=st.integers(1, 3000), stored=st.integers(0, 3000), staged=st.sets(

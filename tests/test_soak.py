@@ -12,8 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 from pipeline_util import ends_with_test
+from sparkcache.shm.segment import instance_entries
 
-from shm.segment import instance_entries
 from sparkcache.soak.params import LANES, SoakParamError, SoakParams
 from sparkcache.soak.report import plot_available
 

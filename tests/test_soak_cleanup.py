@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 from pipeline_util import ends_with_test
+from sparkcache.shm.segment import instance_entries
 
-from shm.segment import instance_entries
 from sparkcache.soak import run as soak_run
 from sparkcache.soak.params import LANES, SoakParamError, SoakParams
 

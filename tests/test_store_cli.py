@@ -16,10 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 from pipeline_util import make_cfg, pipeline, wait_committed
+from sparkcache.shm.layouts import WORKER_STATS
+from sparkcache.shm.segment import process_start
 from typer.testing import CliRunner
 
-from shm.layouts import WORKER_STATS
-from shm.segment import process_start
 from sparkcache import runtime
 from sparkcache.cli import app
 from sparkcache.config import GiB

@@ -9,12 +9,12 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from sparkcache.workers.commit import _GuardedOps
 
 from sparkcache.store import CommitFailed, PageData, PageStore, Root, index
 from sparkcache.store.fsck import fsck
 from sparkcache.store.store import MIN_STAGE_HOLD_S
 from sparkcache.store.testing import make_root, page_bytes
-from workers.commit import _GuardedOps
 
 SIZE = 4096
 

@@ -16,14 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 from pipeline_util import make_cfg, runtime, start_supervisor, stop_supervisor, wait_for
-
-from shm.layouts import WORKER_STATS
-from shm.segment import Segment, SegmentSpec, instance_entries, user
-from sparkcache import segments
-from sparkcache.runtime import read, read_live
-from sparkcache.supervisor import Supervisor, default_cpus
-from sparkcache.supervisor_states import Policy
-from workers.lifecycle import (
+from sparkcache.shm.layouts import WORKER_STATS
+from sparkcache.shm.segment import Segment, SegmentSpec, instance_entries, user
+from sparkcache.workers.lifecycle import (
     CRASH_EXIT,
     ENV_FAULT_EXIT,
     FAULT_FILE_ENV,
@@ -32,6 +27,11 @@ from workers.lifecycle import (
     Role,
     State,
 )
+
+from sparkcache import segments
+from sparkcache.runtime import read, read_live
+from sparkcache.supervisor import Supervisor, default_cpus
+from sparkcache.supervisor_states import Policy
 
 pytestmark = pytest.mark.slow
 

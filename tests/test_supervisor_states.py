@@ -9,6 +9,8 @@ import dataclasses
 import itertools
 
 import pytest
+from sparkcache.workers.lifecycle import ENV_FAULT_EXIT
+from sparkcache.workers.lifecycle import State as Life
 
 from sparkcache.supervisor_states import (
     TRANSITIONS,
@@ -21,8 +23,6 @@ from sparkcache.supervisor_states import (
     WorkerView,
     tick,
 )
-from workers.lifecycle import ENV_FAULT_EXIT
-from workers.lifecycle import State as Life
 
 S = WorkerState
 POLICY = Policy(startsecs=1.0, startretries=3, backoff_s=0.25, backoff_max_s=5.0,

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import psutil
 from pipeline_util import wait_for
-
-from shm.segment import instance_entries
+from sparkcache.shm.segment import instance_entries
 
 REPO = Path(__file__).resolve().parent.parent
 

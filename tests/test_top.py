@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 from pipeline_util import SETTINGS, pipeline, runtime, wait_committed, wait_for
+from sparkcache.workers.lifecycle import FAULT_ROLE_ENV, STALL_FILE_ENV
 
 from sparkcache.synthetic import sequences
 from sparkcache.top.gather import Frame, ProcessFigures, WorkerRow, sort_workers
 from sparkcache.top.render import bar, header
-from workers.lifecycle import FAULT_ROLE_ENV, STALL_FILE_ENV
 
 ROLES = ("capture", "commit", "maintenance", "restore")
 # Each check runs `sparkcache top` in a new interpreter: not more than 5 a second.

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pipeline_util import check_restores, sequences
+from sparkcache.shm import FREE, RingFull, SlotArena
+from sparkcache.shm.layouts import DROP_REASONS, LOAD
 from worker_rig import Rig, rig
 
-from shm import FREE, RingFull, SlotArena
-from shm.layouts import DROP_REASONS, LOAD
 from sparkcache import kvmem, segments
 from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT
 from sparkcache.store.reader import StoreReader
@@ -251,8 +251,8 @@ def test_a_read_stuck_past_its_limit_stops_the_heartbeat(monkeypatch: pytest.Mon
     from concurrent.futures import Future
     from types import SimpleNamespace
 
-    from workers import lifecycle
-    from workers import restore as restore_mod
+    from sparkcache.workers import lifecycle
+    from sparkcache.workers import restore as restore_mod
 
     ticks = itertools.count(0, 10.0)  # each look at the clock: 10 s later
     monkeypatch.setattr(restore_mod, "time", SimpleNamespace(monotonic=lambda: next(ticks)))
@@ -368,9 +368,9 @@ def test_a_peer_whose_record_stays_torn_is_taken_for_gone(
     """Commit drains until capture is gone (Lifecycle.peer_running). A capture killed in
     the middle of a stats write leaves its record torn for good: read torn for longer than
     TORN_PEER_S, it is taken for gone, so commit's drain ends."""
-    from shm import stats as stats_mod
-    from workers import lifecycle
-    from workers.lifecycle import Role
+    from sparkcache.shm import stats as stats_mod
+    from sparkcache.workers import lifecycle
+    from sparkcache.workers.lifecycle import Role
 
     monkeypatch.setattr(lifecycle, "TORN_PEER_S", 0.2)
     with rig(tmp_path / "store", instance, **SETTINGS) as r:

@@ -12,15 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline_util import make_cfg
+from sparkcache.shm import Producer
+from sparkcache.workers.capture import Capture
+from sparkcache.workers.commit import Commit
+from sparkcache.workers.lifecycle import Lifecycle, Role, State, WorkerSpec
+from sparkcache.workers.maintenance import Maintenance
+from sparkcache.workers.restore import Restore
 
-from shm import Producer
 from sparkcache import config, segments
 from sparkcache.synthetic import SyntheticEngine
-from workers.capture import Capture
-from workers.commit import Commit
-from workers.lifecycle import Lifecycle, Role, State, WorkerSpec
-from workers.maintenance import Maintenance
-from workers.restore import Restore
 
 
 def ready_life(cfg: config.Config, role: Role) -> Lifecycle:

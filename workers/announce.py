@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from shm import Producer, RingFull, SlotArena
+from sparkcache.shm import Producer, RingFull, SlotArena
 
 # A record is pushed again this long after its last push while its slot still waits.
 REMIND_AFTER_S = 1.0

@@ -30,20 +30,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from posix_ipc import SignalError
+from sparkcache.shm import FREE, RingClosed, RingEmpty, RingFull
+from sparkcache.shm.arena import writer_dead
+from sparkcache.shm.layouts import join_keys
+from sparkcache.workers import lifecycle, slotfmt
+from sparkcache.workers.announce import SlotAnnouncer
+from sparkcache.workers.batches import split_batches
+from sparkcache.workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, WorkerSpec
+from sparkcache.workers.prefault import Prefaulter
 
-from shm import FREE, RingClosed, RingEmpty, RingFull
-from shm.arena import writer_dead
-from shm.layouts import join_keys
 from sparkcache import kvmem, registry, segments
 from sparkcache.protocol import CaptureStatus, process_gone, release_seconds
 from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT
 from sparkcache.store import PageStore
 from sparkcache.store.index import OutcomeUnknown
-from workers import lifecycle, slotfmt
-from workers.announce import SlotAnnouncer
-from workers.batches import split_batches
-from workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, WorkerSpec
-from workers.prefault import Prefaulter
 
 log = logging.getLogger(__name__)
 

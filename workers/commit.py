@@ -32,19 +32,19 @@ import time
 
 import numpy as np
 from posix_ipc import SignalError
+from sparkcache.shm import FREE, RingClosed, RingEmpty, RingFull
+from sparkcache.shm.arena import writer_dead
+from sparkcache.shm.layouts import join_key, join_keys
+from sparkcache.shm.segment import creator_alive
+from sparkcache.workers import lifecycle, slotfmt
+from sparkcache.workers.announce import SlotAnnouncer
+from sparkcache.workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, Role, WorkerSpec
 
-from shm import FREE, RingClosed, RingEmpty, RingFull
-from shm.arena import writer_dead
-from shm.layouts import join_key, join_keys
-from shm.segment import creator_alive
 from sparkcache import segments
 from sparkcache.protocol import DurableStatus
 from sparkcache.segments import OWNER_COMMIT
 from sparkcache.store import CommitFailed, PageData, PageStore, Root
 from sparkcache.store.fileops import FileOps
-from workers import lifecycle, slotfmt
-from workers.announce import SlotAnnouncer
-from workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, Role, WorkerSpec
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ import signal
 
 import setproctitle
 import torch  # noqa: F401  the import this module exists to pay once
+from sparkcache.workers import capture, restore  # noqa: F401
+from sparkcache.workers.lifecycle import die_with_parent
 
 from sparkcache import kvmem  # noqa: F401
-from workers import capture, restore  # noqa: F401
-from workers.lifecycle import die_with_parent
 
 TITLE = "sparkcache::forkserver"
 _SERVER_PID = os.getpid()

@@ -23,10 +23,10 @@ from pathlib import Path
 import posix_ipc
 import psutil
 import setproctitle
+from sparkcache.shm import SegmentError, StatsBlock, TornRead
+from sparkcache.shm.layouts import DROP_REASONS, DURATION_BUCKETS_S, OUTCOMES, WORKER_STATS
+from sparkcache.shm.segment import process_start
 
-from shm import SegmentError, StatsBlock, TornRead
-from shm.layouts import DROP_REASONS, DURATION_BUCKETS_S, OUTCOMES, WORKER_STATS
-from shm.segment import process_start
 from sparkcache import segments
 from sparkcache.config import Config
 from sparkcache.ratelog import RateLimitedLog
@@ -136,10 +136,10 @@ class WorkerSpec:
 # capture needs and which takes ~2.5 s to import on a small host: every restart of commit
 # or maintenance would pay it.
 ROLE_MODULES = {
-    Role.CAPTURE: "workers.capture",
-    Role.COMMIT: "workers.commit",
-    Role.MAINTENANCE: "workers.maintenance",
-    Role.RESTORE: "workers.restore",
+    Role.CAPTURE: "sparkcache.workers.capture",
+    Role.COMMIT: "sparkcache.workers.commit",
+    Role.MAINTENANCE: "sparkcache.workers.maintenance",
+    Role.RESTORE: "sparkcache.workers.restore",
 }
 
 

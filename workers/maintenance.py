@@ -25,9 +25,11 @@ from collections import deque
 from collections.abc import Callable
 
 from posix_ipc import SignalError
+from sparkcache.shm import Consumer, RingClosed, RingEmpty
+from sparkcache.shm.layouts import join_key
+from sparkcache.workers import lifecycle
+from sparkcache.workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, State, WorkerSpec
 
-from shm import Consumer, RingClosed, RingEmpty
-from shm.layouts import join_key
 from sparkcache import segments
 from sparkcache.maintenance_policy import (
     CostModel,
@@ -42,8 +44,6 @@ from sparkcache.ratelog import RateLimitedLog
 from sparkcache.store import CollectResult, EvictResult, PageStore
 from sparkcache.store.eviction import EvictionPlan
 from sparkcache.store.store import DEFAULT_GRACE_SECONDS
-from workers import lifecycle
-from workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, State, WorkerSpec
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,7 @@ import threading
 from collections.abc import Callable
 
 import numpy as np
-
-from shm import SlotArena
+from sparkcache.shm import SlotArena
 
 log = logging.getLogger(__name__)
 

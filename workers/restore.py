@@ -46,9 +46,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from posix_ipc import SignalError
+from sparkcache.shm import RingClosed, RingEmpty, RingFull
+from sparkcache.shm.layouts import READ_PATHS, join_keys, split_key
+from sparkcache.workers import lifecycle
+from sparkcache.workers.batches import split_batches
+from sparkcache.workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, WorkerSpec
 
-from shm import RingClosed, RingEmpty, RingFull
-from shm.layouts import READ_PATHS, join_keys, split_key
 from sparkcache import registry, segments
 from sparkcache.protocol import LoadStatus, process_gone
 from sparkcache.ratelog import RateLimitedLog
@@ -56,9 +59,6 @@ from sparkcache.store import StoreError, UnsafeStoreDir
 from sparkcache.store.direct import IN_FLIGHT, DirectReads
 from sparkcache.store.layout import RankLayout
 from sparkcache.store.reader import BadObject, PlannedPage, ReadResult, StoreReader
-from workers import lifecycle
-from workers.batches import split_batches
-from workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, WorkerSpec
 
 if TYPE_CHECKING:
     import torch

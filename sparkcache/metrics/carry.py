@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from shm.layouts import DROP_REASONS, DURATION_BUCKETS_S, OUTCOMES, READ_PATHS
+from sparkcache.shm.layouts import DROP_REASONS, DURATION_BUCKETS_S, OUTCOMES, READ_PATHS
 
 # Cumulative fields of shm.layouts.WORKER_STATS (each counts up from 0 in a new process).
 COUNTER_FIELDS: tuple[str, ...] = (

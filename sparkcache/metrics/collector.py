@@ -21,11 +21,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from shm.layouts import DROP_REASONS, DURATION_BUCKETS_S, READ_PATHS
 from sparkcache import __version__
 from sparkcache.metrics import engine, reading
 from sparkcache.metrics.reading import Reading, Source, WorkerReading
 from sparkcache.protocol import CaptureStatus, DurableStatus, LoadStatus, status_name
+from sparkcache.shm.layouts import DROP_REASONS, DURATION_BUCKETS_S, READ_PATHS
 
 PREFIX = "vllm:sparkcache_"
 

@@ -15,8 +15,13 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from shm.layouts import LOAD_MISS_REASONS, LOAD_RESULTS, LOOKUP_MISS_REASONS, SKIP_REASONS
 from sparkcache.metrics.reading import Reading
+from sparkcache.shm.layouts import (
+    LOAD_MISS_REASONS,
+    LOAD_RESULTS,
+    LOOKUP_MISS_REASONS,
+    SKIP_REASONS,
+)
 
 PREFIX = "vllm:sparkcache_"
 BOTH = ("client", "lookup")

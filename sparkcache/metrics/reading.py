@@ -16,12 +16,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from shm import FREE, TornRead
 from sparkcache.config import Config
 from sparkcache.engine_stats import WRITERS
 from sparkcache.metrics.carry import Carry
 from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT, RankSegments
-from workers.lifecycle import State
+from sparkcache.shm import FREE, TornRead
+from sparkcache.workers.lifecycle import State
 
 # Arena owner value -> the ``owner`` label of the capture slot gauge.
 OWNERS = {FREE: "free", OWNER_CAPTURE: "capture", OWNER_COMMIT: "commit"}

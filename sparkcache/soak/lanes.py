@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shm.segment import instance_entries
 from sparkcache import exit_signal
+from sparkcache.shm.segment import instance_entries
 from sparkcache.soak import engine as engine_mod
 from sparkcache.soak.aging import age_store, aged_conversations, seed_store
 from sparkcache.soak.backend import NullBackend, ServiceBackend
@@ -286,7 +286,7 @@ def _figures(params: SoakParams, r: LaneResult, engine: SoakEngine, timeline: _T
     fig["used_bytes_end"] = int(used[-1]) if used else 0
     if timeline.samples:
         last = timeline.samples[-1]
-        from shm.layouts import DURATION_BUCKETS_S
+        from sparkcache.shm.layouts import DURATION_BUCKETS_S
         fig.update(
             evicted_roots=last.evicted_roots, cut_roots=last.cut_roots,
             reclaimed_bytes=last.reclaimed_bytes, commits=last.commits,

@@ -12,13 +12,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shm import TornRead
-from shm.layouts import DURATION_BUCKETS_S
 from sparkcache import config, segments
 from sparkcache.config import Config
 from sparkcache.runtime import RUNTIME_FILE
+from sparkcache.shm import TornRead
+from sparkcache.shm.layouts import DURATION_BUCKETS_S
 from sparkcache.soak.params import SoakParams
-from workers.lifecycle import Role
+from sparkcache.workers.lifecycle import Role
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Any
 from rich.console import Console, Group, RenderableType
 from rich.text import Text
 
-from shm import SegmentError
 from sparkcache.instance import Instance, NoSupervisor
+from sparkcache.shm import SegmentError
 from sparkcache.top import live
 from sparkcache.top.gather import SORTS, ProcessSampler, gather
 from sparkcache.top.render import KEYS, render, to_json

@@ -20,7 +20,7 @@ import psutil
 from sparkcache.instance import Instance
 from sparkcache.metrics import reading
 from sparkcache.metrics.reading import WorkerReading
-from workers.lifecycle import State
+from sparkcache.workers.lifecycle import State
 
 
 @dataclass(frozen=True)

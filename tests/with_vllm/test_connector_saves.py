@@ -17,11 +17,11 @@ from tests.pipeline_util import start_supervisor, stop_supervisor
 
 pytest.importorskip("vllm.v1.core.kv_cache_planning", reason="needs vLLM 0.33's scheduler")
 
+from sparkcache.workers.lifecycle import Role
 from vllm.v1.request import RequestStatus
 
 from tests.with_vllm.harness import BLOCK, request, rig
 from tests.with_vllm.test_connector_scheduler import prefix_keys
-from workers.lifecycle import Role
 
 # Short, so that a publication capture never takes ends soon; capture and the connector
 # must compute the same deadline.

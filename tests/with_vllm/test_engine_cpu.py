@@ -33,10 +33,9 @@ SLOT_BYTES = "256KiB"
 def engine(tmp_path_factory):
     """One supervisor and one in-process engine for the module (an engine takes tens of
     seconds to start here)."""
+    from sparkcache.shm.segment import instance_entries
     from vllm import LLM
     from vllm.config import KVTransferConfig
-
-    from shm.segment import instance_entries
 
     root = tmp_path_factory.mktemp("engine")
     store, instance = root / "store", f"t{uuid.uuid4().hex[:10]}"
@@ -109,8 +108,9 @@ def test_second_turn_restores_the_prefix_and_matches_recompute(engine) -> None:
 def test_a_first_turn_several_slots_long_is_stored_and_the_next_restores_it(engine) -> None:
     """Before publications went in parts, a first turn larger than a capture slot was
     refused whole (``too_large``), and so was every later turn of its conversation."""
+    from sparkcache.workers import slotfmt
+
     from sparkcache.config import parse_size
-    from workers import slotfmt
 
     llm, store = engine
     pages = 24

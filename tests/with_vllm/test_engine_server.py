@@ -145,7 +145,7 @@ def stop_server(server: Server, timeout: float = 60) -> None:
 def server(tmp_path_factory):
     """One supervisor and one server for the module (the server takes about a minute to
     start here)."""
-    from shm.segment import instance_entries
+    from sparkcache.shm.segment import instance_entries
 
     root = tmp_path_factory.mktemp("server")
     store, instance = root / "store", f"t{uuid.uuid4().hex[:10]}"
@@ -221,8 +221,7 @@ def close(a: list[float], b: list[float]) -> float:
 
 def test_second_turn_restores_the_prefix_and_matches_recompute(server) -> None:
     import psutil
-
-    from shm.segment import instance_entries
+    from sparkcache.shm.segment import instance_entries
 
     # The connector's two sides really are in two processes: the engine core and its
     # worker are the server's descendants.
