@@ -215,6 +215,10 @@ class SchedulerSide:
         pages = self.lookup.lookup(keys, beyond=start, hints=state.keys.expected_ends(),
                                    lease=lease)
         self.counters["lookups"] += 1
+        if pages and self.settings.drop_last_page:
+            # As vLLM's prefix cache with a draft model: the draft's KV at the page's
+            # last token was computed with a next token this request may not have.
+            pages -= 1
         if pages * self.block <= num_computed_tokens or pages <= start:
             if pages:
                 self.lookup.release(lease)

@@ -32,6 +32,22 @@ class Settings:
     # The KV format where the tensors' dtype does not name it (fp8 / fp4 caches are all
     # uint8): part of the namespace, so engines of different formats never share a page.
     kv_dtype: str | None = None
+    # A hit's last page is not loaded, where vLLM's own prefix cache drops its last block
+    # for the same reason (``eagle_block_drop``).
+    drop_last_page: bool = False
+
+
+def eagle_block_drop(vllm_config: Any) -> bool:
+    """Whether vLLM drops the last block of its own prefix-cache hits for the draft model
+    (EAGLE, MTP): the draft layers' KV at a block's last token was computed with the token
+    after it, which a new request may not share. Never where vLLM's block hashes cover
+    that token (``num_hash_lookahead_tokens``: SparkCache's page keys then cover it too).
+    vLLM 0.32 has no ``use_eagle_block_drop``: there every EAGLE method drops."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or getattr(vllm_config, "num_hash_lookahead_tokens", 0):
+        return False
+    drop = getattr(spec, "use_eagle_block_drop", None) or getattr(spec, "use_eagle", None)
+    return bool(drop()) if callable(drop) else False
 
 
 def from_vllm(vllm_config: Any) -> Settings:
@@ -70,7 +86,8 @@ def from_vllm(vllm_config: Any) -> Settings:
                          f"non-negative integer (pages computed between saves of a running "
                          f"request; 0: saved only when it finishes or is preempted)")
     return Settings(cfg, model_id, int(vllm_config.parallel_config.tensor_parallel_size),
-                    block_size, staging, stride, kv_format(vllm_config))
+                    block_size, staging, stride, kv_format(vllm_config),
+                    eagle_block_drop(vllm_config))
 
 
 # Parallelism whose ranks would share a tensor-parallel rank's registration on one node:

@@ -231,3 +231,33 @@ def test_parallelism_that_would_share_a_ranks_registration_is_refused(
     with pytest.raises(ValueError, match=rf"\({name}=2\) is not supported.*{name}=1"):
         settings.from_vllm(config(**{name: 2}))
 
+
+
+def test_a_draft_model_that_drops_vllms_last_block_drops_the_hits_last_page(
+        tmp_path: Path) -> None:
+    """EAGLE and MTP draft layers' KV at a block's last token was computed with the next
+    token: vLLM's prefix cache drops a hit's last block for it (its
+    ``use_eagle_block_drop``), unless its block hashes cover that token
+    (``num_hash_lookahead_tokens``); the connector's settings follow the same rule."""
+    from types import SimpleNamespace
+
+    from sparkcache.vllm import settings
+
+    spec_config = pytest.importorskip("vllm.config").SpeculativeConfig
+    method = "use_eagle_block_drop" if hasattr(spec_config, "use_eagle_block_drop") \
+        else "use_eagle"
+
+    def config(drop: bool | None, lookahead: int = 0) -> SimpleNamespace:
+        spec = None if drop is None else SimpleNamespace(**{method: lambda: drop})
+        return SimpleNamespace(
+            kv_transfer_config=SimpleNamespace(
+                kv_connector_extra_config={"store_dir": str(tmp_path)}),
+            cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="bfloat16"),
+            model_config=SimpleNamespace(model="m", revision=None),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1),
+            speculative_config=spec, num_hash_lookahead_tokens=lookahead)
+
+    assert settings.from_vllm(config(True)).drop_last_page
+    assert not settings.from_vllm(config(False)).drop_last_page  # n-gram, say
+    assert not settings.from_vllm(config(None)).drop_last_page  # no draft model
+    assert not settings.from_vllm(config(True, lookahead=1)).drop_last_page

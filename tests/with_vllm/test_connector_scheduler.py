@@ -267,6 +267,27 @@ def test_a_request_that_reads_no_prefix_cache_is_not_looked_up(
         wait_stored(r, 8)  # B's own three pages after the prefix, saved as it finished
 
 
+def test_with_a_draft_model_the_hits_last_page_is_not_loaded(supervisor: Path,
+                                                              instance: str) -> None:
+    """Where vLLM drops its own hits' last block for a draft model (settings'
+    ``drop_last_page``), the store's hit ends a page short too: that page's draft KV was
+    computed with a next token this request may not have. vLLM computes it."""
+    import dataclasses
+
+    prefix = list(range(1200, 1200 + 5 * BLOCK))
+    with rig(supervisor, instance) as r:
+        run_turn(r, "A", [*prefix, 1])
+        wait_stored(r, 5)
+        side = r.sched.get_kv_connector()._scheduler
+        asked = request("B", [*prefix, 2, 3])
+        assert side.get_num_new_matched_tokens(asked, 0) == (5 * BLOCK, True)
+        side._reqs.pop("B")
+        side.settings = dataclasses.replace(side.settings, drop_last_page=True)
+        again = request("C", [*prefix, 2, 3])
+        assert side.get_num_new_matched_tokens(again, 0) == (4 * BLOCK, True)
+        assert side.get_num_new_matched_tokens(again, 4 * BLOCK) == (0, False)
+
+
 PLAIN, SALT, LORA = {}, {"cache_salt": "tenant-a"}, {"lora_request": LoRARequest("ad", 1, "/ad")}
 
 
