@@ -320,8 +320,9 @@ def join_key(hi: int, lo: int) -> str:
 
 
 def join_keys(hi: np.ndarray, lo: np.ndarray) -> list[str]:
-    """``join_key`` of each pair, for a whole batch at once: one hex conversion, where a
-    300k-token publication's 18,750 calls of ``join_key`` cost its workers ~60 ms."""
+    """``join_key`` of each pair, for a whole batch at once: one hex conversion, 0.25 us
+    a key against ``join_key``'s 1.2 (a 300k-token publication has 18,750 keys, and each
+    of capture, commit and restore joined them all)."""
     pairs = np.empty((len(hi), 2), "<u8")
     pairs[:, 0] = hi
     pairs[:, 1] = lo

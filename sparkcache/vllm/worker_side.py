@@ -350,7 +350,9 @@ class WorkerSide:
         touch its blocks: a load with all of them load errors (vLLM computes them, a page
         that did land included), a save sent, unsaved or not, once vLLM reported its
         request finished. Never sooner: capture copying blocks vLLM has reused would
-        store another request's bytes under these keys."""
+        store another request's bytes under these keys. Staging pages those jobs held
+        are not given back: the pool's bookkeeping is this side's too, and new jobs go
+        to ``Unserved``."""
         self._finished |= finished_req_ids & (self._sent | self._holding)
         busy = {str(i) for i in self.client.busy_ids()}
         for req_id, job in list(self._loading.items()):
