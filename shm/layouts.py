@@ -327,4 +327,5 @@ def join_keys(hi: np.ndarray, lo: np.ndarray) -> list[str]:
     pairs[:, 0] = hi
     pairs[:, 1] = lo
     text = pairs.tobytes().hex()
-    return [text[i : i + 32] for i in range(0, len(text), 32)]  # 16 bytes a key
+    width = 2 * 2 * pairs.itemsize  # two halves a key, two hex digits a byte
+    return [text[i : i + width] for i in range(0, len(text), width)]

@@ -571,10 +571,10 @@ def test_an_index_made_before_read_leases_gains_them(tmp_path: Path, before: str
     assert report.ok, report.problems
 
 
-def test_a_plan_is_the_same_through_a_root_and_key_by_key(store: PageStore) -> None:
-    """``plan`` reads the pages of a root holding the whole prefix in one range; keys
-    that are no root's prefix at their positions are looked up one by one. Either way it
-    is the leading live pages of the keys asked for, in order."""
+def test_a_plan_is_the_leading_live_pages_whichever_root_holds_them(store: PageStore) -> None:
+    """``plan`` is the leading live pages of the keys asked for, in order: a root's
+    prefix, keys that share only a root's last page at its position (held page by page
+    by other roots), keys past a root's end, and up to a quarantined page."""
     keys = [secrets.token_hex(16) for _ in range(6)]
     store.commit(make_root(rid(), keys, SIZE))
     reader = StoreReader(store.layout.store_dir, 0)

@@ -245,7 +245,8 @@ class StoreReader:
         transaction): what ``read_planned`` reads. Nothing is read from the files yet."""
         keys = [require_hex(k, "page key") for k in keys]
         with index.read_txn(self.conn) as conn:
-            rows = _held_rows(conn, keys) or index.rows_for_keys(conn, _PLAN_COLUMNS, keys)
+            rows = index.rows_for_keys(
+                conn, "generation, bytes, refcount, state, file_key, file_offset", keys)
         plan: list[PlannedPage] = []
         for key in keys:
             row = rows.get(key)
@@ -556,28 +557,3 @@ def _runs(plan: list[tuple[PlannedPage, memoryview | list[memoryview]]],
                 continue
         yield plan[start:i], prev.file_key is not None
         start = i
-
-
-_PLAN_COLUMNS = "generation, bytes, refcount, state, file_key, file_offset"
-
-
-def _held_rows(conn: sqlite3.Connection, keys: list[str]) -> dict[str, tuple] | None:
-    """``plan``'s rows the short way, where one root holds all of ``keys`` at their
-    positions (a load of a prefix its lookup found): that root's pages in one range of
-    ``root_pages`` (a plan of 4,096 keys took 38-41 ms here this way, 44-46 ms with a
-    probe a key); None where no root holds the last key there, or its pages are not
-    ``keys``."""
-    n = len(keys)
-    if n == 0:
-        return None
-    held = conn.execute("SELECT root_id FROM root_pages WHERE key = ? AND pos = ? LIMIT 1",
-                        (keys[-1], n - 1)).fetchone()
-    if held is None:
-        return None
-    rows = conn.execute(
-        "SELECT o.key, o.generation, o.bytes, o.refcount, o.state, o.file_key, "
-        "o.file_offset FROM root_pages rp JOIN objects o ON o.key = rp.key "
-        "WHERE rp.root_id = ? AND rp.pos < ? ORDER BY rp.pos", (held[0], n)).fetchall()
-    if [r[0] for r in rows] != keys:
-        return None
-    return {r[0]: r[1:] for r in rows}

@@ -18,11 +18,10 @@ def register() -> None:
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-        try:
-            # Lazily: the connector's module is imported only when a config names it.
-            KVConnectorFactory.register_connector(
-                CONNECTOR_NAME, "sparkcache.vllm.connector", CONNECTOR_NAME)
-        except ValueError:
-            pass  # registered already: this process loaded its plugins before
+        # Lazily: the connector's module is imported only when a config names it.
+        KVConnectorFactory.register_connector(
+            CONNECTOR_NAME, "sparkcache.vllm.connector", CONNECTOR_NAME)
+    except ValueError:
+        pass  # registered already: this process loaded its plugins before
     except Exception:
         log.exception("SparkCache: registering %s with vLLM failed", CONNECTOR_NAME)

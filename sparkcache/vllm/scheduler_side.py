@@ -236,7 +236,7 @@ class SchedulerSide:
         # for its replay window, or caps it for an auxiliary connector): the pages it
         # takes any token of are loaded, the rest it computes. A page taken in part is
         # loaded whole: vLLM writes its own tokens over the rest of that block.
-        end = min(end, start - (-num_external_tokens // self.settings.block_size))
+        end = min(end, start - (-num_external_tokens // self.block))
         # Counted at admission, as vLLM counts its own hits: an answer vLLM does not take
         # (a request never admitted, a hit it drops) is no hit.
         self.counters["hit_tokens"] += num_external_tokens

@@ -324,11 +324,14 @@ class WorkerSide:
         self._loading.pop(job.req_id, None)
         self._recved.add(job.req_id)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def _note_finished(self, finished_req_ids: set[str]) -> None:
         # Only a request with a save here is remembered: its save came in this same
         # step's metadata (vLLM binds it and calls start_load_kv before get_finished), and
         # the ids of every other finished request would pile up for the process's life.
         self._finished |= finished_req_ids & (self._sent | self._holding)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._note_finished(finished_req_ids)
         now = time.monotonic()
         idle_poll = now >= self._poll_at
         if idle_poll:
@@ -353,7 +356,7 @@ class WorkerSide:
         store another request's bytes under these keys. Staging pages those jobs held
         are not given back: the pool's bookkeeping is this side's too, and new jobs go
         to ``Unserved``."""
-        self._finished |= finished_req_ids & (self._sent | self._holding)
+        self._note_finished(finished_req_ids)
         busy = {str(i) for i in self.client.busy_ids()}
         for req_id, job in list(self._loading.items()):
             if req_id not in busy:

@@ -834,7 +834,8 @@ def test_loads_beyond_the_ring_and_the_load_limit_wait_and_complete(
         r.run_until_idle(timeout=300)
 
 
-def test_the_plugin_registers_the_connector_by_name_and_again_is_no_fault() -> None:
+def test_the_plugin_registers_the_connector_by_name_and_again_is_no_fault(
+        caplog: pytest.LogCaptureFixture) -> None:
     """The installed entry point is what vLLM's plugin loader runs (in each process, maybe
     twice): after it, vLLM's factory resolves the bare name to the connector."""
     from importlib.metadata import entry_points
@@ -846,7 +847,9 @@ def test_the_plugin_registers_the_connector_by_name_and_again_is_no_fault() -> N
 
     [plugin] = [e for e in entry_points(group="vllm.general_plugins") if e.name == "sparkcache"]
     register = plugin.load()
-    register()
-    register()  # a second load: nothing raised, nothing logged
+    with caplog.at_level(logging.WARNING, logger="sparkcache"):
+        register()
+        register()  # a second load: nothing raised, nothing logged
+    assert not caplog.records, caplog.records
     config = KVTransferConfig(kv_connector="SparkCacheConnector", kv_role="kv_both")
     assert KVConnectorFactory.get_connector_class(config) is SparkCacheConnector
