@@ -27,7 +27,7 @@ COMPOSED = {
     "sparkcache_lookups_total", "_hit_tokens_total", "_loaded_tokens_total",
     "_load_seconds_total", "_load_errors_total", "_saves_total", "_saved_pages_total",
     "sparkcache_skips_total", "rank_skips", "lookup_unavailable", "publish_supervisor_absent",
-    "publish_store_full",
+    "publish_store_full", "events_block_size",
 }
 FOREIGN |= VLLM_NAMES | COMPOSED
 

@@ -104,6 +104,37 @@ END;""",
     "DROP TRIGGER IF EXISTS roots_del_read_lease;",
     "DROP TABLE IF EXISTS read_leases;",
 )
+# The removal log (docs/store.md, "The removal log"): a row for each page that stops
+# being restorable (its last reference dropped, quarantined, or deleted while referenced),
+# in the transaction that did it, so a reader that remembers the last ``seq`` it read
+# learns every removal since in order, without scanning the store: what KV events tell a
+# router (``sparkcache.vllm.kv_events``). ``AUTOINCREMENT`` keeps ``seq`` rising after the
+# log empties; a reader finding the log's end below its cursor is on another store. Every
+# 1,024th row trims the log to its last ``REMOVALS_KEPT`` rows (at most 1,024 deleted a
+# time, inside the writer's transaction); a reader that fell further behind sees a gap.
+REMOVALS_KEPT = 262_144
+_REMOVALS_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS removals(
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    key TEXT NOT NULL
+);""",
+    """CREATE TRIGGER IF NOT EXISTS removals_unref AFTER UPDATE OF refcount ON objects
+WHEN OLD.refcount > 0 AND NEW.refcount = 0 AND OLD.state = 'live' BEGIN
+    INSERT INTO removals(key) VALUES (OLD.key);
+END;""",
+    """CREATE TRIGGER IF NOT EXISTS removals_quarantined AFTER UPDATE OF state ON objects
+WHEN OLD.state = 'live' AND NEW.state != 'live' AND OLD.refcount > 0 BEGIN
+    INSERT INTO removals(key) VALUES (OLD.key);
+END;""",
+    """CREATE TRIGGER IF NOT EXISTS removals_deleted AFTER DELETE ON objects
+WHEN OLD.state = 'live' AND OLD.refcount > 0 BEGIN
+    INSERT INTO removals(key) VALUES (OLD.key);
+END;""",
+    f"""CREATE TRIGGER IF NOT EXISTS removals_trim AFTER INSERT ON removals
+WHEN NEW.seq % 1024 = 0 BEGIN
+    DELETE FROM removals WHERE seq <= NEW.seq - {REMOVALS_KEPT};
+END;""",
+)
 # totals rows that are not object states (usage() sums the states into used bytes).
 TOTALS_NOT_STATES = frozenset({"roots", "garbage"})
 
@@ -167,7 +198,7 @@ END;
 CREATE TRIGGER IF NOT EXISTS roots_del AFTER DELETE ON roots BEGIN
     UPDATE totals SET count = count - 1, bytes = bytes - OLD.bytes WHERE name = 'roots';
 END;
-""" + "\n".join(_GARBAGE_SCHEMA + _READ_LEASES_SCHEMA)
+""" + "\n".join(_GARBAGE_SCHEMA + _READ_LEASES_SCHEMA + _REMOVALS_SCHEMA)
 
 
 def _check_index_file(path: Path, create: bool) -> None:
@@ -271,6 +302,7 @@ def _schema_version(conn: sqlite3.Connection, path: Path, create: bool) -> str |
         _upgrade_packs(conn)
         _upgrade_hold(conn)
         _upgrade_read_leases(conn)
+        _upgrade_removals(conn)
     row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
     return None if row is None else row[0]
 
@@ -321,6 +353,16 @@ def _upgrade_read_leases(conn: sqlite3.Connection) -> None:
                     "AND name = 'roots_del_reads'").fetchone():
         return
     conn.executescript("BEGIN IMMEDIATE;" + "\n".join(_READ_LEASES_SCHEMA) + "COMMIT;")
+
+
+def _upgrade_removals(conn: sqlite3.Connection) -> None:
+    """Add the removal log to an index made before it (see ``_REMOVALS_SCHEMA``). Code
+    that predates it keeps the log through the triggers without reading it, so the
+    schema version stays."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'trigger' "
+                    "AND name = 'removals_trim'").fetchone():
+        return
+    conn.executescript("BEGIN IMMEDIATE;" + "\n".join(_REMOVALS_SCHEMA) + "COMMIT;")
 
 
 class OutcomeUnknown(StoreError):

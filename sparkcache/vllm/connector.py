@@ -60,6 +60,11 @@ def _recompute_failed_loads(transfer: Any) -> None:
         transfer.kv_load_failure_policy = "recompute"
 
 
+def _publishes_kv_events(vllm_config: Any) -> bool:
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(getattr(events, "enable_kv_cache_events", False))
+
+
 class SparkCacheConnector(KVConnectorBase_V1):
     if CacheHitSource is not None:
         _cache_hit_source = CacheHitSource.DISK  # vLLM's hit metrics, by tier
@@ -90,7 +95,8 @@ class SparkCacheConnector(KVConnectorBase_V1):
                 self._scheduler = SchedulerSide(
                     settings, getattr(kv_cache_config, "hash_block_size", None),
                     int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0),
-                    getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None))
+                    getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None),
+                    kv_events=_publishes_kv_events(vllm_config))
             else:
                 self._worker = WorkerSide(settings, _tp_rank())
         except Exception as exc:
@@ -295,6 +301,15 @@ class SparkCacheConnector(KVConnectorBase_V1):
         except Exception:
             self._fault("get_block_ids_with_load_errors")
         return set()
+
+    def take_events(self) -> list[Any]:
+        if self._scheduler is None:
+            return []
+        try:
+            return self._scheduler.take_events()
+        except Exception:
+            self._fault("take_events")
+            return []
 
     def reset_cache(self) -> bool | None:
         """After a weight update: see ``SchedulerSide.reset``. The worker side has nothing

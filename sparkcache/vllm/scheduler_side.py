@@ -19,6 +19,7 @@ from sparkcache.identity import Namespace
 from sparkcache.prefix_lookup import ALIVE_RECHECK_S, PrefixLookup
 from sparkcache.protocol import new_lease_id, process_gone
 from sparkcache.vllm.block_hash_keys import KeySource, key_source
+from sparkcache.vllm.kv_events import KVEvents, to_vllm
 from sparkcache.vllm.metadata import PageJob, SparkCacheMetadata
 from sparkcache.vllm.request_keys import RequestKeys, default_memo
 from sparkcache.vllm.settings import Settings
@@ -63,12 +64,15 @@ class _Request:
 
 class SchedulerSide:
     def __init__(self, settings: Settings, hash_block_size: int | None = None,
-                 lookahead_tokens: int = 0, hash_algo: str | None = None) -> None:
+                 lookahead_tokens: int = 0, hash_algo: str | None = None,
+                 kv_events: bool = False) -> None:
         """``hash_block_size``, ``lookahead_tokens`` and ``hash_algo``: how vLLM hashes
         blocks (its ``kv_cache_config.hash_block_size``, ``num_hash_lookahead_tokens``,
         ``cache_config.prefix_caching_hash_algo``). With a cryptographic hash page keys
         are derived from vLLM's block hashes, and keys of a prefix seen before taken from
-        ``KeyMemo`` (``block_hash_keys.key_source``); otherwise hashed from the tokens."""
+        ``KeyMemo`` (``block_hash_keys.key_source``); otherwise hashed from the tokens.
+        ``kv_events``: vLLM publishes KV cache events (``--kv-events-config``), so the
+        store's pages are announced (``kv_events.KVEvents``)."""
         self.settings = settings
         self._hash_block_size = hash_block_size
         self._lookahead = lookahead_tokens
@@ -91,6 +95,7 @@ class SchedulerSide:
         # Finished requests whose blocks vLLM holds for their saves: since when.
         self._held: dict[str, float] = {}
         self._saving = settings.cfg.access_mode is AccessMode.READ_WRITE
+        self.events = KVEvents(settings.cfg.store_dir, settings.tp_size) if kv_events else None
 
     # ------------------------------------------------------------------ keys
 
@@ -123,6 +128,14 @@ class SchedulerSide:
         if self._reset_tag:
             first["model_id"] = f"{first['model_id']}#reset:{self._reset_tag}"
         self._ns = Namespace(**first, rank=0)
+        if self.events is not None:
+            # After a reset the namespace is this process's alone: its ledger is too.
+            try:
+                self.events.attach(self._ns, durable=not self._reset_tag)
+            except Exception as exc:  # the ledger cannot be opened: serve on, unannounced
+                log.warning("SparkCache: KV events off, the ledger cannot be opened: %s", exc)
+                self.events.close()
+                self.events = None
         return self._ns
 
     def reset(self) -> bool:
@@ -133,6 +146,8 @@ class SchedulerSide:
         before the reset keep their keys; those requests get no load. True."""
         self._reset_tag = secrets.token_hex(8)
         self._ns, self._ns_retry_at = None, 0.0
+        if self.events is not None:
+            self.events.clear()
         self.counters["resets"] += 1
         log.info("SparkCache: cache reset (weights updated): earlier pages are no longer "
                  "looked up by this engine")
@@ -312,7 +327,9 @@ class SchedulerSide:
             return None
         state.saved_pages = len(keys)
         state.keys.note_saved(len(keys))
-        return PageJob(req_id, state.keys.key_bytes(0, len(keys)), state.blocks[: len(keys)])
+        raw = state.keys.key_bytes(0, len(keys))
+        self._note_save(state.request, raw, len(keys))
+        return PageJob(req_id, raw, state.blocks[: len(keys)])
 
     def _preemption_save(self, req_id: str, state: _Request) -> PageJob:
         """The preempted request's computed pages, from its blocks before the preemption
@@ -410,11 +427,27 @@ class SchedulerSide:
         # All its pages, even if a save made while it ran covered them: a rank may have
         # skipped that one, and capture copies only what the store lacks.
         request_keys = self._reqs[request.request_id].keys  # made by _keys
-        self._meta.saves.append(PageJob(request.request_id, request_keys.key_bytes(0, len(keys)),
-                                        list(block_ids[: len(keys)])))
+        raw = request_keys.key_bytes(0, len(keys))
+        self._meta.saves.append(PageJob(request.request_id, raw, list(block_ids[: len(keys)])))
+        self._note_save(request, raw, len(keys))
         self.counters["saves"] += 1
         request_keys.note_saved(len(keys))
         return True, None
+
+    def _note_save(self, request: Any, raw_keys: bytes, pages: int) -> None:
+        if self.events is not None:
+            self.events.note_save(request, raw_keys, pages, self.block, self._hash_block_size)
+
+    def take_events(self) -> list[Any]:
+        """vLLM's ``take_events``: the store's changes to this engine's pages since the
+        last call, as vLLM's event records (none unless vLLM publishes events)."""
+        if self.events is None:
+            return []
+        self.namespace()  # the ledger opens with it: a restarted engine announces again
+        events = self.events.take()
+        if events:
+            self.counted = True
+        return to_vllm(events)
 
     def totals(self) -> Counter:
         """Everything counted so far, under the names of ``stats.METRICS`` (skips as
@@ -424,6 +457,14 @@ class SchedulerSide:
                                 "preemption_saves", "held_requests", "held_seconds")})
         for reason, n in self.lookup.misses.items():
             out[f"skipped:lookup_{reason}"] += n
+        if self.events is not None:
+            c = self.events.counts
+            out.update({"events_stored_pages": c.announced_pages,
+                        "events_removed_pages": c.removed_pages,
+                        "events_unconfirmed_saves": c.unconfirmed_saves,
+                        "events_resyncs": c.resyncs})
+            for reason, n in c.reasons.items():
+                out[f"skipped:events_{reason}"] = n
         for reason in ("lookup_skipped", "namespace_mismatch", "aborted_while_loading",
                        "load_failed_before", "lookup_before_reset", "lookup_skip_reading"):
             if self.counters[reason]:
@@ -432,3 +473,5 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.lookup.close()
+        if self.events is not None:
+            self.events.close()

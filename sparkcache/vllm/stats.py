@@ -45,6 +45,15 @@ METRICS = {
     "preemption_wait_seconds": ("vllm:sparkcache_preemption_wait_seconds",
                                 "Seconds the engine waited at preemptions for copies of "
                                 "the preempted requests' blocks."),
+    "events_stored_pages": ("vllm:sparkcache_events_stored_pages",
+                            "Pages announced stored in KV events (again after a restart)."),
+    "events_removed_pages": ("vllm:sparkcache_events_removed_pages",
+                             "Pages announced removed in KV events."),
+    "events_unconfirmed_saves": ("vllm:sparkcache_events_unconfirmed_saves",
+                                 "Saves never found stored, so never announced."),
+    "events_resyncs": ("vllm:sparkcache_events_resyncs",
+                       "Times a removal log could not say what changed, so every "
+                       "announced page was checked again."),
 }
 SKIPS = ("vllm:sparkcache_skips", "Lookups and saves the scheduler skipped, by reason.")
 # What each TP rank's worker side counts, reported under its rank: every rank loads and

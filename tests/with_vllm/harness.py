@@ -25,6 +25,7 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     ParallelConfig,
@@ -185,9 +186,8 @@ class Rig:
     def close(self) -> None:
         for w in self.workers:
             w.shutdown()
-        sched_connector = self.sched.get_kv_connector()
-        if sched_connector is not None:
-            sched_connector.shutdown()
+        # The scheduler's own shutdown: its KV event publisher's thread, then the connector.
+        self.sched.shutdown()
 
 
 def request(rid: str, prompt: list[int], max_tokens: int = 2, *,
@@ -203,9 +203,11 @@ def request(rid: str, prompt: list[int], max_tokens: int = 2, *,
 
 @contextmanager
 def rig(store: Path, instance: str, *, tp: int = 1, num_blocks: int = 128,
-        extra: dict | None = None, max_batched: int = 256, hash_algo: str = "sha256"):
+        extra: dict | None = None, max_batched: int = 256, hash_algo: str = "sha256",
+        kv_events: KVEventsConfig | None = None):
     """A Scheduler and ``tp`` worker connectors on ``store``/``instance``, vLLM's
-    ``prefix_caching_hash_algo`` set to ``hash_algo``. ``NONE_HASH`` is made with SHA-256
+    ``prefix_caching_hash_algo`` set to ``hash_algo``, its KV events published as
+    ``kv_events`` says (none unless given). ``NONE_HASH`` is made with SHA-256
     whatever that is: vLLM's xxhash needs a package this environment leaves out, so a
     test that names it gives its requests a hasher of its own."""
     os.environ.setdefault("VLLM_CACHE_ROOT", str(store.parent / "vllm-cache"))
@@ -225,6 +227,7 @@ def rig(store: Path, instance: str, *, tp: int = 1, num_blocks: int = 128,
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config=settings),
         device_config=DeviceConfig("cpu"),
+        kv_events_config=kv_events,
     )
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD,
                              dtype=torch.float16)
