@@ -1,56 +1,57 @@
-"""The supervisor's HTTP endpoint: ``/metrics`` (prometheus_client's WSGI app over a
+"""The supervisor's HTTP endpoint: ``/metrics`` (prometheus_client's exposition of a
 private registry holding only SparkCache's collector) and ``/healthz`` (200 while every
-worker is up, 503 naming each one that is not), served from one daemon thread of the
-supervisor process.
+worker is up, 503 naming each one that is not), served by one asyncio loop on a daemon
+thread of the supervisor process.
 
 A private registry: the process's default one would add the supervisor's own Python and
 process collectors, which say nothing of the workers and cost every scrape time.
+
+Why an event loop and not a thread per connection (the first version: wsgiref with
+``ThreadingMixIn``): the endpoint listens in the process that must fork to restart
+workers, and any local user can connect to it. 300 half-sent requests held 300 threads
+and descriptors there indefinitely. Here an open connection costs a descriptor and a
+coroutine, never a thread; a request must arrive whole within ``REQUEST_TIMEOUT_S`` and
+``MAX_REQUEST_BYTES``; at most ``MAX_CONNECTIONS`` are open, a new one closing the oldest,
+so a flood of idle connections cannot keep out a health probe (each answer is one
+request, then the connection closes). A scrape runs on the loop's thread: it reads shared
+memory and takes milliseconds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import socket
 import threading
-from collections.abc import Callable, Iterable
-from socketserver import ThreadingMixIn
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from collections.abc import Callable
+from http import HTTPStatus
+from urllib.parse import urlsplit
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 from sparkcache.metrics import reading
 from sparkcache.metrics.collector import SparkCacheCollector
 from sparkcache.metrics.reading import Source
+from sparkcache.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
 HEALTH_PATH = "/healthz"
 METRICS_PATHS = ("/metrics", "/")
+REQUEST_TIMEOUT_S = 5.0  # to receive a request's head, and again to send the answer
+MAX_REQUEST_BYTES = 8192  # a request's head; a scraper's is a few hundred bytes
+MAX_CONNECTIONS = 64
+BACKLOG = 256  # connections the kernel queues before the loop accepts them
+_TEXT = "text/plain; charset=utf-8"
 
 
 class MetricsServerError(RuntimeError):
     """The endpoint cannot listen (address in use, unknown host ...)."""
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    # A scrape in progress never holds up the supervisor's exit.
-    daemon_threads = True
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """Requests go to the log at debug level, not to stderr line by line."""
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
-
-
-def _family(host: str) -> type[_Server]:
+def _family(host: str) -> socket.AddressFamily:
     try:
         addr = ipaddress.ip_address(host)
     except ValueError:
@@ -60,40 +61,51 @@ def _family(host: str) -> type[_Server]:
             raise MetricsServerError(
                 f"SPARKCACHE_METRICS_HOST={host!r}: cannot resolve it ({exc.strerror})"
             ) from None
-        return _Server6 if infos[0][0] == socket.AF_INET6 else _Server
-    return _Server6 if addr.version == 6 else _Server
+        return infos[0][0]
+    return socket.AF_INET6 if addr.version == 6 else socket.AF_INET
 
 
-def make_app(registry: CollectorRegistry,
-             health: Callable[[], tuple[bool, str]]) -> Callable[..., Iterable[bytes]]:
-    """A WSGI app: /metrics (and /) from ``registry``, /healthz from ``health``."""
-    metrics = make_wsgi_app(registry)
+Answer = tuple[HTTPStatus, str, bytes]  # status, content type, body
 
-    def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "/")
-        if path == HEALTH_PATH:
-            ok, why = health()
-            start_response("200 OK" if ok else "503 Service Unavailable",
-                           [("Content-Type", "text/plain; charset=utf-8")])
-            return [why.encode() + b"\n"]
-        if path in METRICS_PATHS:
-            return metrics(environ, start_response)
-        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
-        return [f"not found: try /metrics or {HEALTH_PATH}\n".encode()]
 
-    return app
+def answer(head: bytes, registry: CollectorRegistry,
+           health: Callable[[], tuple[bool, str]]) -> Answer:
+    """The answer to one request's head (request line and headers)."""
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split()
+    if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+        return HTTPStatus.BAD_REQUEST, _TEXT, b"bad request line\n"
+    method, target, _ = parts
+    if method not in ("GET", "HEAD"):
+        return HTTPStatus.METHOD_NOT_ALLOWED, _TEXT, b"only GET and HEAD\n"
+    path = urlsplit(target).path
+    if path == HEALTH_PATH:
+        ok, why = health()
+        return (HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE), _TEXT, \
+            why.encode() + b"\n"
+    if path in METRICS_PATHS:
+        accept = next((line.split(":", 1)[1].strip() for line in lines[1:]
+                       if line.lower().startswith("accept:")), None)
+        encoder, content_type = choose_encoder(accept)
+        return HTTPStatus.OK, content_type, encoder(registry)
+    return HTTPStatus.NOT_FOUND, _TEXT, f"not found: try /metrics or {HEALTH_PATH}\n".encode()
 
 
 class MetricsServer:
     """``/metrics`` and ``/healthz`` for one supervisor; ``start`` binds and serves from
-    a daemon thread, ``stop`` closes the socket and joins it."""
+    a daemon thread, ``stop`` closes every connection and the socket and joins it."""
 
     def __init__(self, source: Source) -> None:
         self.source = source
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SparkCacheCollector(source))
-        self._server: WSGIServer | None = None
+        self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        # Open connections, oldest first (dicts keep insertion order).
+        self._open: dict[asyncio.StreamWriter, None] = {}
+        self.evicted = 0  # connections closed to make room for a newer one
+        self._rare = RateLimitedLog(log)
 
     def health(self) -> tuple[bool, str]:
         return reading.health(reading.read(self.source))
@@ -101,35 +113,83 @@ class MetricsServer:
     @property
     def address(self) -> tuple[str, int]:
         """(host, port) bound: the port the kernel chose too."""
-        if self._server is None:
+        if self._sock is None:
             raise RuntimeError("the metrics server is not listening")
-        return self.source.cfg.metrics_host, self._server.server_address[1]
+        return self.source.cfg.metrics_host, self._sock.getsockname()[1]
 
     def start(self) -> None:
         host, port = self.source.cfg.metrics_host, self.source.cfg.metrics_port
-        server_class = _family(host)
         try:
-            self._server = make_server(host, port, make_app(self.registry, self.health),
-                                       server_class=server_class,
-                                       handler_class=_QuietHandler)
+            self._sock = socket.create_server((host, port), family=_family(host),
+                                              backlog=BACKLOG)
         except OSError as exc:
             raise MetricsServerError(
                 f"cannot listen on {host}:{port} for /metrics ({exc.strerror or exc}); set "
                 "SPARKCACHE_METRICS_PORT to a free port, or 0 for no endpoint"
             ) from None
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-            name="sparkcache-metrics", daemon=True,
-        )
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,),
+                                        name="sparkcache-metrics", daemon=True)
         self._thread.start()
+        started.wait()
         log.info("metrics: http://%s:%d/metrics and %s", *self.address, HEALTH_PATH)
+
+    def _run(self, started: threading.Event) -> None:
+        loop = self._loop
+        assert loop is not None and self._sock is not None
+        asyncio.set_event_loop(loop)
+        server = loop.run_until_complete(asyncio.start_server(
+            self._serve, sock=self._sock, limit=MAX_REQUEST_BYTES))
+        started.set()
+        try:
+            loop.run_forever()
+        finally:
+            server.close()
+            for writer in list(self._open):
+                writer.close()
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._open[writer] = None
+        if len(self._open) > MAX_CONNECTIONS:
+            oldest = next(iter(self._open))
+            self._open.pop(oldest)
+            oldest.close()
+            self.evicted += 1
+            self._rare.warning("evicted", "metrics: more than %d connections open: the "
+                               "oldest closed (%d so far)", MAX_CONNECTIONS, self.evicted)
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
+            status, content_type, body = answer(head, self.registry, self.health)
+            writer.write(
+                f"HTTP/1.1 {status.value} {status.phrase}\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode("latin-1"))
+            if not head.startswith(b"HEAD "):
+                writer.write(body)
+            await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)
+        except asyncio.LimitOverrunError:
+            writer.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                         b"Connection: close\r\nContent-Length: 0\r\n\r\n")
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            pass  # too slow, gone, or closed for a newer connection
+        except Exception:
+            log.exception("metrics: a request failed")
+        finally:
+            self._open.pop(writer, None)
+            writer.close()
 
     def stop(self) -> None:
         """Stop serving and close the socket. Idempotent."""
-        if self._server is None:
+        if self._loop is None:
             return
-        self._server.shutdown()
-        self._server.server_close()
+        self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:
             self._thread.join(5)
-        self._server = self._thread = None
+        if self._sock is not None:
+            self._sock.close()
+        self._loop = self._thread = self._sock = None
