@@ -95,7 +95,8 @@ class SchedulerSide:
         # Finished requests whose blocks vLLM holds for their saves: since when.
         self._held: dict[str, float] = {}
         self._saving = settings.cfg.access_mode is AccessMode.READ_WRITE
-        self.events = KVEvents(settings.cfg.store_dir, settings.tp_size) if kv_events else None
+        self.events = (KVEvents(settings.cfg.store_dir, settings.tp_size, background=True)
+                       if kv_events else None)
 
     # ------------------------------------------------------------------ keys
 
@@ -130,12 +131,7 @@ class SchedulerSide:
         self._ns = Namespace(**first, rank=0)
         if self.events is not None:
             # After a reset the namespace is this process's alone: its ledger is too.
-            try:
-                self.events.attach(self._ns, durable=not self._reset_tag)
-            except Exception as exc:  # the ledger cannot be opened: serve on, unannounced
-                log.warning("SparkCache: KV events off, the ledger cannot be opened: %s", exc)
-                self.events.close()
-                self.events = None
+            self.events.attach(self._ns, durable=not self._reset_tag)
         return self._ns
 
     def reset(self) -> bool:
