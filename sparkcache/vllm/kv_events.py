@@ -52,15 +52,16 @@ log = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 0.1
 # vLLM's ZMQ publisher, connecting to a router (an endpoint with a host), drops the first
-# batch it sends: its socket reads the router's subscription only once it is first used
-# (seen with vLLM 0.33: the first of eight batches lost, whatever the wait before it, the
-# second lost too when sent 0.1 s after it). Nothing is announced until this long after a
-# first batch that carries nothing (a removal of no block), sent again half-way in case
-# the socket needs a second use (with one, one run of the events test in fifteen failed
-# here, its cause not seen; none of 10 since with two).
+# batch it sends, apparently because its socket takes in the router's subscription only
+# once first used (vLLM 0.33: the first of eight batches lost in 4 runs of 4, whatever the
+# wait before it; in the events test a batch 0.1 s after the first was lost too). Nothing
+# is announced until this long after a first batch that carries nothing (a removal of no
+# block), sent again half-way in case the socket needs a second use (with one, one run of
+# the events test in fifteen failed here, its cause not seen; none of 10 since with two).
 ANNOUNCE_AFTER_PRIMER_S = 1.0
-# Work of one check, so a 300k-token first turn (18,750 pages of 16 tokens) is announced
-# over a few checks rather than in one pause of the scheduler.
+# Work of one check: its longer C calls hold the GIL, which vLLM's thread waits for (a
+# 300k-token first turn, 18,750 pages of 16 tokens, over 19 checks: that thread's worst
+# pause 2.4 ms, against 1.7 ms with nothing beside it, measured).
 PAGES_PER_CHECK = 1024
 LOG_ROWS_PER_CHECK = 4096
 # A save not found stored after this long was refused or lost (the publish deadline and
