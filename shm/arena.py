@@ -98,11 +98,13 @@ class SlotArena:
         self.state = seg.array(SLOT_STATE, _STATE_AT, self.slots)
 
     @classmethod
-    def create(cls, name: str, slots: int, slot_bytes: int) -> SlotArena:
+    def create(cls, name: str, slots: int, slot_bytes: int, reserve: bool = True) -> SlotArena:
+        """``reserve``: allocate the slots now (``Segment.create``); False only where
+        nothing will write them (no capture), since tmpfs allocates nothing untouched."""
         if slots < 1 or slot_bytes < 1:
             raise ValueError(f"arena of {slots} slots of {slot_bytes} bytes: expected >= 1 each")
         data_at = (_STATE_AT + SLOT_STATE.itemsize * slots + _PAGE - 1) // _PAGE * _PAGE
-        seg = Segment.create(name, _spec(), data_at + slots * slot_bytes)
+        seg = Segment.create(name, _spec(), data_at + slots * slot_bytes, reserve=reserve)
         meta = seg.array(_META, 0, 1)
         meta[0] = (slots, slot_bytes, data_at)
         del meta

@@ -230,7 +230,7 @@ class Ring:
         if capacity < 1:
             raise ValueError(f"ring capacity {capacity}: expected at least 1 record")
         size = _records_at(capacity) + capacity * layout.itemsize
-        seg = Segment.create(name, _spec(layout), size)
+        seg = Segment.create(name, _spec(layout), size, reserve=True)
         created: list[str] = []
         try:
             _META.pack_into(

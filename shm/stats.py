@@ -55,7 +55,8 @@ class StatsBlock:
     def create(cls, name: str, layout: RecordLayout, slots: int) -> StatsBlock:
         if slots < 1:
             raise ValueError(f"stats block of {slots} slots: expected at least 1")
-        seg = Segment.create(name, _spec(layout), _ENTRIES_AT + slots * _entry_bytes(layout))
+        seg = Segment.create(name, _spec(layout), _ENTRIES_AT + slots * _entry_bytes(layout),
+                             reserve=True)
         _META.pack_into(seg.mm, PAYLOAD_OFFSET, slots, layout.itemsize)
         return cls(seg, layout)
 

@@ -74,7 +74,7 @@ class SharedKVCaches:
             total += (size + _ALIGN - 1) // _ALIGN * _ALIGN
         unlink_dead_engines(instance, rank)  # a dead predecessor's, before ours takes room
         seg = Segment.create(segment_name(instance, rank, engine_segment_role(os.getpid())),
-                             KV_SPEC, total)
+                             KV_SPEC, total, reserve=True)
         try:
             base = seg.array(np.uint8, 0, total)
             tensors = [

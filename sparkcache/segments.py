@@ -3,6 +3,7 @@ and unlinks them; the client and the workers attach by these names."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -113,23 +114,36 @@ class RankSegments:
 
     @classmethod
     def create(cls, cfg: Config, rank: int, stats_slots: int) -> RankSegments:
+        """Every segment allocated as it is made (``Segment.create``'s ``reserve``): a
+        /dev/shm that filled after ``check_shm_space`` fails here, with ShmSpaceError,
+        instead of with a SIGBUS at the first touch of a page, in a worker or in vLLM.
+        The arena is not allocated without capture (nothing writes it)."""
         made: list = []
+        what = ""
         try:
             rings = {}
             for role, (layout, capacity) in RINGS.items():
-                rings[role] = Ring.create(name(cfg.instance, rank, role), layout, capacity)
+                what = name(cfg.instance, rank, role)
+                rings[role] = Ring.create(what, layout, capacity)
                 made.append(rings[role])
-            arena = SlotArena.create(
-                name(cfg.instance, rank, ARENA), cfg.capture_slots, cfg.capture_slot_bytes
-            )
+            what = name(cfg.instance, rank, ARENA)
+            arena = SlotArena.create(what, cfg.capture_slots, cfg.capture_slot_bytes,
+                                     reserve=cfg.access_mode is AccessMode.READ_WRITE)
             made.append(arena)
-            stats = StatsBlock.create(name(cfg.instance, rank, STATS), WORKER_STATS, stats_slots)
+            what = name(cfg.instance, rank, STATS)
+            stats = StatsBlock.create(what, WORKER_STATS, stats_slots)
             made.append(stats)
-            engine = StatsBlock.create(name(cfg.instance, rank, ENGINE), ENGINE_STATS,
-                                       ENGINE_SLOTS)
-        except BaseException:
+            what = name(cfg.instance, rank, ENGINE)
+            engine = StatsBlock.create(what, ENGINE_STATS, ENGINE_SLOTS)
+        except BaseException as exc:
             for seg in made:
                 seg.close()
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                free = os.statvfs(SHM_DIR)
+                raise ShmSpaceError(
+                    f"{SHM_DIR} filled up while rank {rank}'s segments were made ({what}: no "
+                    f"space; {_size(free.f_bavail * free.f_frsize)} free now): free "
+                    f"{SHM_DIR} or give it more room (docker run --shm-size)") from None
             raise
         return cls(rank, rings, arena, stats, engine)
 

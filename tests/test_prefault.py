@@ -26,7 +26,9 @@ def test_prefault_allocates_every_slot_without_changing_a_byte(
     if how == "read":  # a kernel that refuses the advice (EINVAL)
         monkeypatch.setattr(prefault, "MADV_POPULATE_WRITE", 0x7FFF)
     name = segment_name(instance, 0, "arena")
-    with SlotArena.create(name, 3, 8 * MiB) as arena:
+    # Unallocated, as an arena the supervisor made before it allocated them: the pages
+    # the prefault faults in are then the ones it allocates.
+    with SlotArena.create(name, 3, 8 * MiB, reserve=False) as arena:
         arena.slot_array(1)[:5] = [1, 2, 3, 4, 5]  # bytes already written stay as they are
         assert _allocated(name) < MiB
         seen: list[int] = []
@@ -41,7 +43,7 @@ def test_prefault_allocates_every_slot_without_changing_a_byte(
 
 def test_prefault_stops_promptly(instance: str) -> None:
     name = segment_name(instance, 0, "arena")
-    with SlotArena.create(name, 2, 512 * MiB) as arena:
+    with SlotArena.create(name, 2, 512 * MiB, reserve=False) as arena:
         seen: list[int] = []
         pf = Prefaulter(arena, seen.append)
         t0 = time.monotonic()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 import pytest
+import torch
 
-from sparkcache import config, segments
+from sparkcache import config, kvmem, segments
 from sparkcache.config import GiB, MiB
 
 
@@ -78,3 +80,54 @@ def test_estimate_covers_what_create_makes(tmp_path: Path, instance: str) -> Non
         rank.close()
     for kind in ("arena", "rings", "stats", "engine_stats"):
         assert used[kind] <= need[kind] <= used[kind] + 8192, kind
+
+
+def _allocated(path: str) -> bool:
+    st = os.stat(path)
+    return st.st_blocks * 512 >= st.st_size
+
+
+def test_every_segment_is_allocated_when_made_the_arena_only_for_capture(
+        tmp_path: Path, instance: str) -> None:
+    """tmpfs allocates a page at its first touch: a /dev/shm that filled after the start's
+    check would be found out by a SIGBUS in a worker or in vLLM. Allocated when made, it
+    is found out at creation."""
+    for mode, arena_allocated in (("read-write", True), ("restore-only", False)):
+        cfg = _cfg(tmp_path, instance=instance, capture_slots="2", capture_slot_bytes="1MiB",
+                   access_mode=mode)
+        rank = segments.RankSegments.create(cfg, 0, segments.STATS_SLOTS)
+        try:
+            made = [e for e in os.scandir("/dev/shm")
+                    if instance in e.name and not e.name.startswith("sem.")]
+            kinds = {e.name.rsplit(".", 1)[-1] for e in made}
+            assert {"arena", "stats", "engine_stats", "publish", "load"} <= kinds, kinds
+            for entry in made:
+                want = arena_allocated or not entry.name.endswith(".arena")
+                assert _allocated(entry.path) == want, (mode, entry.name)
+        finally:
+            rank.close()
+    # The engine's KV in shared memory (a staging pool, a synthetic engine) too.
+    kv = kvmem.SharedKVCaches.create(instance, 0, [(64, 1024)], torch.float16)
+    try:
+        [entry] = [e for e in os.scandir("/dev/shm") if instance in e.name]
+        assert _allocated(entry.path)
+    finally:
+        kv.close()
+
+
+def test_a_dev_shm_that_fills_after_the_check_fails_creation_naming_it(
+        tmp_path: Path, instance: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.posix_fallocate
+
+    def full(fd: int, offset: int, length: int) -> None:
+        if length > 6 * MiB:  # the arena (8 MiB), not a ring (3.4 MB at most) or stats
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    cfg = _cfg(tmp_path, instance=instance, capture_slots="4", capture_slot_bytes="2MiB")
+    with pytest.raises(segments.ShmSpaceError) as e:
+        segments.RankSegments.create(cfg, 0, segments.STATS_SLOTS)
+    assert f"{instance}" in str(e.value) and "arena" in str(e.value), str(e.value)
+    assert "docker run --shm-size" in str(e.value)
+    assert not [name for name in os.listdir("/dev/shm") if instance in name]

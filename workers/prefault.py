@@ -1,13 +1,16 @@
 """Faulting the capture slots in behind READY.
 
-tmpfs allocates (and zeroes) a page the first time it is touched, so a slot's first
-publication would pay for faulting its whole length inside its deadline. Capture used to
-touch every slot before it reported READY: with the default of then, 2 x 3 GiB a rank,
-that took tens of seconds on a small host and put the whole arena in capture's RSS before the
-supervisor even saw it start. Now a thread does it after READY, slot by slot in bounded
-chunks, and reports its progress (``Lifecycle.prefaulted_bytes``, published in the stats
-block by the worker's own beats). A publication that arrives first is still taken: its
-copy faults the pages it writes, as any copy into a fresh slot would.
+The supervisor allocates the arena's pages when it makes it (``RankSegments.create``),
+so a full /dev/shm fails the start rather than a copy; what is left for a slot's first
+touch is a fault per page to map it into capture (and, in an arena made unallocated, to
+allocate and zero it), which a slot's first publication would pay inside its deadline.
+Capture used to touch every slot before it reported READY: with the default of then, 2 x
+3 GiB a rank, that took tens of seconds on a small host and put the whole arena in
+capture's RSS before the supervisor even saw it start. Now a thread does it after READY,
+slot by slot in bounded chunks, and reports its progress
+(``Lifecycle.prefaulted_bytes``, published in the stats block by the worker's own
+beats). A publication that arrives first is still taken: its copy faults the pages it
+writes, as any copy into a fresh slot would.
 
 How: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14) faults pages in writable without
 changing a byte, so it is safe while capture copies into the same slot; it runs in C with
