@@ -232,6 +232,12 @@ def test_unsafe_store_dirs_are_refused(tmp_path: Path) -> None:
     open_dir.chmod(0o777)
     with pytest.raises(UnsafeStoreDir, match="writable by group or others"):
         PageStore(open_dir, 0)
+    for mode in (0o750, 0o705):  # readable: the pages are the KV of users' prompts
+        open_dir.chmod(mode)
+        with pytest.raises(UnsafeStoreDir, match=f"has mode {mode:04o}: readable by group "
+                           f"or others .* expected 0700: chmod 700 {open_dir}"):
+            PageStore(open_dir, 0)
+    assert list(open_dir.iterdir()) == []  # nothing made in it
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
     link = tmp_path / "link"
@@ -591,3 +597,17 @@ def test_a_plan_is_the_leading_live_pages_whichever_root_holds_them(store: PageS
         assert [p.key for p in reader.plan(keys)] == keys[:2]  # ends at the quarantined
     finally:
         reader.close()
+
+
+def test_the_wal_is_cut_back_after_a_checkpoint(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    limit = 256 * 1024
+    monkeypatch.setattr(index, "WAL_SIZE_LIMIT", limit)
+    with PageStore(tmp_path / "store", 0, lease_seconds=0) as s:
+        wal = s.layout.index_path.with_name(s.layout.index_path.name + "-wal")
+        s.commit(make_root("a" * 32, [f"{i:032x}" for i in range(4096)], 64))
+        grown = wal.stat().st_size
+        assert grown > 4 * limit, grown
+        s._wconn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        s.commit(make_root("b" * 32, ["f" * 32], 64))  # the WAL restarts from its start
+        assert wal.stat().st_size <= limit, (grown, wal.stat().st_size)

@@ -26,6 +26,10 @@ from sparkcache.store.records import StoreError, UnsafeStoreDir
 # is upgraded by the first writer that opens it (``_upgrade_packs``); code of version 1
 # refuses a version-2 index rather than misread its packs as missing files.
 SCHEMA_VERSION = "2"
+# The WAL is cut back to this when a checkpoint lets it restart; SQLite otherwise keeps
+# the file at the largest size it ever reached (one transaction of many rows, say) for
+# the store's life.
+WAL_SIZE_LIMIT = 64 * 1024 * 1024
 BUSY_TIMEOUT_MS = 30_000
 # A read-only connection is the engine's: it gives up after this rather than wait (a WAL
 # reader waits only in rare moments, such as another process recovering the WAL).
@@ -247,6 +251,7 @@ def connect(path: Path, create: bool, readonly: bool = False,
             conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             mode = _into_wal(conn)
             conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+            conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
         if mode != "wal":
             raise StoreError(f"index {path} is not in WAL mode (mode {mode})")
         version = _schema_version(conn, path, create and not readonly)

@@ -78,7 +78,8 @@ def parse_object_name(name: str) -> tuple[str, str, bool] | None:
 
 
 def check_stat(st: os.stat_result, what: str) -> None:
-    """Refuse anything but a directory we own that neither group nor others can write."""
+    """Refuse anything but a directory we own that neither group nor others can write,
+    read or enter: the pages are the KV of users' prompts."""
     if stat.S_ISLNK(st.st_mode):
         raise UnsafeStoreDir(f"{what} is a symlink; refusing to follow it")
     if not stat.S_ISDIR(st.st_mode):
@@ -91,6 +92,12 @@ def check_stat(st: os.stat_result, what: str) -> None:
         raise UnsafeStoreDir(
             f"{what} has mode {stat.S_IMODE(st.st_mode):04o}: writable by group or others; "
             f"expected {DIR_MODE:04o}"
+        )
+    if st.st_mode & 0o055:
+        raise UnsafeStoreDir(
+            f"{what} has mode {stat.S_IMODE(st.st_mode):04o}: readable by group or others "
+            f"(its pages are the KV of users' prompts); expected {DIR_MODE:04o}: "
+            f"chmod {DIR_MODE:o} {what}"
         )
 
 
