@@ -275,3 +275,22 @@ def test_with_two_ranks_a_page_is_stored_when_both_hold_it_removed_when_either_d
         r1.remove_roots([root_id(1)])
         assert removed_hashes(take(ev, clock)) == set(req.block_hashes)
         ev.close()
+
+
+def test_a_removal_vllm_never_took_is_announced_by_the_next_engine(store) -> None:
+    clock = Clock()
+    ev = tracker(store.layout.store_dir, clock)
+    a = conversation("a", 2)
+    save_and_commit(store, ev, a)
+    assert stored_hashes(take(ev, clock)) == set(a.block_hashes)
+    store.remove_roots([root_id(0)])
+    clock.t += kv_events.CHECK_EVERY_S
+    ev._work(clock.t)  # the removal is found and queued, and vLLM stops before taking it
+    ev.close()
+    again = tracker(store.layout.store_dir, clock)
+    assert removed_hashes(take(again, clock)) == set(a.block_hashes)
+    assert take(again, clock) == []  # taken now: forgotten
+    again.close()
+    third = tracker(store.layout.store_dir, clock)
+    assert take(third, clock) == []
+    third.close()

@@ -115,6 +115,8 @@ class Stored:
 @dataclass(frozen=True)
 class Removed:
     hashes: list[bytes]
+    # The ledger's pages it stands for: forgotten once vLLM has taken it (``take``).
+    keys: list[bytes] = field(default_factory=list, compare=False)
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,8 @@ class Ledger:
         for part in index.chunks(list(keys)):
             marks = ",".join("?" * len(part))
             found = self.conn.execute(f"SELECT group_concat(hex(key), '') FROM pages "
-                                      f"WHERE key IN ({marks})", tuple(part)).fetchone()[0]
+                                      f"WHERE key IN ({marks}) AND epoch NOT LIKE 'gone:%'",
+                                      tuple(part)).fetchone()[0]
             raw = bytes.fromhex(found or "")
             out.update(raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES))
         return out
@@ -239,6 +242,9 @@ class KVEvents:
         self.clock = clock
         self.counts = EventCounts()
         self.epoch = os.urandom(8).hex()
+        # A ledger row announced removed, not yet taken by vLLM: if this process stops
+        # first, the next announces it removed again (a later epoch checks it).
+        self._gone = f"gone:{self.epoch}"
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._out: deque[Event] = deque()  # appended by the worker, taken by vLLM's thread
         # The worker's own: the ledger, the indexes, the saves being watched.
@@ -293,12 +299,17 @@ class KVEvents:
         self.counts.reasons[reason] = self.counts.reasons.get(reason, 0) + 1
 
     def take(self) -> list[Event]:
-        """The events ready since the last call."""
+        """The events ready since the last call. The pages of removals taken are then
+        forgotten by the ledger (``_forget``): a removal that vLLM never took is
+        announced again by the next process."""
         if self._thread is None:
             self._work(self.clock())
         out = []
         while self._out:
             out.append(self._out.popleft())
+        taken = [k for e in out if isinstance(e, Removed) for k in e.keys]
+        if taken:
+            self._inbox.put(("taken", taken))
         return out
 
     def close(self) -> None:
@@ -348,6 +359,8 @@ class KVEvents:
                 self._clear()
             elif item[0] == "save":
                 self._watch(item[1])
+            elif item[0] == "taken":
+                self._forget(item[1])
             item = None
         if self._ledger is not None and now >= self._check_at:
             self._check_at = now + CHECK_EVERY_S
@@ -465,26 +478,41 @@ class KVEvents:
         if lost:
             # Check every page again, as after a restart.
             self.counts.resyncs += 1
-            ledger.conn.execute("UPDATE pages SET epoch = ''")
+            ledger.conn.execute("UPDATE pages SET epoch = '' WHERE epoch = ?", (self.epoch,))
             self._unchecked = True
 
     def _remove(self, keys: Sequence[bytes]) -> None:
-        """Announce removed the pages of ``keys`` the ledger holds, and forget them."""
+        """Announce removed the pages of ``keys`` the ledger holds, marked gone until
+        vLLM has taken the removal."""
         ledger = self._ledger
         assert ledger is not None
         with index.write_txn(ledger.conn):
             for part in index.chunks(list(keys)):
                 marks = ",".join("?" * len(part))
                 found = ledger.conn.execute(
-                    "SELECT group_concat(hex(hashes) || ':' || blocks, ',') FROM pages "
-                    f"WHERE key IN ({marks})", tuple(part)).fetchone()[0]
+                    "SELECT group_concat(hex(key) || ':' || hex(hashes) || ':' || blocks, ',') "
+                    f"FROM pages WHERE key IN ({marks}) AND epoch NOT LIKE 'gone:%'",
+                    tuple(part)).fetchone()[0]
                 if not found:
                     continue
                 for item in found.split(","):
-                    hashes, blocks = item.split(":")
-                    self._out.append(Removed(_split(bytes.fromhex(hashes), int(blocks))))
+                    key, hashes, blocks = item.split(":")
+                    self._out.append(Removed(_split(bytes.fromhex(hashes), int(blocks)),
+                                             [bytes.fromhex(key)]))
                     self.counts.removed_pages += 1
-                ledger.conn.execute(f"DELETE FROM pages WHERE key IN ({marks})", tuple(part))
+                ledger.conn.execute(f"UPDATE pages SET epoch = ? WHERE key IN ({marks}) "
+                                    "AND epoch NOT LIKE 'gone:%'", (self._gone, *part))
+
+    def _forget(self, keys: Sequence[bytes]) -> None:
+        """Removals vLLM took: their pages leave the ledger (unless stored again since)."""
+        ledger = self._ledger
+        if ledger is None:
+            return
+        with index.write_txn(ledger.conn):
+            for part in index.chunks(list(keys)):
+                marks = ",".join("?" * len(part))
+                ledger.conn.execute(f"DELETE FROM pages WHERE epoch = ? AND key IN ({marks})",
+                                    (self._gone, *part))
 
     def _announce_again(self, conns: list[sqlite3.Connection], budget: int) -> int:
         """Pages the ledger holds from another epoch (an earlier process, or a check
@@ -494,7 +522,8 @@ class KVEvents:
         assert ledger is not None
         rows = ledger.conn.execute(
             "SELECT key, pos, hashes, blocks, parent, tokens, block_size, lora_name, lora_id "
-            "FROM pages WHERE epoch != ? ORDER BY pos LIMIT ?", (self.epoch, budget)).fetchall()
+            "FROM pages WHERE epoch NOT IN (?, ?) ORDER BY pos LIMIT ?",
+            (self.epoch, self._gone, budget)).fetchall()
         if len(rows) < budget:
             self._unchecked = False  # these are the last
         if not rows:
@@ -510,9 +539,10 @@ class KVEvents:
                     ledger.conn.execute("UPDATE pages SET epoch = ? WHERE key = ?",
                                         (self.epoch, key))
                 else:
-                    self._out.append(Removed(_split(hashes, blocks)))
+                    self._out.append(Removed(_split(hashes, blocks), [key]))
                     self.counts.removed_pages += 1
-                    ledger.conn.execute("DELETE FROM pages WHERE key = ?", (key,))
+                    ledger.conn.execute("UPDATE pages SET epoch = ? WHERE key = ?",
+                                        (self._gone, key))
         return len(rows)
 
     def _confirm_saves(self, conns: list[sqlite3.Connection], budget: int, now: float) -> None:
@@ -593,7 +623,8 @@ def _first_not_held(ledger: Ledger, raw_keys: bytes, pages: int) -> int:
     while lo < hi:
         mid = (lo + hi) // 2
         key = raw_keys[mid * KEY_BYTES:(mid + 1) * KEY_BYTES]
-        if ledger.conn.execute("SELECT 1 FROM pages WHERE key = ?", (key,)).fetchone():
+        if ledger.conn.execute("SELECT 1 FROM pages WHERE key = ? AND epoch NOT LIKE 'gone:%'",
+                               (key,)).fetchone():
             lo = mid + 1
         else:
             hi = mid
