@@ -88,7 +88,15 @@ def save_and_commit(store: PageStore, ev: KVEvents, *requests: SimpleNamespace) 
     for n, req in enumerate(requests):
         keys = page_keys(req)
         store.commit(make_root(root_id(n), keys, SIZE))
-        ev.note_save(req, raw(keys), len(keys), PAGE, PAGE)
+        ev.note_save(req, raw(keys), PAGE, PAGE)
+
+
+def announced(store: PageStore, clock: Clock, *requests: SimpleNamespace) -> KVEvents:
+    """A tracker that has announced ``requests``, saved and committed (``save_and_commit``)."""
+    ev = tracker(store.layout.store_dir, clock)
+    save_and_commit(store, ev, *requests)
+    assert stored_hashes(take(ev, clock)) == {h for r in requests for h in r.block_hashes}
+    return ev
 
 
 @pytest.fixture
@@ -103,14 +111,14 @@ def test_a_page_is_announced_once_durable_with_its_hashes_tokens_and_parent(stor
     ev = tracker(store.layout.store_dir, clock)
     req = conversation("a", 6)
     keys = page_keys(req)
-    ev.note_save(req, raw(keys[:4]), 4, PAGE, PAGE)
+    ev.note_save(req, raw(keys[:4]), PAGE, PAGE)
     assert take(ev, clock) == []  # sent, not yet stored
     store.commit(make_root(root_id(1), keys[:4], SIZE))
     events = take(ev, clock)
     assert events == [Stored(req.block_hashes[:4], None, req.all_token_ids[:4 * PAGE], PAGE)]
     # The next turn's save covers the whole prompt: only the new pages are announced,
     # their parent the last page announced before.
-    ev.note_save(req, raw(keys), 6, PAGE, PAGE)
+    ev.note_save(req, raw(keys), PAGE, PAGE)
     store.commit(make_root(root_id(2), keys, SIZE))
     events = take(ev, clock)
     assert events == [Stored(req.block_hashes[4:], req.block_hashes[3],
@@ -123,10 +131,8 @@ def test_a_page_is_announced_once_durable_with_its_hashes_tokens_and_parent(stor
 
 def test_evicted_and_quarantined_pages_are_announced_removed(store) -> None:
     clock = Clock()
-    ev = tracker(store.layout.store_dir, clock)
     a, b = conversation("a", 3), conversation("b", 2)
-    save_and_commit(store, ev, a, b)
-    assert stored_hashes(take(ev, clock)) == set(a.block_hashes) | set(b.block_hashes)
+    ev = announced(store, clock, a, b)
     store.remove_roots([root_id(0)])
     generation = store._wconn.execute("SELECT generation FROM objects WHERE key = ?",
                                       (page_keys(b)[1],)).fetchone()[0]
@@ -140,11 +146,8 @@ def test_evicted_and_quarantined_pages_are_announced_removed(store) -> None:
 
 def test_a_restarted_tracker_announces_what_the_store_still_holds(store) -> None:
     clock = Clock()
-    ev = tracker(store.layout.store_dir, clock)
     a, b = conversation("a", 3), conversation("b", 2)
-    save_and_commit(store, ev, a, b)
-    take(ev, clock)
-    take(ev, clock)
+    ev = announced(store, clock, a, b)
     ev.close()
     store.remove_roots([root_id(1)])  # while vLLM is down
     again = tracker(store.layout.store_dir, clock)
@@ -162,11 +165,8 @@ def test_a_restarted_tracker_announces_what_the_store_still_holds(store) -> None
 
 def test_a_log_that_lost_rows_makes_every_announced_page_checked_again(store) -> None:
     clock = Clock()
-    ev = tracker(store.layout.store_dir, clock)
     a, b = conversation("a", 2), conversation("b", 2)
-    save_and_commit(store, ev, a, b)
-    take(ev, clock)
-    take(ev, clock)
+    ev = announced(store, clock, a, b)
     store.remove_roots([root_id(0)])
     # The rows were trimmed before this tracker read them.
     store._wconn.execute("DELETE FROM removals")
@@ -182,7 +182,7 @@ def test_reset_clears_and_a_save_never_stored_is_forgotten(store) -> None:
     clock = Clock()
     ev = tracker(store.layout.store_dir, clock)
     req = conversation("a", 2)
-    ev.note_save(req, raw(page_keys(req)), 2, PAGE, PAGE)
+    ev.note_save(req, raw(page_keys(req)), PAGE, PAGE)
     clock.t += kv_events.UNCONFIRMED_AFTER_S
     assert take(ev, clock) == []
     assert ev.counts.unconfirmed_saves == 1
@@ -245,7 +245,7 @@ def test_a_save_committed_after_the_engine_stopped_is_announced_by_the_next(stor
     ev = tracker(store.layout.store_dir, clock)
     req = conversation("a", 3)
     keys = page_keys(req)
-    ev.note_save(req, raw(keys), 3, PAGE, PAGE)
+    ev.note_save(req, raw(keys), PAGE, PAGE)
     assert take(ev, clock) == []
     ev.close()  # vLLM stops while the save is in flight
     store.commit(make_root(root_id(1), keys, SIZE))
@@ -267,7 +267,7 @@ def test_with_two_ranks_a_page_is_stored_when_both_hold_it_removed_when_either_d
         clock.t += kv_events.ANNOUNCE_AFTER_PRIMER_S / 2
         req = conversation("a", 2)
         keys = page_keys(req)
-        ev.note_save(req, raw(keys), 2, PAGE, PAGE)
+        ev.note_save(req, raw(keys), PAGE, PAGE)
         r0.commit(make_root(root_id(1), keys, SIZE))
         assert take(ev, clock) == []  # rank 1 has not committed it
         r1.commit(make_root(root_id(1), keys, SIZE))
@@ -279,10 +279,8 @@ def test_with_two_ranks_a_page_is_stored_when_both_hold_it_removed_when_either_d
 
 def test_a_removal_vllm_never_took_is_announced_by_the_next_engine(store) -> None:
     clock = Clock()
-    ev = tracker(store.layout.store_dir, clock)
     a = conversation("a", 2)
-    save_and_commit(store, ev, a)
-    assert stored_hashes(take(ev, clock)) == set(a.block_hashes)
+    ev = announced(store, clock, a)
     store.remove_roots([root_id(0)])
     clock.t += kv_events.CHECK_EVERY_S
     ev._work(clock.t)  # the removal is found and queued, and vLLM stops before taking it

@@ -65,30 +65,37 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if addr.version == 6 else socket.AF_INET
 
 
-Answer = tuple[HTTPStatus, str, bytes]  # status, content type, body
+def _response(status: HTTPStatus, content_type: str, body: bytes, send_body: bool = True,
+              ) -> bytes:
+    """The bytes of one answer; HEAD's has the length of the body it leaves out."""
+    head = (f"HTTP/1.1 {status.value} {status.phrase}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode("latin-1")
+    return head + body if send_body else head
 
 
-def answer(head: bytes, registry: CollectorRegistry,
-           health: Callable[[], tuple[bool, str]]) -> Answer:
+def respond(head: bytes, registry: CollectorRegistry,
+            health: Callable[[], tuple[bool, str]]) -> bytes:
     """The answer to one request's head (request line and headers)."""
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split()
     if len(parts) != 3 or not parts[2].startswith("HTTP/"):
-        return HTTPStatus.BAD_REQUEST, _TEXT, b"bad request line\n"
+        return _response(HTTPStatus.BAD_REQUEST, _TEXT, b"bad request line\n")
     method, target, _ = parts
     if method not in ("GET", "HEAD"):
-        return HTTPStatus.METHOD_NOT_ALLOWED, _TEXT, b"only GET and HEAD\n"
+        return _response(HTTPStatus.METHOD_NOT_ALLOWED, _TEXT, b"only GET and HEAD\n")
+    send_body = method == "GET"
     path = urlsplit(target).path
     if path == HEALTH_PATH:
         ok, why = health()
-        return (HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE), _TEXT, \
-            why.encode() + b"\n"
+        return _response(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, _TEXT,
+                         why.encode() + b"\n", send_body)
     if path in METRICS_PATHS:
         accept = next((line.split(":", 1)[1].strip() for line in lines[1:]
                        if line.lower().startswith("accept:")), None)
         encoder, content_type = choose_encoder(accept)
-        return HTTPStatus.OK, content_type, encoder(registry)
-    return HTTPStatus.NOT_FOUND, _TEXT, f"not found: try /metrics or {HEALTH_PATH}\n".encode()
+        return _response(HTTPStatus.OK, content_type, encoder(registry), send_body)
+    return _response(HTTPStatus.NOT_FOUND, _TEXT,
+                     f"not found: try /metrics or {HEALTH_PATH}\n".encode(), send_body)
 
 
 class MetricsServer:
@@ -165,16 +172,12 @@ class MetricsServer:
                                "oldest closed (%d so far)", MAX_CONNECTIONS, self.evicted)
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
-            status, content_type, body = answer(head, self.registry, self.health)
-            writer.write(
-                f"HTTP/1.1 {status.value} {status.phrase}\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode("latin-1"))
-            if not head.startswith(b"HEAD "):
-                writer.write(body)
+            writer.write(respond(head, self.registry, self.health))
             await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)
         except asyncio.LimitOverrunError:
-            writer.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                         b"Connection: close\r\nContent-Length: 0\r\n\r\n")
+            writer.write(_response(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, _TEXT,
+                                   f"a request head is at most {MAX_REQUEST_BYTES} bytes\n"
+                                   .encode()))
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             pass  # too slow, gone, or closed for a newer connection
         except Exception:

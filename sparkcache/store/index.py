@@ -90,7 +90,7 @@ END;""",
 # apart from ``roots.lease_until`` (the conversation's lease, which yields at the cap
 # whatever its age). A row goes with its root (the trigger). ``read_leases`` (one row a
 # root, no id) is what the first version of these leases kept: a writer's
-# connect(create=True) replaces it (``_upgrade_read_leases``); its rows, at most
+# connect(create=True) replaces it (``_add_schema``); its rows, at most
 # ``lookup_lease_seconds`` old, protected reads of processes a restart ended.
 _READ_LEASES_SCHEMA = (
     """CREATE TABLE IF NOT EXISTS reads(
@@ -205,8 +205,9 @@ END;
 """ + "\n".join(_GARBAGE_SCHEMA + _READ_LEASES_SCHEMA + _REMOVALS_SCHEMA)
 
 
-def _check_index_file(path: Path, create: bool) -> None:
-    """Refuse a symlinked or foreign index; create a missing one with mode 0600."""
+def check_db_file(path: Path, create: bool) -> None:
+    """Refuse a symlinked or foreign SQLite file (an index, the KV events ledger); create
+    a missing one with mode 0600."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -238,7 +239,7 @@ def connect(path: Path, create: bool, readonly: bool = False,
     READONLY_BUSY_TIMEOUT_MS for a lock. ``durable=False``: its transactions are not
     fsynced at COMMIT (a later durable one carries them to disk), for writes a crash may
     lose, such as leases."""
-    _check_index_file(path, create and not readonly)
+    check_db_file(path, create and not readonly)
     try:
         if readonly:
             uri = f"file:{urllib.parse.quote(str(path))}?mode=ro"
@@ -306,8 +307,8 @@ def _schema_version(conn: sqlite3.Connection, path: Path, create: bool) -> str |
         _upgrade(conn)
         _upgrade_packs(conn)
         _upgrade_hold(conn)
-        _upgrade_read_leases(conn)
-        _upgrade_removals(conn)
+        _add_schema(conn, "roots_del_reads", _READ_LEASES_SCHEMA)
+        _add_schema(conn, "removals_trim", _REMOVALS_SCHEMA)
     row = conn.execute("SELECT value FROM meta WHERE name = 'schema_version'").fetchone()
     return None if row is None else row[0]
 
@@ -352,22 +353,15 @@ def _upgrade_hold(conn: sqlite3.Connection) -> None:
             conn.execute("ALTER TABLE objects ADD COLUMN hold_until REAL")
 
 
-def _upgrade_read_leases(conn: sqlite3.Connection) -> None:
-    """Add the read leases to an index made before them (see ``_READ_LEASES_SCHEMA``)."""
-    if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'trigger' "
-                    "AND name = 'roots_del_reads'").fetchone():
+def _add_schema(conn: sqlite3.Connection, last_trigger: str, schema: Sequence[str]) -> None:
+    """Add a part of the schema to an index made before it, in one write transaction:
+    the read leases (``_READ_LEASES_SCHEMA``) or the removal log (``_REMOVALS_SCHEMA``),
+    known present by the last trigger it makes. Code that predates either reads and
+    writes such an index as before, so the schema version stays."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'trigger' AND name = ?",
+                    (last_trigger,)).fetchone():
         return
-    conn.executescript("BEGIN IMMEDIATE;" + "\n".join(_READ_LEASES_SCHEMA) + "COMMIT;")
-
-
-def _upgrade_removals(conn: sqlite3.Connection) -> None:
-    """Add the removal log to an index made before it (see ``_REMOVALS_SCHEMA``). Code
-    that predates it keeps the log through the triggers without reading it, so the
-    schema version stays."""
-    if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'trigger' "
-                    "AND name = 'removals_trim'").fetchone():
-        return
-    conn.executescript("BEGIN IMMEDIATE;" + "\n".join(_REMOVALS_SCHEMA) + "COMMIT;")
+    conn.executescript("BEGIN IMMEDIATE;" + "\n".join(schema) + "COMMIT;")
 
 
 class OutcomeUnknown(StoreError):

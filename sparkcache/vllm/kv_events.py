@@ -37,15 +37,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from sparkcache.identity import KEY_BYTES, Namespace
-from sparkcache.store import index
-from sparkcache.store.layout import FILE_MODE, RankLayout
+from sparkcache.store import StoreError, index
+from sparkcache.store.layout import RankLayout
 from sparkcache.store.removals import log_end, removals_since, restorable
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ CHECK_EVERY_S = 0.1
 ANNOUNCE_AFTER_PRIMER_S = 1.0
 # Work of one check: its longer C calls hold the GIL, which vLLM's thread waits for (a
 # 300k-token first turn, 18,750 pages of 16 tokens, over 19 checks: that thread's worst
-# pause 2.4 ms, against 1.7 ms with nothing beside it, measured).
+# pause 1.7-2.4 ms, against 1.4-1.7 ms with nothing beside it, in two runs measured).
 PAGES_PER_CHECK = 1024
 LOG_ROWS_PER_CHECK = 4096
 # A save not found stored after this long was refused or lost (the publish deadline and
@@ -129,16 +129,17 @@ Event = Stored | Removed | Cleared
 
 @dataclass
 class _Save:
-    """A save sent to the workers whose pages are not yet known stored: pages
-    ``first..first + len(keys) // KEY_BYTES - 1`` of a request. ``tokens`` is the
-    request's own list, read a page range at a time when announced (it only grows)."""
+    """A save sent to the workers whose pages ``first..first + pages - 1`` of a request
+    are not yet known stored. ``hashes`` and ``tokens`` are the request's own lists, read
+    by absolute position when announced: both only grow, and what a saved page covers
+    never changes, so the scheduler's thread hands them over without a copy."""
 
-    keys: bytes
+    keys: bytes  # raw keys of those pages
     first: int
-    hashes: list[bytes]  # ``blocks`` a page
-    parent: bytes | None
-    tokens: Sequence[int]
+    blocks: int  # vLLM blocks a page
     page_tokens: int
+    hashes: Sequence[bytes]
+    tokens: Sequence[int]
     lora_name: str | None
     lora_id: int | None
     since: float
@@ -147,33 +148,51 @@ class _Save:
     def pages(self) -> int:
         return len(self.keys) // KEY_BYTES
 
-    @property
-    def blocks(self) -> int:
-        return len(self.hashes) // self.pages
+    def key(self, i: int) -> bytes:
+        return self.keys[i * KEY_BYTES:(i + 1) * KEY_BYTES]
 
-    def page_range_tokens(self, a: int, b: int) -> Sequence[int]:
+    def page_hashes(self, a: int, b: int) -> list[bytes]:
+        """vLLM's block hashes of its pages ``a..b-1``."""
+        k = self.blocks
+        return list(self.hashes[(self.first + a) * k:(self.first + b) * k])
+
+    def parent(self, a: int) -> bytes | None:
+        """The block hash before its page ``a`` (None at the prompt's start)."""
+        p = (self.first + a) * self.blocks
+        return self.hashes[p - 1] if p else None
+
+    def page_tokens_of(self, a: int, b: int) -> Sequence[int]:
         """The tokens of its pages ``a..b-1``."""
-        return self.tokens[(self.first + a) * self.page_tokens:(self.first + b) * self.page_tokens]
+        t = self.page_tokens
+        return self.tokens[(self.first + a) * t:(self.first + b) * t]
 
     def split(self, n: int) -> tuple[_Save, _Save]:
         """Its first ``n`` pages, and the rest."""
-        k = self.blocks
-        head = _Save(self.keys[:n * KEY_BYTES], self.first, self.hashes[:n * k], self.parent,
-                     self.tokens, self.page_tokens, self.lora_name, self.lora_id, self.since)
-        tail = _Save(self.keys[n * KEY_BYTES:], self.first + n, self.hashes[n * k:],
-                     self.hashes[n * k - 1], self.tokens, self.page_tokens, self.lora_name,
-                     self.lora_id, self.since)
-        return head, tail
+        return (replace(self, keys=self.keys[:n * KEY_BYTES]),
+                replace(self, keys=self.keys[n * KEY_BYTES:], first=self.first + n))
 
 
 @dataclass
 class EventCounts:
-    announced_pages: int = 0
+    """What was announced, under the names of the ``events_*`` metrics (``totals``)."""
+
+    stored_pages: int = 0
     removed_pages: int = 0
     unconfirmed_saves: int = 0
     resyncs: int = 0
     # Saves not watched, by why: vLLM's block hashes could not name their pages.
-    reasons: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def totals(self) -> dict[str, int]:
+        """``events_<count>``, and the skips as ``skipped:events_<reason>``."""
+        out = {f"events_{k}": v for k, v in asdict(self).items() if k != "skipped"}
+        out.update({f"skipped:events_{k}": v for k, v in self.skipped.items()})
+        return out
+
+
+# A ledger row whose removal is announced but not yet taken by vLLM is marked
+# ``gone:<epoch>`` (``KVEvents._remove``): it no longer counts as held.
+_HELD = "epoch NOT LIKE 'gone:%'"
 
 
 class Ledger:
@@ -184,11 +203,7 @@ class Ledger:
         """``path`` None: in memory (a namespace no later process can have: after a
         ``reset_cache``)."""
         if path is not None:
-            if not path.exists():
-                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
-                                 FILE_MODE))
-            elif path.is_symlink() or not path.is_file():
-                raise OSError(f"{path} is not a plain file")
+            index.check_db_file(path, create=True)
         self.conn = sqlite3.connect(":memory:" if path is None else path, isolation_level=None)
         # Advisory: a crash may lose the last announcements, each checked before use.
         self.conn.execute("PRAGMA journal_mode=WAL")
@@ -201,30 +216,28 @@ class Ledger:
         for part in index.chunks(list(keys)):
             marks = ",".join("?" * len(part))
             found = self.conn.execute(f"SELECT group_concat(hex(key), '') FROM pages "
-                                      f"WHERE key IN ({marks}) AND epoch NOT LIKE 'gone:%'",
+                                      f"WHERE key IN ({marks}) AND {_HELD}",
                                       tuple(part)).fetchone()[0]
             raw = bytes.fromhex(found or "")
             out.update(raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES))
         return out
 
+    def first_not_held(self, save: _Save) -> int:
+        """The first of a save's pages the ledger does not hold. The pages a root holds
+        are a prefix of its key chain, and so are those announced of it: a binary
+        search."""
+        lo, hi = 0, save.pages  # pages before lo held; from hi on not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.conn.execute(f"SELECT 1 FROM pages WHERE key = ? AND {_HELD}",
+                                 (save.key(mid),)).fetchone():
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
     def close(self) -> None:
         self.conn.close()
-
-
-@dataclass(frozen=True)
-class _Noted:
-    """A save as ``note_save`` saw it: the request's own lists, read later (both only
-    grow: the pages saved never change)."""
-
-    raw_keys: bytes
-    pages: int
-    blocks: int  # vLLM blocks a page
-    page_tokens: int
-    hashes: Sequence[bytes]
-    tokens: Sequence[int]
-    lora_name: str | None
-    lora_id: int | None
-    since: float
 
 
 class KVEvents:
@@ -277,9 +290,10 @@ class KVEvents:
         """``reset_cache``: every page announced so far is gone for this engine."""
         self._inbox.put(("clear",))
 
-    def note_save(self, request: Any, raw_keys: bytes, pages: int, page_tokens: int,
+    def note_save(self, request: Any, raw_keys: bytes, page_tokens: int,
                   hash_block_size: int | None) -> None:
-        """A save of the request's pages ``0..pages-1`` (keys ``raw_keys``) was sent."""
+        """A save of the request's first pages (their keys ``raw_keys``) was sent."""
+        pages = len(raw_keys) // KEY_BYTES
         if pages <= 0 or self._stopped:
             return
         if not hash_block_size or page_tokens % hash_block_size:
@@ -291,12 +305,12 @@ class KVEvents:
             self._skip("hashes")
             return
         lora = getattr(request, "lora_request", None)
-        self._inbox.put(("save", _Noted(
-            raw_keys, pages, blocks, page_tokens, hashes, request.all_token_ids,
+        self._inbox.put(("save", _Save(
+            raw_keys, 0, blocks, page_tokens, hashes, request.all_token_ids,
             getattr(lora, "name", None), getattr(lora, "adapter_id", None), self.clock())))
 
     def _skip(self, reason: str) -> None:
-        self.counts.reasons[reason] = self.counts.reasons.get(reason, 0) + 1
+        self.counts.skipped[reason] = self.counts.skipped.get(reason, 0) + 1
 
     def take(self) -> list[Event]:
         """The events ready since the last call. The pages of removals taken are then
@@ -379,7 +393,7 @@ class KVEvents:
         self._unchecked = True
         try:
             self._ledger = Ledger(path)
-        except (OSError, sqlite3.Error) as exc:
+        except (OSError, sqlite3.Error, StoreError) as exc:
             self._ledger = None
             log.warning("KV events off: the ledger %s cannot be opened: %s", path, exc)
 
@@ -391,21 +405,13 @@ class KVEvents:
         self._saves.clear()
         self._out.append(Cleared())
 
-    def _watch(self, noted: _Noted) -> None:
+    def _watch(self, save: _Save) -> None:
         """Watch a save's pages the ledger does not hold yet."""
-        ledger = self._ledger
-        if ledger is None:
+        if self._ledger is None:
             return
-        n, k, b = noted.pages, noted.blocks, noted.page_tokens
-        first = _first_not_held(ledger, noted.raw_keys, n)
-        if first >= n:
-            return
-        self._saves.append(_Save(
-            keys=noted.raw_keys[first * KEY_BYTES: n * KEY_BYTES], first=first,
-            hashes=list(noted.hashes[first * k: n * k]),
-            parent=noted.hashes[first * k - 1] if first else None, tokens=noted.tokens,
-            page_tokens=b, lora_name=noted.lora_name, lora_id=noted.lora_id,
-            since=noted.since))
+        first = self._ledger.first_not_held(save)
+        if first < save.pages:
+            self._saves.append(save.split(first)[1])
 
     def _shut(self) -> None:
         if self._ledger is not None and self._saves:
@@ -428,7 +434,6 @@ class KVEvents:
         if self._announce_from is None:
             self._out.append(Removed([]))
             self._announce_from = now + ANNOUNCE_AFTER_PRIMER_S
-            self._primed = False
         elif not self._primed and now >= self._announce_from - ANNOUNCE_AFTER_PRIMER_S / 2:
             self._out.append(Removed([]))
             self._primed = True
@@ -491,7 +496,7 @@ class KVEvents:
                 marks = ",".join("?" * len(part))
                 found = ledger.conn.execute(
                     "SELECT group_concat(hex(key) || ':' || hex(hashes) || ':' || blocks, ',') "
-                    f"FROM pages WHERE key IN ({marks}) AND epoch NOT LIKE 'gone:%'",
+                    f"FROM pages WHERE key IN ({marks}) AND {_HELD}",
                     tuple(part)).fetchone()[0]
                 if not found:
                     continue
@@ -501,7 +506,7 @@ class KVEvents:
                                              [bytes.fromhex(key)]))
                     self.counts.removed_pages += 1
                 ledger.conn.execute(f"UPDATE pages SET epoch = ? WHERE key IN ({marks}) "
-                                    "AND epoch NOT LIKE 'gone:%'", (self._gone, *part))
+                                    f"AND {_HELD}", (self._gone, *part))
 
     def _forget(self, keys: Sequence[bytes]) -> None:
         """Removals vLLM took: their pages leave the ledger (unless stored again since)."""
@@ -535,7 +540,7 @@ class KVEvents:
                     self._out.append(Stored(_split(hashes, blocks), parent,
                                             np.frombuffer(tokens, _TOKEN_DTYPE).tolist(),
                                             block_size, lora_name, lora_id))
-                    self.counts.announced_pages += 1
+                    self.counts.stored_pages += 1
                     ledger.conn.execute("UPDATE pages SET epoch = ? WHERE key = ?",
                                         (self.epoch, key))
                 else:
@@ -553,8 +558,7 @@ class KVEvents:
             if budget <= 0:
                 return
             save = self._saves.popleft()
-            last = save.keys[-KEY_BYTES:]
-            if not _restorable_everywhere(conns, [last]):
+            if not _restorable_everywhere(conns, [save.key(save.pages - 1)]):
                 if now - save.since < UNCONFIRMED_AFTER_S:
                     self._saves.append(save)  # looked at again next check
                 else:
@@ -571,10 +575,9 @@ class KVEvents:
         hold: one event and one ledger statement per run of them (normally one)."""
         ledger = self._ledger
         assert ledger is not None
-        keys = [save.keys[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in range(save.pages)]
+        keys = [save.key(i) for i in range(save.pages)]
         held = ledger.holds(keys)
         present = _restorable_everywhere(conns, [k for k in keys if k not in held])
-        k = save.blocks
         with index.write_txn(ledger.conn):
             a = 0
             while a < save.pages:
@@ -584,12 +587,12 @@ class KVEvents:
                 b = a
                 while b < save.pages and keys[b] in present:
                     b += 1
-                parent = save.parent if a == 0 else save.hashes[a * k - 1]
-                self._out.append(Stored(save.hashes[a * k: b * k], parent,
-                                        list(save.page_range_tokens(a, b)),
-                                        save.page_tokens // k, save.lora_name, save.lora_id))
+                self._out.append(Stored(save.page_hashes(a, b), save.parent(a),
+                                        list(save.page_tokens_of(a, b)),
+                                        save.page_tokens // save.blocks, save.lora_name,
+                                        save.lora_id))
                 self._insert(save, a, b, self.epoch)
-                self.counts.announced_pages += b - a
+                self.counts.stored_pages += b - a
                 a = b
 
     def _insert(self, save: _Save, a: int, b: int, epoch: str) -> None:
@@ -598,14 +601,13 @@ class KVEvents:
         would take it back for each (and wait for it while vLLM's thread runs)."""
         assert self._ledger is not None
         k = save.blocks
-        hashes = save.hashes[a * k: b * k]
+        hashes = save.page_hashes(a, b)
         hash_len = len(hashes[0])
-        tokens = np.asarray(save.page_range_tokens(a, b), dtype=_TOKEN_DTYPE)
+        tokens = np.asarray(save.page_tokens_of(a, b), dtype=_TOKEN_DTYPE)
         self._ledger.conn.execute(_INSERT_RUN, {
             "count": b - a, "keys": save.keys[a * KEY_BYTES: b * KEY_BYTES],
             "first": save.first + a, "hashes": b"".join(hashes), "hw": k * hash_len,
-            "hl": hash_len, "blocks": k,
-            "parent": save.parent if a == 0 else save.hashes[a * k - 1],
+            "hl": hash_len, "blocks": k, "parent": save.parent(a),
             "tokens": tokens.tobytes(), "tw": save.page_tokens * _TOKEN_DTYPE.itemsize,
             "block_size": save.page_tokens // k, "lora_name": save.lora_name,
             "lora_id": save.lora_id, "epoch": epoch})
@@ -614,21 +616,6 @@ class KVEvents:
 def _split(joined: bytes, blocks: int) -> list[bytes]:
     size = len(joined) // blocks
     return [joined[i * size:(i + 1) * size] for i in range(blocks)]
-
-
-def _first_not_held(ledger: Ledger, raw_keys: bytes, pages: int) -> int:
-    """The first of a key chain's pages the ledger does not hold. Pages a root holds are
-    a prefix of its chain, and so are the pages announced of it: a binary search."""
-    lo, hi = 0, pages  # pages before lo held; from hi on not
-    while lo < hi:
-        mid = (lo + hi) // 2
-        key = raw_keys[mid * KEY_BYTES:(mid + 1) * KEY_BYTES]
-        if ledger.conn.execute("SELECT 1 FROM pages WHERE key = ? AND epoch NOT LIKE 'gone:%'",
-                               (key,)).fetchone():
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 def _restorable_everywhere(conns: list[sqlite3.Connection], keys: Sequence[bytes]) -> set[bytes]:

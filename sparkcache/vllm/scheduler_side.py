@@ -324,7 +324,7 @@ class SchedulerSide:
         state.saved_pages = len(keys)
         state.keys.note_saved(len(keys))
         raw = state.keys.key_bytes(0, len(keys))
-        self._note_save(state.request, raw, len(keys))
+        self._note_save(state.request, raw)
         return PageJob(req_id, raw, state.blocks[: len(keys)])
 
     def _preemption_save(self, req_id: str, state: _Request) -> PageJob:
@@ -425,14 +425,14 @@ class SchedulerSide:
         request_keys = self._reqs[request.request_id].keys  # made by _keys
         raw = request_keys.key_bytes(0, len(keys))
         self._meta.saves.append(PageJob(request.request_id, raw, list(block_ids[: len(keys)])))
-        self._note_save(request, raw, len(keys))
+        self._note_save(request, raw)
         self.counters["saves"] += 1
         request_keys.note_saved(len(keys))
         return True, None
 
-    def _note_save(self, request: Any, raw_keys: bytes, pages: int) -> None:
+    def _note_save(self, request: Any, raw_keys: bytes) -> None:
         if self.events is not None:
-            self.events.note_save(request, raw_keys, pages, self.block, self._hash_block_size)
+            self.events.note_save(request, raw_keys, self.block, self._hash_block_size)
 
     def take_events(self) -> list[Any]:
         """vLLM's ``take_events``: the store's changes to this engine's pages since the
@@ -454,13 +454,7 @@ class SchedulerSide:
         for reason, n in self.lookup.misses.items():
             out[f"skipped:lookup_{reason}"] += n
         if self.events is not None:
-            c = self.events.counts
-            out.update({"events_stored_pages": c.announced_pages,
-                        "events_removed_pages": c.removed_pages,
-                        "events_unconfirmed_saves": c.unconfirmed_saves,
-                        "events_resyncs": c.resyncs})
-            for reason, n in c.reasons.items():
-                out[f"skipped:events_{reason}"] = n
+            out.update(self.events.counts.totals())
         for reason in ("lookup_skipped", "namespace_mismatch", "aborted_while_loading",
                        "load_failed_before", "lookup_before_reset", "lookup_skip_reading"):
             if self.counters[reason]:
