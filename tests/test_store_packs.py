@@ -174,6 +174,34 @@ def test_collecting_part_of_a_pack_frees_its_records_and_the_last_removes_it(
     assert_clean(store.layout.store_dir)
 
 
+def test_maintenance_slices_free_each_record_of_a_named_pack_and_a_whole_pack_once(
+        store: PageStore, clock: FakeClock) -> None:
+    """Maintenance's path (rows deleted in one slice, their deletion synced, the files
+    in the next), which asks once per pack whether rows still name it."""
+    shared, own_a, own_c = keys(2), keys(6), keys(5)
+    a, c = rid(), rid()
+    store.commit(make_root(a, shared + own_a, SIZE))  # pack A: 8 records
+    store.commit(make_root(rid(), shared + keys(1), SIZE))  # keeps pack A named
+    store.commit(make_root(c, own_c, SIZE))  # pack C: 5 records, all to go
+    pack_a = object_file(store.layout.objects_dir, store._rconn, shared[0])[0]
+    pack_c = object_file(store.layout.objects_dir, store._rconn, own_c[0])[0]
+    store.remove_roots([a, c])
+
+    costs, collected, slices = CostModel(), 0, 0
+    while collected < 11:  # a slice learns each kind of work's cost on its first unit
+        meter = SliceMeter(SliceBudget(16, 1 << 30, 60.0), costs, time.monotonic)
+        collected += store.collect(100, meter).objects
+        store.sync_collected()
+        slices += 1
+        assert slices < 10
+    assert collected == 11 and not pack_c.exists()
+    assert fsck(store.layout.store_dir, grace_seconds=0).unpunched_bytes == 6 * record_span(SIZE)
+    punch_due(store, clock)
+    assert data_blocks(pack_a) == 2 * record_span(SIZE) // 4096  # the shared two
+    assert restored(store, shared) == [page_bytes(k, SIZE) for k in shared]
+    assert_clean(store.layout.store_dir)
+
+
 def test_a_long_dead_range_is_punched_a_piece_a_slice_within_its_byte_budget(
         store: PageStore, clock: FakeClock) -> None:
     """An evicted root's end can be gigabytes of one pack: a slice frees at most the bytes
