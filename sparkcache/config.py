@@ -158,6 +158,14 @@ class Config:
             "between slices to stay under it."
         ),
     )
+    maintenance_duty_max: float = field(
+        default=0.5,
+        metadata=_help(
+            "Share of a second slices may take as used bytes reach the hard cap, > 0 and "
+            "<= 1 (the maintenance duty where that is higher): past max bytes the duty "
+            "rises in proportion, so reclaiming speeds up before publications are refused."
+        ),
+    )
     maintenance_io_bytes_per_s: int = field(
         default=GiB,
         metadata=_help(
@@ -309,7 +317,7 @@ def _parse_field(name: str, text: str) -> Any:
             return float(text)
         except ValueError:
             raise ValueError("a number of milliseconds") from None
-    if name == "maintenance_duty":
+    if name in ("maintenance_duty", "maintenance_duty_max"):
         try:
             return float(text)
         except ValueError:
@@ -434,6 +442,8 @@ def _validate_maintenance(cfg: Config, bad: Callable[[str, str], None]) -> None:
     if not 0 < duty <= 1:  # also refuses NaN
         bad("maintenance_duty", "a share of a second above 0 and at most 1, such as 0.2")
         return
+    if not 0 < cfg.maintenance_duty_max <= 1:
+        bad("maintenance_duty_max", "a share of a second above 0 and at most 1, such as 0.5")
     # A slice must fit the duty cap's share of a second (maintenance_policy.DutyCycle).
     if not 0 < cfg.maintenance_slice_ms <= duty * 1000:
         bad("maintenance_slice_ms",

@@ -11,7 +11,8 @@ tests drive it deterministically (``tests/test_maintenance_policy.py``);
   Time is judged before each unit of work with costs learnt from earlier units
   (``CostModel``), so a slice stops before it would run over, not after.
 * ``DutyCycle``: over any window of ``WINDOW_S``, slices take at most ``duty`` of it, so
-  maintenance never runs continuously however much is left to do.
+  maintenance never runs continuously however much is left to do. Past ``max_bytes`` the
+  share rises with used bytes, to ``duty_max`` at the hard cap (``Limits.duty_at``).
 * ``IoPacer``: bytes unlinked and written to the index, at most ``io_bytes_per_s`` on
   average (a token bucket holding one second's worth).
 * ``HardCap``: how long used bytes have stood at the hard cap, where the engine's client
@@ -53,6 +54,7 @@ class Limits:
     max_bytes: int
     low_watermark_bytes: int
     hard_cap_bytes: int
+    duty_max: float
 
     @classmethod
     def from_config(cls, cfg: Config) -> Limits:
@@ -61,7 +63,21 @@ class Limits:
                         cfg.maintenance_slice_ms / 1000),
             cfg.maintenance_duty, cfg.maintenance_io_bytes_per_s, cfg.max_bytes,
             cfg.low_watermark_bytes, cfg.hard_cap_bytes,
+            max(cfg.maintenance_duty, cfg.maintenance_duty_max),
         )
+
+    def duty_at(self, used: int) -> float:
+        """The duty cap with ``used`` bytes stored: ``duty`` up to ``max_bytes``, rising in
+        proportion to ``duty_max`` at the hard cap. Commits in bursts (several turns of
+        long conversations at once) outran a fixed duty's reclaiming and met the hard cap,
+        where publications are refused: a refused first turn is a conversation never
+        stored. Bounded all the same, and calm below ``max_bytes``
+        (docs/maintenance.md, "Pacing")."""
+        over = used - self.max_bytes
+        if over <= 0:
+            return self.duty
+        gap = max(1, self.hard_cap_bytes - self.max_bytes)
+        return self.duty + (self.duty_max - self.duty) * min(1.0, over / gap)
 
 
 @dataclass
@@ -298,13 +314,16 @@ class HardCap:
 
 
 class Pacing:
-    """When the next slice may start: the later of the duty cap and the I/O cap."""
+    """When the next slice may start: the later of the duty cap (at the used bytes last
+    seen) and the I/O cap."""
 
     def __init__(self, limits: Limits, now: float) -> None:
+        self.limits = limits
         self.duty = DutyCycle(limits.duty, limits.budget.seconds)
         self.io = IoPacer(limits.io_bytes_per_s, now)
 
-    def wait(self, now: float) -> float:
+    def wait(self, now: float, used: int) -> float:
+        self.duty.share = self.limits.duty_at(used)
         return max(self.duty.wait(now), self.io.wait(now))
 
     def record(self, start: float, end: float, io_bytes: int) -> None:

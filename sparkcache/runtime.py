@@ -21,7 +21,8 @@ RUNTIME_FILE = "runtime.json"
 # environment's values.
 RUNTIME_SETTINGS = (
     "max_bytes", "low_watermark_bytes", "lease_seconds", "maintenance_slice_bytes",
-    "maintenance_slice_ms", "maintenance_duty", "maintenance_io_bytes_per_s",
+    "maintenance_slice_ms", "maintenance_duty", "maintenance_duty_max",
+    "maintenance_io_bytes_per_s",
 )
 
 

@@ -149,7 +149,8 @@ def advise(inputs: SizingInputs) -> Advice:
             f"reclamation FALLS BEHIND growth: {rates}; in an episode used bytes rise "
             f"{size(-margin)}/s and reach the hard cap {size(hard_cap)} (publications "
             f"refused) {duration(to_cap or 0)} after crossing max_bytes: raise "
-            "SPARKCACHE_MAINTENANCE_DUTY / _SLICE_BYTES / _IO_BYTES_PER_S, or publish less")
+            "SPARKCACHE_MAINTENANCE_DUTY / _DUTY_MAX / _SLICE_BYTES / _IO_BYTES_PER_S, or "
+            "publish less")
     if inputs.maintenance_duty is not None:
         cap = "" if inputs.duty_cap is None else (
             f" of a cap of {_said(inputs.duty_cap, f'{inputs.duty_cap.value:.0%}')}")

@@ -124,6 +124,9 @@ def test_every_field_has_help_env_and_flag():
         ({"SPARKCACHE_MAINTENANCE_DUTY": "nan"},
          "SPARKCACHE_MAINTENANCE_DUTY (--maintenance-duty)='nan' is invalid: expected a share "
          "of a second above 0 and at most 1, such as 0.2"),
+        ({"SPARKCACHE_MAINTENANCE_DUTY_MAX": "0"},
+         "SPARKCACHE_MAINTENANCE_DUTY_MAX (--maintenance-duty-max)='0' is invalid: expected "
+         "a share of a second above 0 and at most 1, such as 0.5"),
         ({"SPARKCACHE_INSTANCE": "a b"},
          "SPARKCACHE_INSTANCE (--instance)='a b' is invalid: expected 1-32 characters from "
          "A-Z a-z 0-9 _ -"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import random
+from pathlib import Path
 
 import pytest
 from eviction_util import FakeClock, meter
@@ -103,14 +104,45 @@ def test_io_pacing_holds_the_rate_after_a_one_second_burst() -> None:
 
 
 def test_pacing_waits_for_the_later_of_duty_and_io() -> None:
-    limits = Limits(SliceBudget(16, 1 << 20, 0.02), 0.2, 1000.0, 100, 50, 150)
+    limits = Limits(SliceBudget(16, 1 << 20, 0.02), 0.2, 1000.0, 100, 50, 150, 0.5)
     pacing = Pacing(limits, 0.0)
     for i in range(10):
-        assert pacing.wait(i * 0.02) == 0.0
+        assert pacing.wait(i * 0.02, 0) == 0.0
         pacing.record(i * 0.02, (i + 1) * 0.02, io_bytes=0)
-    assert pacing.wait(0.2) == pytest.approx(0.8)  # duty: 0.2 s of any second
+    assert pacing.wait(0.2, 0) == pytest.approx(0.8)  # duty: 0.2 s of any second
     pacing.record(1.0, 1.02, io_bytes=3000)  # 2000 bytes of debt at 1000/s
-    assert pacing.wait(1.02) == pytest.approx(2.0, abs=0.03)
+    assert pacing.wait(1.02, 0) == pytest.approx(2.0, abs=0.03)
+
+
+def test_the_duty_rises_past_max_bytes_to_its_bound_at_the_hard_cap() -> None:
+    limits = Limits(SliceBudget(16, 1 << 20, 0.02), 0.2, 1e12, 100, 50, 150, 0.6)
+    assert [limits.duty_at(u) for u in (0, 100)] == [0.2, 0.2]  # calm up to max_bytes
+    assert limits.duty_at(125) == pytest.approx(0.4)  # in proportion between the two
+    assert [limits.duty_at(u) for u in (150, 10_000)] == [pytest.approx(0.6)] * 2
+
+
+def test_a_duty_above_the_bound_is_never_lowered_at_the_cap() -> None:
+    cfg = config.Config(store_dir=Path("/nonexistent"), maintenance_duty=0.7)
+    limits = Limits.from_config(cfg)
+    assert (limits.duty, limits.duty_max) == (0.7, 0.7)
+    assert limits.duty_at(cfg.hard_cap_bytes) == 0.7
+    assert Limits.from_config(config.Config(store_dir=Path("/nonexistent"))).duty_max == 0.5
+
+
+def test_pacing_near_the_hard_cap_lets_more_slices_run_within_the_raised_share() -> None:
+    limits = Limits(SliceBudget(16, 1 << 20, 0.02), 0.2, 1e12, 100, 50, 150, 0.6)
+
+    def busy_in_one_second(used: int) -> float:
+        pacing, now, busy = Pacing(limits, 0.0), 0.0, 0.0
+        while now < 10.0:  # slices always waiting for work, as at the cap
+            now += pacing.wait(now, used)
+            pacing.record(now, now + 0.02, io_bytes=0)
+            now += 0.02
+            busy += 0.02 if now > 9.0 else 0.0
+        return busy
+
+    assert busy_in_one_second(100) == pytest.approx(0.2, abs=0.021)
+    assert busy_in_one_second(150) == pytest.approx(0.6, abs=0.021)
 
 
 def test_the_hard_cap_clock_counts_a_sustained_refusal_and_stops_below() -> None:

@@ -142,7 +142,7 @@ class Maintenance:
     def step(self) -> float:
         """One turn of the loop: a slice if the duty and I/O caps allow one now, then the
         report. Returns how long to wait before the next turn (0: at once)."""
-        wait = self.pacing.wait(self.clock())
+        wait = self.pacing.wait(self.clock(), self.life.used_bytes)
         worked = False
         if wait <= 0:
             try:

@@ -59,7 +59,8 @@ MAINTENANCE_GAUGES = (
      "files not yet unlinked).", "collectable_objects"),
     ("gc_backlog_bytes", "Bytes of the objects awaiting collection.", "collectable_bytes"),
     ("maintenance_duty_ratio", "Share of the last 10 s maintenance spent in slices (its "
-     "cap: SPARKCACHE_MAINTENANCE_DUTY).", "duty"),
+     "cap: SPARKCACHE_MAINTENANCE_DUTY, rising past max bytes to "
+     "SPARKCACHE_MAINTENANCE_DUTY_MAX at the hard cap).", "duty"),
     ("store_pooled_bytes", "Bytes of collected files kept for commits to overwrite: on "
      "disk, not in store_used_bytes (cap: SPARKCACHE_MAINTENANCE_POOL_BYTES).",
      "pooled_bytes"),
