@@ -3,7 +3,15 @@ headers, SPSC rings of fixed-size records, slot arenas and seqlocked stats block
 
 from sparkcache.shm.arena import FREE, SlotArena, SlotOwnershipError
 from sparkcache.shm.records import RecordLayout
-from sparkcache.shm.ring import Consumer, Producer, Ring, RingClosed, RingEmpty, RingFull
+from sparkcache.shm.ring import (
+    Consumer,
+    Producer,
+    Ring,
+    RingClosed,
+    RingCorrupt,
+    RingEmpty,
+    RingFull,
+)
 from sparkcache.shm.segment import (
     ForeignSegment,
     LayoutMismatch,
@@ -24,6 +32,7 @@ __all__ = [
     "RecordLayout",
     "Ring",
     "RingClosed",
+    "RingCorrupt",
     "RingEmpty",
     "RingFull",
     "Segment",

@@ -51,6 +51,16 @@ a post of its own always gets one (Producer._reserve).
 Batches are the unit of hand-over: space returns to the producer batch by batch, so a
 batch the consumer has half read still occupies its records. docs/shm.md lists the
 crash windows.
+
+Trusting no entry. A TABLE entry is the producer's word, and a stray write (or an end
+used from a forked child, which the ends refuse: ``_forget_in_child``) could make one
+say anything. A consumer that believed a huge ``end`` replayed stale records forever. So
+each batch's ``end`` must lie between its predecessor's and the consumer's tail plus the
+capacity (the producer never writes past the oldest batch not yet returned, which starts
+at or before the tail), a post with no batch must come with ``closed`` set (stored
+before the close posts), and adoption may take no more posts than batches fit in flight.
+A violation raises ``RingCorrupt``: what the ring holds can no longer be told from what
+it held, so the ring is not read again; a new supervisor makes new rings.
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ import os
 import queue
 import struct
 import time
+import weakref
 from collections import deque
 
 import numpy as np
@@ -121,6 +132,30 @@ class RingEmpty(queue.Empty):
 
 class RingClosed(Exception):
     """The producer closed the ring and every record has been read."""
+
+
+class RingCorrupt(SegmentError):
+    """The ring's shared words say what its protocol cannot (module notes, "Trusting no
+    entry"), or an end is used in a forked child: never read or written again."""
+
+
+# Every end of this process: in a forked child they are left inert (``_forget_in_child``).
+_ENDS: weakref.WeakSet[Producer | Consumer] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """After a fork, in the child: its copies of this process's ends touch nothing shared.
+    A child pushing through its parent's producer wrote TABLE entries the parent then
+    overwrote (two producers of one ring), and a child's close at exit would have closed
+    the parent's ring. Any later use raises ``RingCorrupt``; close and detach only drop
+    the child's mapping."""
+    for end in list(_ENDS):
+        end._forked = True
+        end._limit = -1  # a producer's every push now asks _reserve, which refuses
+        end._buf, end._buf_pos = b"", 0  # a consumer's prefetched records stay the parent's
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _entries(capacity: int) -> int:
@@ -369,6 +404,8 @@ class Producer:
             self._limit = -1
         else:
             self._limit = self._space_limit()
+        self._forked = False
+        _ENDS.add(self)
 
     def _start_of(self, k: int) -> int:
         """Ring position where batch ``k`` starts; its predecessor's entry is intact
@@ -407,6 +444,9 @@ class Producer:
         self._limit = self._space_limit()
 
     def _reserve(self, n: int, timeout: float) -> None:
+        if self._forked:
+            raise RingCorrupt(f"ring {self._m.name}: its producer was opened by process "
+                              f"{self._m.u64(_PRODUCER_PID)}, not by this forked child")
         if self._closed:
             raise RingClosed(f"ring {self._m.name} is closed")
         if n > self.capacity:
@@ -512,6 +552,9 @@ class Producer:
         m = self._m
         if m is None:
             return
+        if self._forked:  # the parent's producer, not this child's to close
+            self.detach()
+            return
         self._closed = True
         self._limit = -1
         m.set_u64(_CLOSED, 1)
@@ -523,7 +566,8 @@ class Producer:
     def detach(self) -> None:
         """Leave the ring without closing it (a new producer may attach). Idempotent."""
         if self._m is not None:
-            self._m.set_u64(_PRODUCER_PID, 0)
+            if not self._forked:
+                self._m.set_u64(_PRODUCER_PID, 0)
             self._m.close()
             self._m = None
 
@@ -566,6 +610,31 @@ class Consumer:
         # and may have taken more without recording them.
         self._seen = self._batch
         self._adopt_due = died_attached or self._taken > self._batch
+        self.capacity = m.capacity
+        self._broken: str | None = None  # why the ring is never read again
+        self._forked = False
+        _ENDS.add(self)
+
+    def _corrupt(self, what: str) -> RingCorrupt:
+        """The error for a violation; the ring is never read again (a later call raises
+        it again rather than read what follows)."""
+        self._broken = f"ring {self._m.name} is corrupt: {what}; a new supervisor makes new rings"
+        log.error("%s", self._broken)
+        return RingCorrupt(self._broken)
+
+    def _check_end(self, k: int, end: int) -> None:
+        """Raise RingCorrupt unless batch ``k``'s ``end`` lies between its predecessor's
+        end and the tail plus the capacity (module notes, "Trusting no entry")."""
+        low = self._m.entry(k - 1)[0] if k else 0
+        high = self._tail + self.capacity
+        if not low <= end <= high:
+            raise self._corrupt(f"batch {k} ends at record {end}, outside [{low}, {high}]")
+
+    def _check_closed(self, k: int) -> None:
+        """A post with no batch (entry ``k``'s seq is not ``k``) is a close only if the
+        producer set ``closed`` first; else the entry was overwritten."""
+        if not self._m.u64(_CLOSED):
+            raise self._corrupt(f"post {k} has no batch and the ring is not closed")
 
     def _adopt(self) -> None:
         """Take over data posts a predecessor took but never recorded (it was killed
@@ -584,6 +653,9 @@ class Consumer:
         self._sem.release()
         self._sem.acquire()  # cannot block: the value is at least the post given back
         unrecorded = posted - self._sem.value - self._taken
+        if unrecorded > self._entries + _CLOSE_POSTS:  # more than can be in flight
+            raise self._corrupt(f"{unrecorded} data posts to adopt, where at most "
+                                f"{self._entries + _CLOSE_POSTS} can be in flight")
         if unrecorded > 0:
             log.warning("ring %s: adopting %d data post(s) taken but not recorded",
                         self._m.name, unrecorded)
@@ -599,9 +671,11 @@ class Consumer:
             i = self._table_word + _ENTRY_WORDS * (j % self._entries)
             end, seq = w[i], w[i + 1]
             if seq != j:  # no batch for this post: the producer closed the ring
+                self._check_closed(j)
                 self._closed = True
                 j = self._taken
                 break
+            self._check_end(j, end)
             self._ends.append(end)
             # A killed predecessor may have recorded its tail and not yet the batches
             # it finished: those end at or before the tail.
@@ -627,6 +701,8 @@ class Consumer:
         # _read_entries for one post at a time, inlined: this loop runs once per batch
         w, at, entries, ends = self._words, self._table_word, self._entries, self._ends
         j, end = self._taken, self._end
+        # The most a valid batch can end at (module notes, "Trusting no entry").
+        most = self._tail + self.capacity
         try:
             while n and end < limit:
                 sem.acquire()
@@ -635,8 +711,12 @@ class Consumer:
                 e = w[i]
                 j += 1
                 if w[i + 1] != j - 1:  # no batch for this post: the producer closed the ring
+                    self._check_closed(j - 1)
                     self._closed = True
                     break
+                # Its predecessor's entry is read under this post too.
+                if not (w[at + _ENTRY_WORDS * ((j - 2) % entries)] if j > 1 else 0) <= e <= most:
+                    self._check_end(j - 1, e)  # raises
                 ends.append(e)
                 end = e
         finally:
@@ -723,6 +803,9 @@ class Consumer:
         """Copy up to ``max_records`` records out of the ring (at least one, waiting up to
         ``timeout`` for it), taking the posts already made for as many as fit. Finished
         batches are recorded, then their space handed back."""
+        if self._broken or self._forked:
+            raise RingCorrupt(self._broken or f"ring {self._m.name}: its consumer was opened "
+                              "by the parent of this forked child")
         tail = self._tail
         if self._end <= tail:
             self._wait(timeout)
@@ -770,6 +853,10 @@ class Consumer:
         the next consumer takes them again under its own waits. Idempotent."""
         m = self._m
         if m is None:
+            return
+        if self._forked:  # the parent's consumer: this child only drops its mapping
+            m.close()
+            self._m = None
             return
         held = self._taken - self._batch
         self._taken = self._batch

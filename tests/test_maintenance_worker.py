@@ -243,3 +243,31 @@ def test_a_release_taken_before_its_lease_from_another_ring_still_ends_it(
             == (0,)
         r.maintenance.report()
         assert maintenance_record(r).read_releases == 1
+
+
+def test_a_drain_ends_though_the_engine_never_stops_pushing(
+        tmp_path: Path, instance: str) -> None:
+    """Maintenance drains its rings holding the write lock and the gate: it takes what a
+    ring held when the drain began, at most its capacity, never "until empty" (a ring
+    that replayed records forever held both for good)."""
+    with rig(tmp_path / "store", instance, **SETTINGS) as r:
+        ring = r.maintenance.requests[1]
+        touch = (int(RequestKind.TOUCH), 0, *split_key(os.urandom(16).hex()), 0, 0,
+                 time.time(), 0.0)
+        pops = 0
+
+        class Endless:
+            """The lease ring, with the scheduler pushing again at every pop."""
+
+            capacity = ring.capacity
+
+            def pop_batch(self, n: int, timeout: float = 0) -> object:
+                nonlocal pops
+                pops += 1
+                assert pops <= 2 * ring.capacity, "the drain never ended"
+                r.lease.try_push(touch)
+                return ring.pop_batch(n, timeout)
+
+        r.maintenance.requests[1] = Endless()
+        assert r.maintenance._take_requests() == ring.capacity
+        r.maintenance.requests[1] = ring

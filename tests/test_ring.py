@@ -20,13 +20,14 @@ from sparkcache.shm import (
     RecordLayout,
     Ring,
     RingClosed,
+    RingCorrupt,
     RingEmpty,
     RingFull,
     SegmentError,
     segment_name,
 )
 from sparkcache.shm.layouts import LOAD, PUBLISH
-from sparkcache.shm.ring import _CONSUMER_PID, _PRODUCER_PID
+from sparkcache.shm.ring import _CLOSED, _CONSUMER_PID, _POSTED, _PRODUCER_PID
 from sparkcache.shm.segment import instance_entries
 
 LAYOUT = RecordLayout("test-rec", 1, np.dtype([("seq", "<u8"), ("val", "<i4"), ("tag", "<u2")]))
@@ -363,3 +364,84 @@ def test_an_end_whose_pid_was_reused_does_not_lock_the_ring(instance: str, end: 
                 second.detach()
         finally:
             other.kill()
+
+
+def stray_write(r: Ring, batch: int, word: int, value: int) -> None:
+    """Overwrite word 0 (end) or 1 (seq) of batch ``batch``'s TABLE entry, as a stray
+    write through the owner's mapping would."""
+    m = r._m
+    m.words[m.table_word + 2 * (batch % m.entries) + word] = value
+
+
+@pytest.mark.parametrize("end", [2**40, 3], ids=["far_past_the_tail", "before_its_predecessor"])
+def test_a_batch_end_the_protocol_cannot_give_is_a_fault_and_nothing_stale_is_served(
+        ring, end: int) -> None:
+    """A TABLE entry with an impossible end made every later pop replay stale records
+    (8.2 M in a probe); now the consumer refuses it, and every pop after."""
+    r, p, c = ring
+    p.push_batch(LAYOUT.array([(i, 0, 0) for i in range(5)]))
+    assert [c.try_pop()[0] for _ in range(5)] == list(range(5))
+    p.try_push((5, 0, 0))
+    stray_write(r, 1, 0, end)
+    with pytest.raises(RingCorrupt, match=rf"ring {r.name} is corrupt: batch 1 ends at record "
+                                          rf"{end}, outside \[5, 13\]"):
+        c.try_pop()
+    with pytest.raises(RingCorrupt):
+        c.pop(timeout=0.01)
+
+
+def test_a_post_without_a_batch_on_an_open_ring_is_a_fault_not_a_close(ring) -> None:
+    r, p, c = ring
+    p.try_push((1, 0, 0))
+    stray_write(r, 0, 1, 12345)  # seq: reads as no batch
+    assert r._m.u64(_CLOSED) == 0
+    with pytest.raises(RingCorrupt, match="post 0 has no batch and the ring is not closed"):
+        c.try_pop()
+
+
+def test_adoption_takes_no_more_posts_than_can_be_in_flight(instance: str) -> None:
+    """A successor adopts posts its killed predecessor took unrecorded, counted from
+    ``posted``: a stray ``posted`` made it walk the table round and round."""
+    r = Ring.create(segment_name(instance, 0, "ring"), LAYOUT, 8)
+    p = Producer(r.name, LAYOUT)
+    first = Consumer(r.name, LAYOUT, spin_s=0)
+    try:
+        p.try_push((1, 0, 0))
+        first._m.set_u64(_CONSUMER_PID, 2**22 + 12345)  # as if killed: a pid no one has
+        first._m.close()
+        r._m.set_u64(_POSTED, 10**9)
+        successor = Consumer(r.name, LAYOUT, spin_s=0)
+        with pytest.raises(RingCorrupt, match="data posts to adopt, where at most 20"):
+            successor.try_pop()
+        successor.close()
+    finally:
+        p.detach()
+        r.close()
+
+
+def test_ends_used_in_a_forked_child_refuse_and_leave_the_parents_ring_alone(ring) -> None:
+    """A child forked with the parent's ends (a worker's helper, a test) pushed TABLE
+    entries the parent then overwrote, and its exit could close the parent's ring."""
+    r, p, c = ring
+    p.try_push((1, 0, 0))
+    pid = os.fork()
+    if pid == 0:  # the child: exit codes say what it saw
+        code = 0
+        try:
+            p.try_push((99, 0, 0))
+            code = 10
+        except RingCorrupt:
+            pass
+        try:
+            c.try_pop()
+            code = code or 11
+        except RingCorrupt:
+            pass
+        p.close()
+        c.close()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    p.try_push((2, 0, 0))  # the parent's ends carry on: the child closed nothing
+    assert [c.try_pop()[0] for _ in range(2)] == [1, 2]
+    assert r._m.u64(_CLOSED) == 0 and r._m.u64(_PRODUCER_PID) == os.getpid()

@@ -283,12 +283,13 @@ class Maintenance:
 
     def _take_requests(self) -> int:
         """Move every request in the rings into the store's batch (or the quarantine list);
-        the number taken. Drains the rings whole: under the gate, what a finished lookup
-        pushed must be in the batch. Releases go to the store last: a lease and its
-        release may come by different rings (the scheduler's ``lease``, the engine's
-        ``request``), and a lease pushed before its release is taken in this drain at
-        the latest (``request`` is drained first), so the store never meets a release
-        before its lease, even where a batch is written in the middle of the drain."""
+        the number taken. Drains what the rings held when it began (``_take_from``):
+        under the gate, what a finished lookup pushed must be in the batch. Releases go
+        to the store last: a lease and its release may come by different rings (the
+        scheduler's ``lease``, the engine's ``request``), and a lease pushed before its
+        release is taken in this drain at the latest (``request`` is drained first), so
+        the store never meets a release before its lease, even where a batch is written
+        in the middle of the drain."""
         releases: list[int] = []
         taken = sum(self._take_from(ring, releases) for ring in self.requests)
         for lease in releases:
@@ -296,10 +297,13 @@ class Maintenance:
         return taken
 
     def _take_from(self, ring: Consumer, releases: list[int]) -> int:
+        """Take at most a ring's capacity of requests: all it held when the drain began,
+        and no more, so that an engine pushing without pause cannot hold the write lock
+        and the gate for as long as it goes on."""
         taken = 0
-        while True:
+        while taken < ring.capacity:
             try:
-                batch = ring.pop_batch(4096, timeout=0)
+                batch = ring.pop_batch(min(4096, ring.capacity - taken), timeout=0)
             except (RingEmpty, RingClosed, SignalError):
                 return taken
             lifecycle.checkpoint("maintenance.requests")
@@ -320,6 +324,7 @@ class Maintenance:
                     self.store.record_lease(key, arg, when, when + seconds, lease)
                 else:
                     self._quarantines.append((key, f"{arg:016x}"))
+        return taken
 
     @staticmethod
     def _check(kind: int, arg: int, lease: int, when: float, seconds: float,
