@@ -21,6 +21,7 @@ from eviction_util import FakeClock
 
 from sparkcache.maintenance_policy import CostModel, SliceBudget, SliceMeter
 from sparkcache.store import PageStore, StoreError, index
+from sparkcache.store.eviction import ROW
 from sparkcache.store.fileops import FileOps
 from sparkcache.store.fsck import fsck
 from sparkcache.store.objects import HEADER_SIZE, RECORD_ALIGN, record_span
@@ -302,6 +303,52 @@ def test_reconcile_frees_records_a_crash_left_in_a_pack(tmp_path: Path) -> None:
         assert restored(store, shared) == [page_bytes(k, SIZE) for k in shared]
         assert store.reconcile(grace_seconds=0).pack_ranges_freed == 0
     assert_clean(store_dir)
+
+
+def test_the_sweep_frees_files_and_ranges_only_once_their_deletion_is_durable(
+        tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Collection deletes rows in a transaction it syncs after the slice; a slice that
+    raised before that sync (or a maintenance killed there) left deletions a power cut
+    would undo, and the sweep punched their records and unlinked their packs: rows
+    brought back naming zeros or nothing."""
+    events: list[str] = []
+
+    class Recorded(FileOps):
+        def punch_hole(self, fd: int, offset: int, length: int) -> bool:
+            events.append("punch")
+            return super().punch_hole(fd, offset, length)
+
+        def unlink(self, name: str, dir_fd: int) -> None:
+            events.append("unlink")
+            super().unlink(name, dir_fd)
+
+    sync_wal = index.sync_wal
+    monkeypatch.setattr(index, "sync_wal", lambda path: (events.append("sync"), sync_wal(path)))
+    with PageStore(tmp_path / "s", 0, lease_seconds=0, clock=clock,
+                   fileops=Recorded()) as store:
+        shared, own, alone = keys(2), keys(6), keys(3)
+        a, c = rid(), rid()
+        store.commit(make_root(a, shared + own, SIZE))
+        store.commit(make_root(rid(), shared + keys(1), SIZE))  # keeps pack A named
+        store.commit(make_root(c, alone, SIZE))  # pack C: none of it stays
+        pack_a = object_file(store.layout.objects_dir, store._rconn, shared[0])[0]
+        pack_c = object_file(store.layout.objects_dir, store._rconn, alone[0])[0]
+        store.remove_roots([a, c])
+        costs = CostModel()
+        costs.observe(ROW, 1, 1e-6)  # learnt: the slice deletes every row at once
+        store.collect(100, SliceMeter(SliceBudget(16, 1 << 30, 60.0), costs, time.monotonic))
+        assert store.unlinking.objects == 9  # deleted, not yet synced: the slice "raised"
+        events.clear()
+        # Grace 0: as a re-sweep long after, once the files' renewed times are old.
+        swept = store.sweep([pack_c.parent.name, pack_a.parent.name], grace_seconds=0)
+        assert (swept.pack_ranges_freed, swept.orphan_files_removed) == (1, 1)
+        assert events[0] == "sync" and sorted(events[1:]) == ["punch", "unlink"]
+        assert data_blocks(pack_a) == 2 * record_span(SIZE) // 4096
+        assert not pack_c.exists()
+        events.clear()
+        swept = store.sweep([pack_a.parent.name, pack_c.parent.name], grace_seconds=0)
+        assert (swept.pack_ranges_freed, swept.orphan_files_removed) == (0, 0)
+        assert events == []  # nothing to free: no sync either
 
 
 def test_a_vanished_pack_makes_its_records_misses(store: PageStore) -> None:

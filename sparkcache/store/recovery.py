@@ -17,7 +17,7 @@ import os
 import sqlite3
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sparkcache.store import index
@@ -82,12 +82,30 @@ def _prefix_range(fan: str) -> tuple[str, str]:
 
 def sweep_files(
     conn: sqlite3.Connection, ops: FileOps, objects_fd: int, grace_seconds: float,
-    fans: Iterable[str] | None = None,
+    fans: Iterable[str] | None, sync_index: Callable[[], None],
 ) -> SweepResult:
     """Remove old temp files and files no row names; report live rows with no file. In
-    the fan-out directories ``fans`` alone if given, else in every entry of ``objects/``."""
+    the fan-out directories ``fans`` alone if given, else in every entry of ``objects/``.
+
+    ``sync_index`` makes every committed transaction of the index durable
+    (``index.sync_wal``): it runs once, before the first file no row names is unlinked
+    or dead range of a pack punched. Those are unnamed because rows were deleted, and
+    collection deletes rows in transactions it syncs only after the slice
+    (``PageStore.collect``): a slice that raised before its sync, or a maintenance killed
+    before it whose successor committed nothing synced, leaves deletions a power cut
+    would undo. Freed before they were durable, the rows they bring back would name
+    nothing or zeros: misses, not wrong bytes, but against the store's rule that bytes
+    go only once their rows' deletion is durable."""
     result = SweepResult()
     missing: list[tuple[str, str]] = []
+    synced = False
+
+    def durable() -> None:
+        nonlocal synced
+        if not synced:
+            sync_index()
+            synced = True
+
     for fan in sorted(os.listdir(objects_fd)) if fans is None else fans:
         if not is_fanout(fan):
             log.warning("unexpected entry objects/%s left in place", fan)
@@ -98,7 +116,7 @@ def sweep_files(
             log.warning("skipping objects/%s: %s", fan, exc)
             continue
         try:
-            missing += _sweep_dir(conn, ops, fd, fan, grace_seconds, result)
+            missing += _sweep_dir(conn, ops, fd, fan, grace_seconds, result, durable)
         finally:
             os.close(fd)
     result.missing = tuple(missing)
@@ -142,6 +160,7 @@ def _sweep_dir(
     fan: str,
     grace_seconds: float,
     result: SweepResult,
+    durable: Callable[[], None],
 ) -> list[tuple[str, str]]:
     """One fan-out directory. Its files are object files named by their own key's row and
     packs named by the rows of their records (``file_key``), whatever directories those
@@ -178,6 +197,11 @@ def _sweep_dir(
                 continue
             if not e.old:
                 continue
+            if not e.is_temp:
+                # Inside the transaction, where a commit's re-check of its own files
+                # is made too; an fsync under the lock, but only where an old file no
+                # row names is found: after a crash or a failed slice.
+                durable()
             try:
                 ops.unlink(e.name, fd)
             except FileNotFoundError:
@@ -205,9 +229,11 @@ def _sweep_dir(
             "UPDATE objects SET state = 'quarantined', file_key = NULL, file_offset = 0 "
             "WHERE key = ? AND generation = ?", gone)
     # A pack's rows only ever go (collected, quarantined, punched out of it): bytes no
-    # row covers now stay uncovered, so they are punched outside the transaction.
+    # row covers now stay uncovered, so they are punched outside the transaction, once
+    # the deletions that uncovered them are durable (``durable``).
     for key, generation in named_packs:
-        result.pack_ranges_freed += _free_dead_ranges(conn, ops, fd, key, generation)
+        result.pack_ranges_freed += _free_dead_ranges(conn, ops, fd, key, generation,
+                                                      durable)
     return gone
 
 
@@ -268,10 +294,10 @@ def unfreed_ranges(records: list[tuple[int, int]], fd: int) -> list[tuple[int, i
 
 
 def _free_dead_ranges(conn: sqlite3.Connection, ops: FileOps, dir_fd: int, key: str,
-                      generation: str) -> int:
+                      generation: str, durable: Callable[[], None]) -> int:
     """Punch the bytes of named pack ``key.generation`` (under ``dir_fd``) that no row
     covers and that still hold data: what a crash left before collection's deferred
-    punches (``PageStore``); how many ranges were freed."""
+    punches (``PageStore``); how many ranges were freed. ``durable()`` first, if any."""
     try:
         fd = ops.open(object_name(key, generation), _PUNCH_FLAGS, 0, dir_fd)
     except OSError as exc:
@@ -280,6 +306,7 @@ def _free_dead_ranges(conn: sqlite3.Connection, ops: FileOps, dir_fd: int, key: 
     freed = 0
     try:
         for offset, length in unfreed_ranges(pack_records(conn, key, generation), fd):
+            durable()
             if ops.punch_hole(fd, offset, length):
                 freed += 1
     finally:

@@ -1292,7 +1292,7 @@ class PageStore:
     def _sweep(self, fans: Sequence[str] | None, grace_seconds: float, dead: int,
                fixed: int) -> ReconcileResult:
         swept = recovery.sweep_files(self._wconn, self._ops, self._objects_fd, grace_seconds,
-                                     fans)
+                                     fans, lambda: index.sync_wal(self.layout.index_path))
         for key, generation in swept.missing:
             self.counters.missing_files += 1
             log.warning("object %s.%s has no file: quarantined", key, generation)
