@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import torch
+from sparkcache.shm.segment import instance_prefix
 from sparkcache.workers.lifecycle import Role, State
 
 from sparkcache import config, segments
@@ -142,7 +143,7 @@ def shm_bytes(instance: str) -> int:
     segment aside)."""
     total = 0
     for entry in os.scandir("/dev/shm"):
-        if entry.name.startswith(f"sparkcache.{instance}.") and ".kv" not in entry.name:
+        if entry.name.startswith(instance_prefix(instance)) and ".kv" not in entry.name:
             try:
                 total += entry.stat().st_blocks * 512
             except FileNotFoundError:

@@ -168,6 +168,14 @@ def dtype_fingerprint(dtype: np.dtype) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
 
+def instance_prefix(instance: str) -> str:
+    """What every /dev/shm name of ``instance`` begins with (no slash): the user's id
+    comes first, so two users' instances of one name (each one's ``default``) never
+    meet. Sharing names, the second user's supervisor found the first one's segments
+    and refused to start."""
+    return f"{NAME_PREFIX}u{os.geteuid()}.{instance}."
+
+
 def segment_name(instance: str, rank: int, role: str) -> str:
     if not _PART_RE.match(instance):
         raise ValueError(f"instance {instance!r}: expected 1-32 characters of A-Z a-z 0-9 _ -")
@@ -175,7 +183,30 @@ def segment_name(instance: str, rank: int, role: str) -> str:
         raise ValueError(f"rank {rank}: expected 0 or more")
     if not _ROLE_RE.match(role):
         raise ValueError(f"role {role!r}: expected 1-48 characters of A-Z a-z 0-9 _ . -")
-    return f"/{NAME_PREFIX}{instance}.r{rank}.{role}"
+    return f"/{instance_prefix(instance)}r{rank}.{role}"
+
+
+def _other_users(name: str) -> str:
+    """For a missing segment ``name``: the users whose segments of that instance, rank
+    and role exist (an engine run under another account than its supervisor's looks
+    for its own user's names), as a clause; empty if none."""
+    mine = f"{NAME_PREFIX}u{os.geteuid()}."
+    if not name.startswith("/" + mine):
+        return ""
+    rest = name[len(mine) + 1:]
+    owners = sorted({user(st.st_uid) for p in SHM_DIR.glob(f"{NAME_PREFIX}u*.{rest}")
+                     if (st := _lstat(p)) is not None and st.st_uid != os.geteuid()})
+    if not owners:
+        return ""
+    return (f"; {', '.join(owners)} run(s) that instance: segments are per user, so run "
+            "the engine under the supervisor's account")
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
 
 
 def process_start(pid: int) -> float:
@@ -283,7 +314,8 @@ class Segment:
         try:
             mem = posix_ipc.SharedMemory(name)
         except posix_ipc.ExistentialError:
-            raise SegmentError(f"shared-memory segment {name} does not exist") from None
+            raise SegmentError(f"shared-memory segment {name} does not exist"
+                           f"{_other_users(name)}") from None
         except OSError as exc:
             if exc.errno != errno.ELOOP:
                 raise
@@ -420,7 +452,7 @@ def sweep(instance: str, only: Callable[[str], bool] | None = None) -> list[str]
     of those whose name (without the slash) ``only`` accepts if given. Segments of live
     creators, of other instances and of other users (or not plain files: see
     ``foreign_entries``) are never touched. Returns the names removed."""
-    prefix = f"{NAME_PREFIX}{instance}."
+    prefix = instance_prefix(instance)
     removed: list[str] = []
     live_segments: set[str] = set()
     for path in sorted(SHM_DIR.glob(prefix + "*")):
@@ -476,7 +508,7 @@ def sweep(instance: str, only: Callable[[str], bool] | None = None) -> list[str]
 
 def instance_entries(instance: str) -> list[str]:
     """Every /dev/shm entry (segments and semaphores) of ``instance``."""
-    prefix = f"{NAME_PREFIX}{instance}."
+    prefix = instance_prefix(instance)
     return sorted(
         p.name for p in SHM_DIR.iterdir() if p.name.startswith((prefix, "sem." + prefix))
     )

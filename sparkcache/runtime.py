@@ -8,14 +8,24 @@ without following links (``sparkcache.store.layout.write_file``).
 from __future__ import annotations
 
 import json
+import logging
+import multiprocessing.util
 import os
+import re
+import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
 from sparkcache.shm.segment import creator_alive
 from sparkcache.store import StoreError, layout
 
+log = logging.getLogger(__name__)
+
 RUNTIME_FILE = "runtime.json"
+# ``layout.write_file``'s temporary copies of the runtime file.
+_TEMP_RE = re.compile(
+    rf"^\.{re.escape(RUNTIME_FILE)}\.[0-9a-f]{{16}}{re.escape(layout.TEMP_SUFFIX)}$")
 # Settings the supervisor repeats under "settings" (numbers only): what ``status``,
 # ``top`` and ``sizing`` read of the instance they look at, rather than their own
 # environment's values.
@@ -138,3 +148,39 @@ def read_live(store_dir: Path) -> tuple[dict[str, Any] | None, bool]:
     except (KeyError, TypeError, ValueError):
         return rt, False  # not one this version writes: its supervisor is not told apart
     return rt, pid > 0 and start != 0.0 and creator_alive(pid, start)
+
+
+def mp_temp_dir() -> str:
+    """The directory multiprocessing keeps this process's fork-server socket in (made on
+    first use): recorded in the runtime file, so that the next supervisor removes it if
+    this one is SIGKILLed (``remove_leftovers``)."""
+    return multiprocessing.util.get_temp_dir()
+
+
+def remove_leftovers(store_dir_fd: int, previous: dict[str, Any] | None) -> list[str]:
+    """Remove what a SIGKILLed supervisor left; call holding the store's lock, so that
+    no live supervisor owns any of it. Its runtime file's temporary copies (a kill
+    inside ``write_file``) in the store dir open as ``store_dir_fd``, and the
+    multiprocessing directory its runtime file ``previous`` names: a ``pymp-*``
+    directory of this user's, never followed through a link. Returns what went."""
+    gone = []
+    for name in os.listdir(store_dir_fd):
+        if _TEMP_RE.match(name):
+            try:
+                os.unlink(name, dir_fd=store_dir_fd)
+                gone.append(name)
+            except FileNotFoundError:
+                pass
+    mp_dir = previous.get("mp_temp_dir") if previous else None
+    if isinstance(mp_dir, str) and os.path.isabs(mp_dir) and \
+            os.path.basename(mp_dir).startswith("pymp-") and mp_dir != mp_temp_dir():
+        try:
+            st = os.lstat(mp_dir)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+            shutil.rmtree(mp_dir, ignore_errors=True)
+            gone.append(mp_dir)
+    if gone:
+        log.info("removed what a killed supervisor left: %s", gone)
+    return gone

@@ -330,6 +330,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self._lock()
+        runtime.remove_leftovers(self._store_fd, runtime.read(self.cfg.store_dir))
         fstype = filesystem_of(self.cfg.store_dir)
         if fstype in MEMORY_FILESYSTEMS:
             log.warning("the store dir %s is on %s: the store lives in memory (up to %d "
@@ -497,6 +498,8 @@ class Supervisor:
             "settings": {name: getattr(self.cfg, name) for name in RUNTIME_SETTINGS},
             # Where tools find /metrics and /healthz: the port bound (none when off).
             "metrics": self._metrics_address(),
+            # What the next supervisor removes if this one is SIGKILLed.
+            "mp_temp_dir": runtime.mp_temp_dir(),
             "workers": [
                 {
                     "name": w.name, "rank": w.rank, "role": w.role.name.lower(),

@@ -70,6 +70,27 @@ def test_names_are_validated():
         segment_name("ok", 0, "../x")
 
 
+def test_two_users_instances_of_one_name_never_meet(instance):
+    """Each user's supervisor runs instance ``default`` unless told otherwise: their
+    names carry the user's id, so one's segments neither block nor serve the other's
+    (and an engine under the wrong account is told whose segments it missed)."""
+    name = segment_name(instance, 0, "seg")
+    assert name == f"/sparkcache.u{os.geteuid()}.{instance}.r0.seg"
+    theirs = f"/sparkcache.u{NOBODY}.{instance}.r0.seg"
+    with Segment.create(theirs, SPEC, 100) as seg:
+        os.chown(_shm(theirs), NOBODY, -1)
+        assert foreign_entries(instance) == [] and sweep(instance) == []
+        with pytest.raises(SegmentError) as e:
+            Segment.attach(name, SPEC)
+        assert str(e.value) == (
+            f"shared-memory segment {name} does not exist; {user(NOBODY)} run(s) that "
+            "instance: segments are per user, so run the engine under the supervisor's "
+            "account")
+        with Segment.create(name, SPEC, 100):  # ours, beside theirs
+            assert instance_entries(instance) == [name[1:]]
+        assert seg.owner
+
+
 def _create_and_exit(name: str, ring_name: str) -> None:
     Segment.create(name, SPEC, 64)
     Ring.create(ring_name, WORKER, 4)

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 from pipeline_util import ends_with_test
-from sparkcache.shm.segment import instance_entries
+from sparkcache.shm.segment import instance_entries, instance_prefix
 
 from sparkcache.soak import run as soak_run
 from sparkcache.soak.params import LANES, SoakParamError, SoakParams
@@ -73,7 +73,7 @@ def _sweep(pid: int) -> None:
     for proc in _ours(pid):
         proc.kill()
     for entry in os.listdir("/dev/shm"):
-        if entry.removeprefix("sem.").startswith(f"sparkcache.soak{pid}"):
+        if entry.removeprefix("sem.").startswith(instance_prefix(f"soak{pid}")[:-1]):
             os.unlink(f"/dev/shm/{entry}")
 
 

@@ -177,14 +177,24 @@ def test_sigkilled_supervisor_is_swept_by_the_next(tmp_path: Path, instance: str
     out = subprocess.run([*_cli(), "status", "--store-dir", str(store)], capture_output=True,
                          text=True, timeout=60).stdout
     assert f"supervisor not running (runtime.json of pid {sup.pid} left" in out
-    (store / "runtime.json").unlink()  # so that start_supervisor waits for the new one's
-    sup = start_supervisor(store, instance)
+    # What else a kill leaves: the fork server's socket directory, and a runtime file's
+    # temporary copy (a kill inside its rewrite, planted here).
+    old_mp = Path(read(store)["mp_temp_dir"])
+    assert old_mp.is_dir() and old_mp.name.startswith("pymp-")
+    temp = store / f".runtime.json.{os.urandom(8).hex()}.tmp"
+    temp.write_text("{")
+    old_pid = sup.pid
+    sup = start_supervisor(store, instance, wait_ready=False)
     try:
-        assert len(runtime(store)["workers"]) == 4
+        wait_for(lambda: (read(store) or {}).get("pid") == sup.pid, 90, "the new runtime.json")
+        assert len(runtime(store)["workers"]) == 4 and old_pid != sup.pid
+        assert not old_mp.exists() and not temp.exists()
+        new_mp = Path(read(store)["mp_temp_dir"])
+        assert new_mp.is_dir() and new_mp != old_mp
     finally:
         rc, _ = stop_supervisor(sup)
     assert rc == 0
-    assert instance_entries(instance) == []
+    assert instance_entries(instance) == [] and not new_mp.exists()
 
 
 @pytest.mark.parametrize("how", ["removed", "replaced"])
