@@ -163,12 +163,13 @@ OUTCOMES = 8
 # One slot per worker of a rank (see workers.lifecycle.Role), written by that worker.
 WORKER_STATS = RecordLayout(
     "worker_stats",
-    # 11 had no read lease releases or yields; 10 no leased or yielded bytes; 9 no
+    # 12 had no disk_full or free_bytes; 11 no read lease releases or yields; 10 no
+    # leased or yielded bytes; 9 no
     # read_bytes; 7 no index_sync; 6 no pooled_bytes; 5 no entries, outcomes or durations;
     # 4 no lock wait and no maintenance backlog; 3 no roots_superseded; 2 no pid_start and
     # no drop_stale; 8 had pid_start in
     # wall-clock time (psutil create_time)
-    12,
+    13,
     np.dtype(
         [
             ("pid", "<u4"),
@@ -241,6 +242,11 @@ WORKER_STATS = RecordLayout(
             # took whose read lease, past its grace, yielded (a release that never came)
             ("read_releases", "<u8"),
             ("read_yielded_roots", "<u8"),
+            # commit and maintenance: items and slices that failed on a full filesystem
+            # (sparkcache/store/space.py), in all; maintenance: the store filesystem's
+            # free bytes, read every slice
+            ("disk_full", "<u8"),
+            ("free_bytes", "<u8"),
         ]
     ),
 )

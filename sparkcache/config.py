@@ -82,6 +82,13 @@ class Config:
         default=32 * GiB,
         metadata=_help("Eviction stops once used bytes per rank fall to this (< max bytes)."),
     )
+    min_free_bytes: int = field(
+        default=GiB,
+        metadata=_help(
+            "Free space kept on the store's filesystem: below it maintenance evicts as it "
+            "does past max bytes, whatever fills the disk (e.g. 1GiB; 0: none kept)."
+        ),
+    )
     access_mode: AccessMode = field(
         default=AccessMode.READ_WRITE,
         metadata=_help("read-write, restore-only (no capture) or off."),
@@ -296,7 +303,7 @@ def parse_cpus(text: str) -> tuple[int, ...]:
 
 def _parse_field(name: str, text: str) -> Any:
     """Convert one raw string to the type of field ``name``; ValueError names what is allowed."""
-    if name in ("max_bytes", "low_watermark_bytes", "capture_slot_bytes",
+    if name in ("max_bytes", "low_watermark_bytes", "min_free_bytes", "capture_slot_bytes",
                 "maintenance_slice_bytes", "maintenance_io_bytes_per_s",
                 "maintenance_pool_bytes", "maintenance_halve_bytes", "read_ahead_bytes"):
         return parse_size(text)
@@ -435,7 +442,7 @@ def _validate_maintenance(cfg: Config, bad: Callable[[str, str], None]) -> None:
                  "maintenance_halve_bytes"):
         if getattr(cfg, name) <= 0:
             bad(name, "a positive size")
-    for name in ("maintenance_pool_bytes", "read_ahead_bytes"):
+    for name in ("maintenance_pool_bytes", "read_ahead_bytes", "min_free_bytes"):
         if getattr(cfg, name) < 0:
             bad(name, "a size, 0 or more")
     duty = cfg.maintenance_duty

@@ -180,7 +180,7 @@ def _reports(sup: dict, rank: int) -> dict:
         "evicted_roots", "cut_roots", "skipped_roots", "reclaimed_bytes",
         "collected_objects", "collected_bytes", "io_bytes", "duty", "refusing_since",
         "refused_s", "pooled_bytes", "leased_roots", "leased_bytes", "yielded_roots",
-        "yielded_bytes", "read_releases", "read_yielded_roots")})
+        "yielded_bytes", "read_releases", "read_yielded_roots", "free_bytes", "disk_full")})
     out["commit_lock_wait_s"] = c.lock_wait_s if c is not None else 0.0
     out["commit_lock_wait_max_s"] = c.lock_wait_max_s if c is not None else 0.0
     return out
@@ -214,7 +214,8 @@ def _report_line(r: dict, now: float) -> str:
         f"reads_released={r['read_releases']} reads_yielded={r['read_yielded_roots']} "
         f"slice={r['slice_last_s'] * 1e3:.1f}/{r['slice_max_s'] * 1e3:.1f}ms "
         f"duty={r['duty']:.0%} commit_lock_wait_max={r['commit_lock_wait_max_s'] * 1e3:.1f}ms "
-        f"refusing={_since(r['refusing_since'], now)} refused={r['refused_s']:.0f}s"
+        f"refusing={_since(r['refusing_since'], now)} refused={r['refused_s']:.0f}s "
+        f"disk_free={_size(r['free_bytes'])} disk_full={r['disk_full']}"
     )
 
 

@@ -42,7 +42,9 @@ from sparkcache.shm.segment import (
     read_creator,
     user,
 )
+from sparkcache.sizing import size
 from sparkcache.store import StoreError, UnsafeStoreDir, layout
+from sparkcache.store.space import space_of
 from sparkcache.supervisor_states import (
     Action,
     Observation,
@@ -190,6 +192,20 @@ class Supervisor:
         # Kept open: the store it locked, wherever its path leads later (_check_store_dir).
         self._store_fd = dir_fd
 
+    def _check_disk(self) -> None:
+        """Say when the store's filesystem cannot hold every rank at its hard cap plus
+        the free-space reserve: the store then works, bounded by the reserve rather than
+        by its caps, and other users of the disk meet a full one first."""
+        cfg = self.cfg
+        wanted = cfg.ranks * cfg.hard_cap_bytes + cfg.min_free_bytes
+        total = space_of(self._store_fd).total_bytes
+        if wanted > total:
+            log.warning("the store dir's filesystem holds %s; %d rank(s) at the hard cap "
+                        "(%s each) plus the free space kept (%s) need %s: the disk fills "
+                        "first, and the free space kept (SPARKCACHE_MIN_FREE_BYTES) bounds "
+                        "the store, not SPARKCACHE_MAX_BYTES", size(total), cfg.ranks,
+                        size(cfg.hard_cap_bytes), size(cfg.min_free_bytes), size(wanted))
+
     def _check_shm(self) -> None:
         """After the sweep, nothing of this instance may be left in /dev/shm: what is left
         belongs to another user (refused: never attach to it, and O_CREX would fail) or to
@@ -331,6 +347,7 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         self._lock()
         runtime.remove_leftovers(self._store_fd, runtime.read(self.cfg.store_dir))
+        self._check_disk()
         fstype = filesystem_of(self.cfg.store_dir)
         if fstype in MEMORY_FILESYSTEMS:
             log.warning("the store dir %s is on %s: the store lives in memory (up to %d "

@@ -182,7 +182,7 @@ def test_a_slice_that_only_punches_counts_against_the_caps(
         assert m.store.usage().collectable_objects == 0 and not m.store.unlinking.objects
         assert m.store._deferred  # the six records wait for their punch
         for name in m.store._deferred:
-            m.store._deferred[name] -= PUNCH_DELAY_S  # due now
+            m.store._deferred[name].since -= PUNCH_DELAY_S  # due now
         spans, slices = len(m.pacing.duty._spans), 0
         while m.store._deferred:
             assert m.slice()

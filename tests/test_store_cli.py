@@ -194,7 +194,8 @@ def test_status_shows_each_ranks_maintenance_backlog(
                       selected_roots=2, selected_bytes=5 << 20, evicted_roots=660,
                       reclaimed_bytes=8 * GiB, slice_last_s=0.003, slice_max_s=0.0182,
                       duty=0.04, refusing_since=0, refused_s=30, leased_roots=40,
-                      leased_bytes=2 * GiB, yielded_roots=12, yielded_bytes=3 << 20)
+                      leased_bytes=2 * GiB, yielded_roots=12, yielded_bytes=3 << 20,
+                      free_bytes=9 * GiB, disk_full=2)
         segs.stats.write(2, WORKER_STATS.named(**values))
         values.update(lock_wait_s=0.5, lock_wait_max_s=0.0121)
         segs.stats.write(1, WORKER_STATS.named(**values))
@@ -207,7 +208,8 @@ def test_status_shows_each_ranks_maintenance_backlog(
         assert {"above_low=1.0GiB", "episode=7s", "selected=2/5.0MiB", "evicted=660",
                 "reclaimed=8.0GiB", "slice=3.0/18.2ms", "duty=4%",
                 "commit_lock_wait_max=12.1ms", "refusing=no", "refused=30s",
-                "leased=40/2.0GiB", "yielded=12/3.0MiB"} <= set(line)
+                "leased=40/2.0GiB", "yielded=12/3.0MiB", "disk_free=9.0GiB",
+                "disk_full=2"} <= set(line)
         assert status(store_dir, json_out=True) == 0
         (report,) = json.loads(capsys.readouterr().out)["maintenance"]
         assert report["evicted_roots"] == 660 and report["commit_lock_wait_s"] == 0.5

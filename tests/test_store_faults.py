@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from sparkcache.store import CommitFailed, PageData, PageStore, Root, objects
+from sparkcache.store.fileops import FileOps
 from sparkcache.store.objects import HEADER_SIZE, split_pieces
 from sparkcache.store.testing import FaultyFileOps, make_root, object_file, page_bytes
 
@@ -218,3 +219,50 @@ class ShortWrites(FaultyFileOps):
     def write(self, fd: int, pieces: list[memoryview]) -> int:
         self.calls += 1
         return super().write(fd, split_pieces(pieces, self.MOST)[0])
+
+
+class FailsToOpen(FileOps):
+    """Opens fail with ``errno`` while ``failing``: a descriptor table full, an I/O
+    error; nothing about the object opened."""
+
+    def __init__(self, error: int) -> None:
+        self.error, self.failing = error, False
+
+    def open(self, name: str, flags: int, mode: int, dir_fd: int) -> int:
+        if self.failing:
+            raise OSError(self.error, os.strerror(self.error))
+        return super().open(name, flags, mode, dir_fd)
+
+
+@pytest.mark.parametrize("error", [errno.EMFILE, errno.EIO])
+def test_a_report_checked_again_through_a_failing_open_quarantines_nothing(
+        tmp_path: Path, error: int) -> None:
+    """A reader's report of damage is verified again before anything is quarantined; an
+    error of that check that says nothing about the object quarantined a good one."""
+    ops = FailsToOpen(error)
+    store = PageStore(tmp_path / "s", 0, fileops=ops)
+    page_keys = keys(3)
+    store.commit(make_root(secrets.token_hex(16), page_keys, SIZE))
+    generation = store._rconn.execute("SELECT generation FROM objects WHERE key = ?",
+                                      (page_keys[1],)).fetchone()[0]
+    ops.failing = True
+    assert not store.verify_and_quarantine(page_keys[1], generation, "a reader's report")
+    ops.failing = False
+    assert store.counters.quarantined == 0 and restores(store, page_keys)
+    store.close()
+
+
+def test_a_stale_report_of_a_collected_object_quarantines_nothing(tmp_path: Path) -> None:
+    """The report named an object collected since: its row is gone (its file may still
+    wait for its unlink), so nothing is quarantined, counted or moved aside."""
+    store = PageStore(tmp_path / "s", 0, lease_seconds=0)
+    root, page_keys = secrets.token_hex(16), keys(2)
+    store.commit(make_root(root, page_keys, SIZE))
+    generation = store._rconn.execute("SELECT generation FROM objects WHERE key = ?",
+                                      (page_keys[0],)).fetchone()[0]
+    store.remove_roots([root])
+    store.collect(10)
+    store.quarantine(page_keys[0], generation, "a stale report")
+    assert store.counters.quarantined == 0
+    assert os.listdir(store.layout.quarantine_dir) == []
+    store.close()

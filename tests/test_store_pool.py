@@ -278,3 +278,45 @@ def test_a_file_larger_than_two_slices_bytes_is_cut_a_slice_budget_at_a_time(
             assert slices < 100
         assert cuts >= 4 and store.unlinking.objects == 0
     assert fsck(store_dir, grace_seconds=0).ok
+
+
+class OverwrittenWhileOpen(FileOps):
+    """Once armed, right after a restore opens an object file: the object is collected,
+    its file pooled and overwritten in place by the next commit, while the reader still
+    holds it open (``race``)."""
+
+    def __init__(self) -> None:
+        self.race = None
+
+    def open(self, name: str, flags: int, mode: int, dir_fd: int) -> int:
+        fd = super().open(name, flags, mode, dir_fd)
+        if self.race is not None and flags & os.O_ACCMODE == os.O_RDONLY:
+            race, self.race = self.race, None
+            race()
+        return fd
+
+
+def test_a_pooled_file_overwritten_under_a_reader_is_a_miss_not_damage(
+        tmp_path: Path) -> None:
+    """Packs were checked for this and object files were not: the overwritten file read
+    as corrupt, was reported as damage and counted as a quarantine."""
+    ops = OverwrittenWhileOpen()
+    with PageStore(tmp_path / "s", 0, lease_seconds=0, pool_bytes=1 << 20,
+                   fileops=ops) as store:
+        old, key, new_key = rid(), secrets.token_hex(16), secrets.token_hex(16)
+        store.commit(make_root(old, [key], SIZE))
+
+        def race() -> None:
+            store.remove_roots([old])
+            assert store.collect(1).objects == 1 and len(pooled(tmp_path / "s")) == 1
+            store.commit(make_root(rid(), [new_key], SIZE))  # over the pooled file
+            assert pooled(tmp_path / "s") == []
+
+        ops.race = race
+        plan = store._reader.plan([key])
+        result = store._reader.read_planned(plan, [bytearray(SIZE)])
+        assert ops.race is None  # the race ran
+        assert (result.pages, result.bad) == (0, ())
+        assert store.counters.quarantined == 0
+        assert restored(store, [new_key]) == [page_bytes(new_key, SIZE)]
+    assert fsck(tmp_path / "s").ok

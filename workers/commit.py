@@ -45,6 +45,7 @@ from sparkcache.protocol import DurableStatus
 from sparkcache.segments import OWNER_COMMIT
 from sparkcache.store import CommitFailed, PageData, PageStore, Root
 from sparkcache.store.fileops import FileOps
+from sparkcache.store.space import is_disk_full
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,10 @@ class Commit:
             log.warning("slot %d holds no readable publication: %s", slot, exc)
         except CommitFailed as exc:
             self.life.failed += 1
-            log.warning("slot %d not committed: %s", slot, exc)
+            if is_disk_full(exc):
+                self.life.disk_full_error(f"the commit of slot {slot}", exc)
+            else:
+                log.warning("slot %d not committed: %s", slot, exc)
             self.store.check_usable()
         except ENVIRONMENT_FAULTS:
             raise

@@ -212,6 +212,7 @@ class Lifecycle:
         self._rare = RateLimitedLog(log)
         self.prefaulted_bytes = 0  # set by capture's prefault thread (an int store)
         self.roots_superseded = 0
+        self.disk_full = 0  # items (or slices) that failed on a full filesystem
         # Items by the status they ended with, and the histogram of their durations
         # (shm.layouts.OUTCOMES, DURATION_BUCKETS_S): what the supervisor's metrics expose.
         self.outcomes = [0] * OUTCOMES
@@ -299,7 +300,7 @@ class Lifecycle:
             item_errors=self.item_errors, backlog=self.backlog, used_bytes=self.used_bytes,
             copy_bytes=self.copy_bytes, copy_seconds=self.copy_seconds,
             prefaulted_bytes=self.prefaulted_bytes, pid_start=self.pid_start,
-            roots_superseded=self.roots_superseded,
+            roots_superseded=self.roots_superseded, disk_full=self.disk_full,
             dur_count=self.dur_count, dur_sum_s=self.dur_sum_s,
             **self.report, **{f"drop_{reason}": n for reason, n in self.drops.items()},
             **{f"outcome_{n}": c for n, c in enumerate(self.outcomes)},
@@ -327,6 +328,15 @@ class Lifecycle:
         self.drops[reason] += 1
         self._rare.warning(reason, "%s: dropped %s (%s)", title(self.spec.role, self.spec.rank),
                            what, reason)
+
+    def disk_full_error(self, what: str, exc: BaseException) -> None:
+        """Count ``what`` failing on a full filesystem and log it at most once a minute:
+        a full disk fails every commit and slice until space returns, and logged each
+        time it wrote ~1,300 lines in 15 s. The worker stays up and goes on."""
+        self.disk_full += 1
+        self._rare.warning("disk_full", "%s: %s failed: the store's filesystem is full "
+                           "(%s); going on, %d such failures so far",
+                           title(self.spec.role, self.spec.rank), what, exc, self.disk_full)
 
     def item_error(self, kind: str, item: object = None) -> None:
         """Count and log (with its traceback, at most once a minute per ``kind``) an

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -43,6 +44,8 @@ from sparkcache.protocol import RequestKind
 from sparkcache.ratelog import RateLimitedLog
 from sparkcache.store import CollectResult, EvictResult, PageStore
 from sparkcache.store.eviction import EvictionPlan
+from sparkcache.store.layout import DIR_FLAGS
+from sparkcache.store.space import Ballast, ballast_bytes, is_disk_full, reserve_shortfall
 from sparkcache.store.store import DEFAULT_GRACE_SECONDS
 
 log = logging.getLogger(__name__)
@@ -69,6 +72,11 @@ _FUTURE_SLACK_S = 60.0
 # do not stay until the next restart.
 RESWEEP_AFTER_S = DEFAULT_GRACE_SECONDS
 SWEEP = "sweep"  # a unit of a slice's work: one fan-out directory swept
+# After a slice failed on a full disk, the ballast is not taken again for this long: a
+# quota (EDQUOT) or an index that cannot grow leaves statvfs's free space plentiful, and
+# the ballast was taken and given up every slice.
+BALLAST_RETAKE_S = 60.0
+SPACE = "space"  # one: pooled files given back for the free-space reserve, or the ballast taken
 # Cumulative counters of the stats record (WORKER_STATS names).
 _TOTALS = ("evicted_roots", "cut_roots", "skipped_roots", "reclaimed_bytes",
            "collected_objects", "collected_bytes", "io_bytes", "yielded_roots",
@@ -122,8 +130,13 @@ class Maintenance:
         self._quarantines: list[tuple[str, str]] = []
         self._resweep = deque(f"{i:02x}" for i in range(256))
         self._resweep_at = clock() + RESWEEP_AFTER_S
+        self.space = self.store.space()  # the store's filesystem, read every slice
+        self._rank_fd = os.open(self.store.layout.rank_dir, DIR_FLAGS)
+        self.ballast = Ballast(self._rank_fd, ballast_bytes(cfg.min_free_bytes))
+        self._ballast_at = clock()  # when it may be taken (again)
 
     def close(self) -> None:
+        os.close(self._rank_fd)
         self.store.close()
         for ring in self.requests:
             ring.close()
@@ -148,10 +161,18 @@ class Maintenance:
             try:
                 worked = self.slice()
                 self._sync_collected()
-            except ENVIRONMENT_FAULTS:
-                raise
-            except Exception:
-                self.life.item_error("a maintenance slice")
+            except Exception as exc:
+                if not is_disk_full(exc):
+                    if isinstance(exc, ENVIRONMENT_FAULTS):
+                        raise
+                    self.life.item_error("a maintenance slice")
+                else:
+                    # Its transaction rolled back (or may have): the victims' page counts
+                    # the plan holds may be ahead of the index.
+                    self.plan.restart()
+                    self.life.disk_full_error("a maintenance slice", exc)
+                    self.ballast.release()  # room for the next slice's index writes
+                    self._ballast_at = self.clock() + BALLAST_RETAKE_S
                 self.store.check_usable()
         self.report()
         if worked:
@@ -165,6 +186,28 @@ class Maintenance:
         usage = self.store.usage()
         self._watch(usage.used_bytes, meter.started)
         need = self.pressure.need(usage.used_bytes, usage.collectable_bytes)
+        # The free-space reserve: whatever fills the disk, evict this rank's share of
+        # what it lacks, less what collection is about to free anyway.
+        self.space = self.store.space()
+        short = reserve_shortfall(self.space, self.cfg.min_free_bytes, self.cfg.ranks)
+        pool = self.store.pool
+        if pool is not None:
+            # Pooled files first: they free space and evict nothing. While short, what
+            # collection frees is unlinked, not pooled.
+            pool.suspended = short > 0
+            if short:
+                begun = meter.now()
+                released = pool.release(short)
+                meter.spend(SPACE, 1, released, meter.now() - begun)
+                short -= released
+        if short > 0:
+            need = max(need, short - usage.collectable_bytes - self.store.unlinking.bytes)
+        elif (self.ballast.size and meter.started >= self._ballast_at
+              and self.space.free_bytes >= self.cfg.min_free_bytes + self.ballast.size
+              and not self.ballast.present):
+            begun = meter.now()
+            self.ballast.take()  # room for it beside the reserve: never makes the disk short
+            meter.spend(SPACE, 1, 0, meter.now() - begun)
         if self._resweep and meter.started >= self._resweep_at:
             begun = meter.now()
             self.store.sweep([self._resweep.popleft()])
@@ -172,10 +215,11 @@ class Maintenance:
         collected = CollectResult(0, 0)
         # Deferred punches fall due with nothing else left to collect (after an episode):
         # they are collection's work too, or their blocks stay in packs until the next.
-        if (usage.collectable_objects or self.store.unlinking.objects
-                or self.store.punches_due):
+        waiting = self.store.unlinking
+        if (usage.collectable_objects or waiting.objects or self.store.punches_due
+                or (short and waiting.bytes)):
             rows = COLLECT_ROWS if usage.collectable_objects else 0
-            collected = self.store.collect(rows, meter)
+            collected = self.store.collect(rows, meter, urgent=short > 0)
         evicted = EvictResult()
         if need > 0:
             evicted = self.store.evict(meter, self.plan, need, self._take_requests)
@@ -251,6 +295,7 @@ class Maintenance:
             refused_s=self.hard_cap.total_s, entries=usage.entries,
             pooled_bytes=self._pooled(now), **self._leased(now), **self.totals,
             read_releases=self.store.counters.read_releases,
+            free_bytes=self.space.free_bytes,
         )
         self.life.beat()
 

@@ -68,6 +68,8 @@ MAINTENANCE_GAUGES = (
      "still runs; counted once a second.", "leased_roots"),
     ("store_leased_bytes", "Bytes of the roots whose conversation lease still runs; above "
      "the low watermark, an episode takes the oldest of them.", "leased_bytes"),
+    ("store_filesystem_free_bytes", "Bytes free on the store's filesystem, read every "
+     "slice; below SPARKCACHE_MIN_FREE_BYTES maintenance evicts.", "free_bytes"),
 )
 # Counters of maintenance's record (name without _total, help, field).
 MAINTENANCE_COUNTERS = (
@@ -151,6 +153,10 @@ class SparkCacheCollector(Collector):
         copied = CounterMetricFamily(
             PREFIX + "worker_copied_bytes",
             "Bytes copied: capture into slots, restore into KV blocks.", labels=labels)
+        full = CounterMetricFamily(
+            PREFIX + "worker_disk_full_errors",
+            "Commits (commit) and slices (maintenance) that failed on a full filesystem; "
+            "the worker went on.", labels=labels)
         for w in r.workers:
             values = [_rank(w), w.info.role]
             up.add_metric(values, 1.0 if w.up else 0.0)
@@ -162,7 +168,9 @@ class SparkCacheCollector(Collector):
                 drops.add_metric([*values, reason], w.totals[f"drop_{reason}"])
             if w.info.role in ("capture", "restore"):
                 copied.add_metric(values, w.totals["copy_bytes"])
-        yield from (up, age, restarts, errors, drops, copied)
+            if w.info.role in ("commit", "maintenance"):
+                full.add_metric(values, w.totals["disk_full"])
+        yield from (up, age, restarts, errors, drops, copied, full)
 
     # ------------------------------------------------------------------ capture slots
 

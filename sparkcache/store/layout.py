@@ -34,6 +34,8 @@ from sparkcache.store.records import StoreError, UnsafeStoreDir
 GENERATION_HEX_LEN = 16
 TEMP_SUFFIX = ".tmp"
 INDEX_NAME = "index.sqlite"
+# Maintenance's preallocated room for the index on a full disk (store/space.py).
+BALLAST_NAME = "ballast"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

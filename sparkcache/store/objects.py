@@ -185,18 +185,25 @@ def write_temp(
     return fd
 
 
+# What opening an object's name can meet that the store never puts there.
+_NOT_OURS = frozenset({errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV, errno.EACCES,
+                       errno.EPERM})
+
+
 def open_object(ops: FileOps, dir_fd: int, key: str, generation: str) -> int:
     """Open object ``key.generation`` for reading, never through a symlink.
 
-    Raises FileNotFoundError if it is absent, ObjectCorrupt if it cannot be opened as a file.
+    Raises FileNotFoundError if it is absent, ObjectCorrupt if what is there is not a file
+    the store made (a symlink planted in its place, never followed; a directory, a
+    device, a file whose mode was changed), and any other OSError as it is: ``EMFILE``
+    or ``EIO`` say nothing about the object, and quarantining on them condemned good ones.
     """
     try:
         return ops.open(object_name(key, generation), _READ_FLAGS, 0, dir_fd)
-    except FileNotFoundError:
-        raise
     except OSError as exc:
-        # ELOOP: a symlink planted where an object should be; never followed.
-        raise ObjectCorrupt(f"cannot open object: {exc.strerror}") from exc
+        if exc.errno in _NOT_OURS:
+            raise ObjectCorrupt(f"cannot open object: {exc.strerror}") from exc
+        raise
 
 
 def read_verified(

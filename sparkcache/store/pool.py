@@ -57,6 +57,9 @@ class FilePool:
         self._ops = ops
         self._fd = free_fd
         self.cap_bytes = cap_bytes  # what ``put`` may pool; 0: nothing (``take`` still takes)
+        # Set by maintenance while the filesystem is short of its free-space reserve: a
+        # pooled file holds the disk space the reserve is for (``release``).
+        self.suspended = False
         self._clock = clock
         self._pooled = 0  # bytes, as maintenance last read them plus what it added since
         self._read_at = float("-inf")
@@ -69,7 +72,7 @@ class FilePool:
     def put(self, name: str, dir_fd: int, size: int) -> bool:
         """Move the collected file ``name`` (under ``dir_fd``, ``size`` bytes) into the
         pool; False (nothing done) if that would take the pool past its cap."""
-        if self.cap_bytes <= 0:
+        if self.cap_bytes <= 0 or self.suspended:
             return False
         stale = self._read_at == float("-inf") or self._pooled + size > self.cap_bytes
         if stale and (now := self._clock()) - self._read_at >= REFRESH_S:
@@ -81,6 +84,25 @@ class FilePool:
         self._pooled += size
         self.pooled_files += 1
         return True
+
+    def release(self, nbytes: int) -> int:
+        """Unlink pooled files until ``nbytes`` are freed or none is left; the bytes freed.
+        For a filesystem short of its free-space reserve: the pool's files are space
+        kept for speed, given back before eviction takes anything stored."""
+        freed = 0
+        for name in os.listdir(self._fd):
+            if freed >= nbytes:
+                break
+            size = parse_free_name(name)
+            if size is None:
+                continue
+            try:
+                self._ops.unlink(name, self._fd)
+            except FileNotFoundError:
+                continue  # a commit took it
+            freed += size
+        self._pooled = max(0, self._pooled - freed)
+        return freed
 
     def pooled_bytes(self) -> int:
         """Bytes of the pooled files, from one listing."""

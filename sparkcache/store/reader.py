@@ -403,9 +403,11 @@ class StoreReader:
         """What a read of ``page`` that failed with ``error`` is: damage (reported in
         ``bad``), or a miss (logged where unreadable)."""
         if isinstance(error, ObjectCorrupt):
-            # A pack's record collected since it was planned reads as zeros (its blocks
-            # punched): a miss, not damage.
-            if page.file_key is None or self._still_live(page):
+            # An object collected since it was planned is a miss, not damage: a pack's
+            # record reads as zeros (its blocks punched), and an object file of its own
+            # taken into the pool is overwritten in place by the next commit while this
+            # reader still holds it open.
+            if self._still_live(page):
                 bad.append(BadObject(page.key, page.generation, str(error)))
         else:
             log.warning("object %s.%s unreadable: %s; a miss", page.key, page.generation,

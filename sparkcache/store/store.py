@@ -58,6 +58,7 @@ from sparkcache.store.objects import (
     HEADER_SIZE,
     ObjectCorrupt,
     open_object,
+    record_span,
     verify_file,
 )
 from sparkcache.store.pool import FilePool
@@ -75,6 +76,7 @@ from sparkcache.store.records import (
     StoreError,
     Usage,
 )
+from sparkcache.store.space import Space, space_of
 from sparkcache.store.writer import ObjectWriter, WrittenFile
 
 log = logging.getLogger(__name__)
@@ -138,6 +140,14 @@ class StoreCounters:
         """A commit's wait for the write lock."""
         self.lock_wait_s += seconds
         self.lock_wait_max_s = max(self.lock_wait_max_s, seconds)
+
+
+@dataclass
+class _Deferred:
+    """A pack whose collected records wait for their punch: since when, and their bytes."""
+
+    since: float
+    bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -213,8 +223,9 @@ class PageStore:
         # (HALVE_ABOVE_BYTES): [key, generation, bytes left, bytes the first step cuts].
         self._shrinking: deque[list] = deque()
         self._halve_above = halve_above
-        # Packs with records collected and not yet punched: name -> when the first went.
-        self._deferred: dict[tuple[str, str], float] = {}
+        # Packs with records collected and not yet punched: name -> when the first went,
+        # and the bytes of those records (disk space the rows no longer count).
+        self._deferred: dict[tuple[str, str], _Deferred] = {}
         self._objects_fd = os.open(self.layout.objects_dir, DIR_FLAGS)
         self._quarantine_fd = os.open(self.layout.quarantine_dir, DIR_FLAGS)
         # Collection pools up to pool_bytes of its files; commits take pooled files
@@ -682,29 +693,36 @@ class PageStore:
         """Mark an object bad and move its file (or planted link) aside; never deleted here."""
         self._quarantine(require_hex(key, "page key"), generation, reason)
 
-    def _quarantine(self, key: str, generation: str, reason: str) -> None:
-        self.counters.quarantined += 1
-        log.warning("object %s.%s failed verification (%s): quarantined", key, generation, reason)
+    def _quarantine(self, key: str, generation: str, reason: str) -> bool:
+        """Quarantine object ``key``.``generation`` if its row is still live, judged in
+        the transaction that quarantines it: a report made earlier (a reader's, a
+        verification's) may name an object collected since, whose file or record is
+        someone else's by now. Whether it was quarantined."""
         # Row first: from this COMMIT on no reader uses the object, and the next commit of
         # the key writes a fresh generation. A quarantined row names no pack: its record
         # is moved aside like an object file.
         with index.write_txn(self._wconn) as conn:
             row = conn.execute(
                 "SELECT file_key, file_offset, bytes FROM objects "
-                "WHERE key = ? AND generation = ?", (key, generation)).fetchone()
+                "WHERE key = ? AND generation = ? AND state = 'live'",
+                (key, generation)).fetchone()
+            if row is None:
+                return False
             conn.execute(
                 "UPDATE objects SET state = 'quarantined', file_key = NULL, file_offset = 0 "
                 "WHERE key = ? AND generation = ?",
                 (key, generation),
             )
-        if row is not None and row[0] is not None:
+        self.counters.quarantined += 1
+        log.warning("object %s.%s failed verification (%s): quarantined", key, generation, reason)
+        if row[0] is not None:
             self._quarantine_record(key, generation, row[0], row[1], row[2])
-            return
+            return True
         name = object_name(key, generation)
         try:
             fd = open_subdir(fanout(key), self._objects_fd, create=False)
         except (FileNotFoundError, StoreError):
-            return
+            return True
         try:
             self._ops.rename(name, name, fd, self._quarantine_fd)
         except OSError as exc:
@@ -712,6 +730,7 @@ class PageStore:
                 log.warning("could not move %s to quarantine: %s", name, exc)
         finally:
             os.close(fd)
+        return True
 
     def _quarantine_record(self, key: str, generation: str, file_key: str, offset: int,
                            size: int) -> None:
@@ -755,15 +774,15 @@ class PageStore:
             self._ops.close(dst)
 
     def _release_record(self, file_key: str, generation: str,
-                        named: bool | None = None) -> None:
+                        named: bool | None = None, span: int = 0) -> None:
         """A record of pack ``file_key.generation`` that no row names any more: the whole
         pack pooled or unlinked if no row names it at all (rows of a pack are only ever
         deleted once it is published, so that cannot change back), else its punch
         deferred (``PUNCH_DELAY_S``). ``named``: whether rows name the pack, where the
-        caller knows it."""
+        caller knows it; ``span``: the record's bytes on disk, where known."""
         name = (file_key, generation)
         if self._pack_named(file_key, generation) if named is None else named:
-            self._deferred.setdefault(name, self._clock())
+            self._deferred.setdefault(name, _Deferred(self._clock())).bytes += span
             return
         self._deferred.pop(name, None)
         self._remove_file(file_key, generation)
@@ -818,8 +837,8 @@ class PageStore:
         slice, and the pack keeps its place until none is left; its ranges are read
         again from the file each time (``recovery.unfreed_ranges``)."""
         now = self._clock()
-        for name, since in list(self._deferred.items()):
-            if not every and now - since < PUNCH_DELAY_S:
+        for name, deferred in list(self._deferred.items()):
+            if not every and now - deferred.since < PUNCH_DELAY_S:
                 continue
             if not self._pack_named(*name):
                 self._release_record(*name)
@@ -1042,13 +1061,18 @@ class PageStore:
             if dir_fd >= 0:
                 verify_file(self._ops, dir_fd, key, generation, size, file_key, offset)
                 return False
-        except (ObjectCorrupt, OSError):
-            pass
+        except (ObjectCorrupt, FileNotFoundError):
+            pass  # damage, or a live row without its file
+        except OSError as exc:
+            # EIO, EMFILE, ENOMEM...: says nothing about the object. A good one was
+            # quarantined for it; the next failed read reports it again if it is bad.
+            log.warning("could not verify %s.%s again (%s); left as it is", key, generation,
+                        exc)
+            return False
         finally:
             if dir_fd >= 0:
                 os.close(dir_fd)
-        self._quarantine(key, generation, reason)
-        return True
+        return self._quarantine(key, generation, reason)
 
     def check_usable(self) -> None:
         """Raise StoreError if the store's directories are gone or no longer safe: a
@@ -1058,7 +1082,8 @@ class PageStore:
         except OSError as exc:
             raise StoreError(f"store {self.layout.rank_dir} is unusable: {exc}") from exc
 
-    def collect(self, n: int, budget: Budget | None = None) -> CollectResult:
+    def collect(self, n: int, budget: Budget | None = None,
+                urgent: bool = False) -> CollectResult:
         """Delete up to ``n`` unreferenced object rows durably, then unlink their files.
 
         With a ``budget``: the files of rows an earlier call deleted and left waiting go
@@ -1070,7 +1095,9 @@ class PageStore:
         files left when the time is up wait for the next call (``unlinking``): their rows
         are gone, so they are nothing to any reader, and a crash leaves them as orphans
         that ``reconcile`` removes. A power cut before the sync may bring the rows back;
-        their files are all still there."""
+        their files are all still there. ``urgent``: the filesystem is short of its
+        free-space reserve, so deferred punches are due at once (a reader of a record
+        punched early misses it)."""
         if budget is None:
             rows = self._delete_garbage(n)
             for row in rows:
@@ -1082,7 +1109,7 @@ class PageStore:
             begun = budget.now()
             self.sync_collected()
             budget.spend(SYNC, 1, 0, budget.now() - begun)
-        self._punch_deferred(budget)
+        self._punch_deferred(budget, every=urgent)
         shrunk = self._shrink_waiting(budget)
         done = self._unlink_waiting(budget)
         if self._unlinking or self._shrinking:
@@ -1116,17 +1143,19 @@ class PageStore:
     def unlinking(self) -> CollectResult:
         """Objects whose rows collection deleted and whose files it has yet to unlink
         (their deletion synced or not yet), and files it is still cutting short (their
-        bytes left)."""
+        bytes left); with the bytes of collected records waiting for their punch (no
+        object: their pack's other records live on)."""
         waiting = [*self._unsynced, *self._unlinking]
         return CollectResult(len(waiting) + len(self._shrinking),
-                             sum(r[2] for r in waiting) + sum(e[2] for e in self._shrinking))
+                             sum(r[2] for r in waiting) + sum(e[2] for e in self._shrinking)
+                             + sum(d.bytes for d in self._deferred.values()))
 
     @property
     def punches_due(self) -> bool:
         """Whether collected records of a pack wait for a punch whose delay is over:
         ``collect`` does them, even with nothing else to collect."""
         now = self._clock()
-        return any(now - since >= PUNCH_DELAY_S for since in self._deferred.values())
+        return any(now - d.since >= PUNCH_DELAY_S for d in self._deferred.values())
 
     def _delete_garbage(
         self, n: int, budget: Budget | None = None
@@ -1201,7 +1230,7 @@ class PageStore:
             start = budget.now()
             if pack not in gone:
                 self._hook("collect.unlink")
-                self._release_record(*pack, named=named[pack])
+                self._release_record(*pack, named=named[pack], span=record_span(size))
                 if not named[pack]:
                     gone.add(pack)
             self._unlinking.popleft()
@@ -1319,6 +1348,10 @@ class PageStore:
             collectable_objects=totals["garbage"][0],
             collectable_bytes=totals["garbage"][1],
         )
+
+    def space(self) -> Space:
+        """The store's filesystem: its size and the bytes still free (``space_of``)."""
+        return space_of(self._objects_fd)
 
     def leased(self) -> tuple[int, int]:
         """Roots whose conversation lease still runs, and their bytes: an index range
