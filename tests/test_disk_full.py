@@ -130,7 +130,7 @@ def test_a_full_filesystem_fails_commits_not_the_workers_and_the_reserve_evicts(
     result = subprocess.run(
         ["unshare", "-m", "--propagation", "private", "sh", "-c", script, str(mnt),
          sys.executable, str(HERE / "disk_full_scenario.py"), instance],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        cwd=REPO, capture_output=True, text=True, timeout=600)
     if result.returncode == 77:
         pytest.skip("cannot mount a tmpfs here")
     assert result.returncode == 0, result.stderr[-4000:]
@@ -151,15 +151,17 @@ def test_a_full_filesystem_fails_commits_not_the_workers_and_the_reserve_evicts(
         seen["first_log"][-3000:]
     assert seen["first_rc"] == 0 and "the store dir's filesystem holds" not in seen["first_log"]
     # The reserve: another file took the disk, and maintenance evicted the store's own
-    # roots until 12 MiB were free again; publications are stored.
-    assert seen["free_after_reserve"] >= 12 << 20 and seen["evicted_roots"] > 0
+    # roots until 8 MiB were free again; publications are stored.
+    assert seen["free_after_reserve"] >= 8 << 20 and seen["evicted_roots"] > 0, (
+        {k: v for k, v in seen.items() if not k.endswith("_log")},
+        [line for line in seen["second_log"].splitlines() if "maintenance" in line][-20:])
     # Only what the reserve lacked went: the pool and the punches waiting for their delay
     # gave their space first, and were counted as freed (it once evicted everything).
-    assert seen["used_before"] - (16 << 20) < seen["used_after"] <= seen["used_before"] - (8 << 20)
+    assert seen["used_before"] - (12 << 20) < seen["used_after"] <= seen["used_before"] - (4 << 20)
     assert seen["after_reserve"] == "durable" and seen["second_rc"] == 0
     # Where eviction's COMMIT found no room on the full disk, the ballast made it.
     assert (seen["second_maintenance_disk_full"] == 0
-            or "gave up the 3145728-byte ballast" in seen["second_log"])
+            or "gave up the 2097152-byte ballast" in seen["second_log"])
     assert all(state == "RUNNING" for state, _ in seen["second_workers"].values())
-    # 48 MiB of hard cap plus 12 MiB kept free: more than the 48 MiB filesystem.
+    # 48 MiB of hard cap plus 8 MiB kept free: more than the 48 MiB filesystem.
     assert "the store dir's filesystem holds 48.0MiB" in seen["second_log"]

@@ -186,28 +186,10 @@ class Maintenance:
         usage = self.store.usage()
         self._watch(usage.used_bytes, meter.started)
         need = self.pressure.need(usage.used_bytes, usage.collectable_bytes)
-        # The free-space reserve: whatever fills the disk, evict this rank's share of
-        # what it lacks, less what collection is about to free anyway.
-        self.space = self.store.space()
-        short = reserve_shortfall(self.space, self.cfg.min_free_bytes, self.cfg.ranks)
-        pool = self.store.pool
-        if pool is not None:
-            # Pooled files first: they free space and evict nothing. While short, what
-            # collection frees is unlinked, not pooled.
-            pool.suspended = short > 0
-            if short:
-                begun = meter.now()
-                released = pool.release(short)
-                meter.spend(SPACE, 1, released, meter.now() - begun)
-                short -= released
+        short = self._keep_free_space(meter)
         if short > 0:
+            # Less what collection is about to free anyway.
             need = max(need, short - usage.collectable_bytes - self.store.unlinking.bytes)
-        elif (self.ballast.size and meter.started >= self._ballast_at
-              and self.space.free_bytes >= self.cfg.min_free_bytes + self.ballast.size
-              and not self.ballast.present):
-            begun = meter.now()
-            self.ballast.take()  # room for it beside the reserve: never makes the disk short
-            meter.spend(SPACE, 1, 0, meter.now() - begun)
         if self._resweep and meter.started >= self._resweep_at:
             begun = meter.now()
             self.store.sweep([self._resweep.popleft()])
@@ -260,6 +242,30 @@ class Maintenance:
         t["read_yielded_roots"] += evicted.read_yielded
         self.life.processed += 1
         return True
+
+    def _keep_free_space(self, meter: SliceMeter) -> int:
+        """The free-space reserve (docs/store.md, "A full disk"): the bytes this rank is
+        still to free for the store's filesystem to have ``min_free_bytes`` free, after
+        giving back the pool's files (they free space and evict nothing; while short,
+        collection unlinks what it frees rather than pooling it). With the reserve
+        holding and room beside it, the ballast is taken (again)."""
+        self.space = self.store.space()
+        short = reserve_shortfall(self.space, self.cfg.min_free_bytes, self.cfg.ranks)
+        pool = self.store.pool
+        if pool is not None:
+            pool.suspended = short > 0
+            if short:
+                begun = meter.now()
+                released = pool.release(short)
+                meter.spend(SPACE, 1, released, meter.now() - begun)
+                short -= released
+        if (not short and self.ballast.size and meter.started >= self._ballast_at
+                and self.space.free_bytes >= self.cfg.min_free_bytes + self.ballast.size
+                and not self.ballast.present):
+            begun = meter.now()
+            self.ballast.take()
+            meter.spend(SPACE, 1, 0, meter.now() - begun)
+        return max(0, short)
 
     def _sync_collected(self) -> None:
         """Make the slice's collection durable, after the slice: the fsync waits for the
