@@ -173,7 +173,11 @@ def instance_prefix(instance: str) -> str:
     comes first, so two users' instances of one name (each one's ``default``) never
     meet. Sharing names, the second user's supervisor found the first one's segments
     and refused to start."""
-    return f"{NAME_PREFIX}u{os.geteuid()}.{instance}."
+    return f"{_user_prefix()}{instance}."
+
+
+def _user_prefix() -> str:
+    return f"{NAME_PREFIX}u{os.geteuid()}."
 
 
 def segment_name(instance: str, rank: int, role: str) -> str:
@@ -190,7 +194,7 @@ def _other_users(name: str) -> str:
     """For a missing segment ``name``: the users whose segments of that instance, rank
     and role exist (an engine run under another account than its supervisor's looks
     for its own user's names), as a clause; empty if none."""
-    mine = f"{NAME_PREFIX}u{os.geteuid()}."
+    mine = _user_prefix()
     if not name.startswith("/" + mine):
         return ""
     rest = name[len(mine) + 1:]

@@ -162,17 +162,13 @@ class Maintenance:
                 worked = self.slice()
                 self._sync_collected()
             except Exception as exc:
-                if not is_disk_full(exc):
-                    if isinstance(exc, ENVIRONMENT_FAULTS):
-                        raise
-                    self.life.item_error("a maintenance slice")
+                # A full disk is a StoreError too, but space comes back: not FATAL.
+                if is_disk_full(exc):
+                    self._disk_full(exc)
+                elif isinstance(exc, ENVIRONMENT_FAULTS):
+                    raise
                 else:
-                    # Its transaction rolled back (or may have): the victims' page counts
-                    # the plan holds may be ahead of the index.
-                    self.plan.restart()
-                    self.life.disk_full_error("a maintenance slice", exc)
-                    self.ballast.release()  # room for the next slice's index writes
-                    self._ballast_at = self.clock() + BALLAST_RETAKE_S
+                    self.life.item_error("a maintenance slice")
                 self.store.check_usable()
         self.report()
         if worked:
@@ -242,6 +238,15 @@ class Maintenance:
         t["read_yielded_roots"] += evicted.read_yielded
         self.life.processed += 1
         return True
+
+    def _disk_full(self, exc: Exception) -> None:
+        """A slice failed on a full disk: counted, the ballast given up for the next
+        slice's index writes, and the plan started afresh (its transaction rolled back,
+        or may have: the victims' page counts it holds may be ahead of the index)."""
+        self.plan.restart()
+        self.life.disk_full_error("a maintenance slice", exc)
+        self.ballast.release()
+        self._ballast_at = self.clock() + BALLAST_RETAKE_S
 
     def _keep_free_space(self, meter: SliceMeter) -> int:
         """The free-space reserve (docs/store.md, "A full disk"): the bytes this rank is
