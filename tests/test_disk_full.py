@@ -19,6 +19,7 @@ from eviction_util import FakeClock
 from test_maintenance_worker import SETTINGS, drive, maintenance_record, put
 from worker_rig import rig
 
+from sparkcache.store.eviction import RECORD, UNLINK
 from sparkcache.store.index import OutcomeUnknown
 from sparkcache.store.records import CommitFailed
 from sparkcache.store.space import Space, is_disk_full, reserve_shortfall
@@ -117,6 +118,30 @@ def test_maintenance_stays_up_while_its_index_cannot_grow_and_evicts_once_it_can
         rec = maintenance_record(r)
         assert rec.evicted_roots > evicted and rec.used_bytes <= 320 * 1024
         assert ballast.exists()  # taken again: the reserve holds with room for it
+
+
+def test_collection_goes_on_while_short_of_the_reserve_with_unlinks_dearer_than_a_slice(
+        tmp_path: Path, instance: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Short of the reserve, every slice began by asking the (empty) pool for its files
+    and counted that as a unit of work, so no slice was fresh; an unlink the cost model
+    had learnt above a slice's budget (on a loaded machine) runs only in a fresh slice,
+    so the collected files were never unlinked and the disk stayed full (seen on the
+    tmpfs test beside a busy suite: 297 objects waiting for 4 minutes)."""
+    clock = FakeClock(tick=1e-4)
+    with rig(tmp_path / "store", instance, clock=clock, min_free_bytes="4MiB",
+             **SETTINGS) as r:
+        for _ in range(8):
+            put(r, 4)
+        store = r.maintenance.store
+        monkeypatch.setattr(store, "space", lambda: Space(64 << 20, 0))  # full, for good
+        for kind in (UNLINK, RECORD):
+            r.maintenance.costs.observe(kind, 1, 1.0)  # far above the 20 ms budget
+        drive(r, clock, 400)
+        rec = maintenance_record(r)
+        assert rec.used_bytes == 0 and rec.evicted_roots == 8
+        assert store.unlinking.objects == 0 and rec.collectable_objects == 0
+        objects = store.layout.rank_dir / "objects"
+        assert not [p for p in objects.rglob("*") if p.is_file()]
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,

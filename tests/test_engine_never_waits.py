@@ -1,10 +1,11 @@
 """The engine side never waits on a lock: while another process holds the index's write
 lock for 5 s, every client call (lookup, a restore that meets a corrupt object, publish,
-the polls) returns within 100 ms, far below the 5 s a call that waited for the holder
+the polls) returns within 500 ms, a tenth of the 5 s a call that waited for the holder
 would take (the client's own lock wait is at most 5 ms; the rest of the bound is the
-call's work on a loaded 2-core machine, where a restore that reads and checks a page has
-taken 20 ms); the corrupt object is quarantined by maintenance once the lock is free, and
-nothing corrupt is ever restored."""
+call's work and the scheduler's delays on a loaded 2-core machine: a restore that reads
+and checks a page took 20 ms, and 133 ms in CI beside the rest of the suite); the corrupt
+object is quarantined by maintenance once the lock is free, and nothing corrupt is ever
+restored."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def test_no_client_call_waits_while_the_index_is_locked(tmp_path: Path, instance
                 engine.poll()  # blocks of completed publications come back
                 time.sleep(0.01)
             assert calls > 20
-            assert max(slowest.values()) <= 0.100, slowest
+            assert max(slowest.values()) <= 0.500, slowest
         finally:
             join_or_kill(holder, 30)
         assert engine.client.counters.misses["corrupt"] >= 1
