@@ -16,6 +16,7 @@ from typing import Any
 from sparkcache import kvmem, registry
 from sparkcache.config import AccessMode
 from sparkcache.identity import Namespace
+from sparkcache.load_cost import LoadCost
 from sparkcache.prefix_lookup import ALIVE_RECHECK_S, PrefixLookup
 from sparkcache.protocol import new_lease_id, process_gone
 from sparkcache.vllm.block_hash_keys import KeySource, key_source
@@ -81,6 +82,7 @@ class SchedulerSide:
         self.block = settings.block_size
         self.lookup = PrefixLookup(settings.cfg, settings.tp_size,
                                    alive_recheck_s=ALIVE_RECHECK_S)
+        self.cost = LoadCost(self.block)  # whether a load beats recomputing
         self.counters: Counter = Counter()
         # Something may have been counted since totals() was last read (a lookup or a
         # finished request): the connector's stats skip the sums otherwise.
@@ -234,6 +236,13 @@ class SchedulerSide:
             if pages:
                 self.lookup.release(lease)
             return 0, False
+        if (self.settings.cut_slow_loads
+                and not self.cost.worth_loading(pages - start, time.monotonic())):
+            # Expected to arrive later than the engine would compute it (load_cost).
+            self.lookup.release(lease)
+            self.counters["load_cuts"] += 1
+            self.counters["load_cut_tokens"] += (pages - start) * self.block
+            return 0, False
         state.load, state.lease = (start, pages), lease
         return pages * self.block - num_computed_tokens, True
 
@@ -261,6 +270,7 @@ class SchedulerSide:
             log.warning("request %s: %d blocks for a load of pages up to %d; not loaded",
                         request.request_id, len(block_ids), end)
         state.loading_blocks = tuple(block_ids[start:end])
+        self.cost.load_started(request.request_id, end - start, time.monotonic())
         self._meta.loads.append(
             PageJob(request.request_id, state.keys.key_bytes(start, end),
                     block_ids[start:end], state.lease))
@@ -268,6 +278,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> SparkCacheMetadata:
         meta, self._meta = self._meta, SparkCacheMetadata()
+        self.cost.step(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)),
+                       time.monotonic())
         if not self._saving:
             return meta
         # Preempted first: a request preempted and scheduled again in the same step has
@@ -363,6 +375,7 @@ class SchedulerSide:
                 if state.loading and not invalid.isdisjoint(state.loading_blocks):
                     state.load_failed = True
         for req_id in connector_output.finished_recving or ():
+            self.cost.load_finished(req_id, time.monotonic())
             state = self._reqs.get(req_id)
             if state is not None:
                 state.loading = False
@@ -450,7 +463,8 @@ class SchedulerSide:
         ``skipped:<reason>``)."""
         out = Counter({k: v for k, v in self.counters.items()
                        if k in ("lookups", "hit_tokens", "saves", "partial_saves",
-                                "preemption_saves", "held_requests", "held_seconds")})
+                                "preemption_saves", "held_requests", "held_seconds",
+                                "load_cuts", "load_cut_tokens")})
         for reason, n in self.lookup.misses.items():
             out[f"skipped:lookup_{reason}"] += n
         if self.events is not None:

@@ -18,7 +18,7 @@ DEFAULT_STAGING_BYTES = 256 << 20
 # chunks still goes out chunk by chunk.
 DEFAULT_SAVE_STRIDE_PAGES = 64
 # Keys of kv_connector_extra_config that are the connector's own, not Config fields.
-OWN_KEYS = ("model_id", "staging_bytes", "save_stride_pages")
+OWN_KEYS = ("model_id", "staging_bytes", "save_stride_pages", "cut_slow_loads")
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,10 @@ class Settings:
     # A hit's last page is not loaded, where vLLM's own prefix cache drops its last block
     # for the same reason (``eagle_block_drop``).
     drop_last_page: bool = False
+    # A load expected to take longer than recomputing its tokens is not made
+    # (``load_cost``). Off: every hit is loaded, however long it waits, and the engine's
+    # time goes to other requests.
+    cut_slow_loads: bool = True
 
 
 def eagle_block_drop(vllm_config: Any) -> bool:
@@ -85,9 +89,13 @@ def from_vllm(vllm_config: Any) -> Settings:
         raise ValueError(f"save_stride_pages {extra.get('save_stride_pages')!r}: a "
                          f"non-negative integer (pages computed between saves of a running "
                          f"request; 0: saved only when it finishes or is preempted)")
+    cut = extra.get("cut_slow_loads", True)
+    if not isinstance(cut, bool):
+        raise ValueError(f"cut_slow_loads {cut!r}: true or false (whether a load expected "
+                         f"to take longer than recomputing its tokens is left out)")
     return Settings(cfg, model_id, int(vllm_config.parallel_config.tensor_parallel_size),
                     block_size, staging, stride, kv_format(vllm_config),
-                    eagle_block_drop(vllm_config))
+                    eagle_block_drop(vllm_config), cut)
 
 
 # Parallelism whose ranks would share a tensor-parallel rank's registration on one node:

@@ -28,6 +28,11 @@ METRICS = {
     "load_seconds": ("vllm:sparkcache_load_seconds", "Seconds spent loading, all loads."),
     "load_errors": ("vllm:sparkcache_load_errors",
                     "Loads that restored fewer pages than looked up (vLLM recomputes)."),
+    "load_cuts": ("vllm:sparkcache_load_cuts",
+                  "Lookups whose load was expected to take longer than recomputing its "
+                  "tokens, so none was made."),
+    "load_cut_tokens": ("vllm:sparkcache_load_cut_tokens",
+                        "Tokens of those lookups, recomputed instead of loaded."),
     "saves": ("vllm:sparkcache_saves", "Finished requests whose pages were published."),
     "saved_pages": ("vllm:sparkcache_saved_pages", "Pages published for capture."),
     "partial_saves": ("vllm:sparkcache_partial_saves",

@@ -211,8 +211,11 @@ def rig(store: Path, instance: str, *, tp: int = 1, num_blocks: int = 128,
     whatever that is: vLLM's xxhash needs a package this environment leaves out, so a
     test that names it gives its requests a hasher of its own."""
     os.environ.setdefault("VLLM_CACHE_ROOT", str(store.parent / "vllm-cache"))
+    # No load is cut for recomputing faster (``load_cost``) unless a test says so: the
+    # stand-in forward computes a step in milliseconds, and the tests' own pauses between
+    # steps make loads look slow.
     settings = {"store_dir": str(store), "instance": instance, "model_id": "tiny-llama-test",
-                **(extra or {})}
+                "cut_slow_loads": False, **(extra or {})}
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=MODEL, dtype="float16", seed=0,
                                  skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -630,7 +631,6 @@ def test_counters_reach_vllm_stats_and_a_prometheus_scrape(tmp_path: Path,
     reports aggregated) into the connector's Prometheus metrics, read back by HTTP. With
     two TP ranks, each rank's loads are its own series (a sum would count each token
     twice), and hits are what vLLM admitted."""
-    import functools
     import urllib.request
 
     from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
@@ -832,6 +832,59 @@ def test_loads_beyond_the_ring_and_the_load_limit_wait_and_complete(
         assert not client.counters.misses and client.counters.loads_queued > 0
         assert n > client_mod.MAX_LOADS and n * pages > ring
         r.run_until_idle(timeout=300)
+
+
+@pytest.mark.parametrize("cut", [True, False])
+def test_a_load_slower_than_recomputing_is_cut_and_counted(
+        supervisor: Path, instance: str, cut: bool) -> None:
+    """The restore worker stalls for a second in a load (a disk busy with something
+    else): at the rate that load measured, the next one would take longer than the engine
+    takes to compute its tokens, so the request computes them instead, and the cut is
+    counted in vLLM's stats. With ``cut_slow_loads`` off it is loaded, however slow."""
+    import os
+    import signal
+
+    from sparkcache import runtime
+    from sparkcache.vllm import SparkCacheConnector
+
+    pages = 1000 // BLOCK
+    prefix = list(range(40, 40 + pages * BLOCK))
+    with rig(supervisor, instance, extra={"cut_slow_loads": cut}) as r:
+        side = r.sched.get_kv_connector()._scheduler
+        run_turn(r, "A", [*prefix, 1])  # prefill steps of 256 tokens: the compute rate
+        wait_stored(r, pages)
+        restore = next(w["pid"] for w in runtime.read(supervisor)["workers"]
+                       if w["role"] == "restore")
+        r.sched.add_request(request("B", [*prefix, 2, 3], max_tokens=2))
+        os.kill(restore, signal.SIGSTOP)
+        try:
+            r.step()
+            assert "B" in r.loads  # no rate measured yet: loaded
+            time.sleep(1.0)
+        finally:
+            os.kill(restore, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while "B" not in r.finished_recving and time.monotonic() < deadline:
+            r.step()
+        assert "B" in r.finished_recving and not r.load_errors
+        load_s, compute_s = side.cost.estimate(pages)
+        assert load_s > 1.0 > compute_s, (load_s, compute_s)  # ~62 pages a second
+        r.run_until_idle()
+        c = run_turn(r, "C", [*prefix, 4, 5])
+        assert ("C" in r.loads) is not cut
+        # Either way the request's tokens are right: computed, or loaded exactly.
+        table = r.tables["C"]
+        for page in (0, pages - 1):
+            assert r.block_holds(0, table[page], prefix[page * BLOCK:(page + 1) * BLOCK],
+                                 page * BLOCK), page
+        assert c.num_computed_tokens >= len(prefix)
+        data = functools.reduce(lambda a, b: a.aggregate(b), [
+            SparkCacheConnector.build_kv_connector_stats(p) for p in r.stats]).reduce()
+        if cut:
+            assert data["load_cuts"] == 1 and data["load_cut_tokens"] == pages * BLOCK, data
+            assert data["hit_tokens"] == pages * BLOCK, data  # B's alone
+        else:
+            assert "load_cuts" not in data and data["hit_tokens"] == 2 * pages * BLOCK, data
 
 
 def test_the_plugin_registers_the_connector_by_name_and_again_is_no_fault(

@@ -145,9 +145,17 @@ def test_a_routers_index_from_vllms_events_equals_the_stores_contents(
             # eviction (a turn that met the cap before maintenance made room was refused).
             assert len(stored) > 3 * PAGES and removed, (len(stored), len(removed))
             assert router.blocks  # what the store holds, not nothing
-            # Counted in vLLM's own stats (vllm:sparkcache_events_* on its /metrics).
-            counted = sum(st.get("events_stored_pages", 0) for st in r.stats)
-            assert counted == len(stored), (counted, len(stored))
+            # Counted in vLLM's own stats (vllm:sparkcache_events_* on its /metrics). vLLM
+            # makes a step's stats before it takes the step's events: those of the last
+            # step that took any are reported by the next one.
+            def counted() -> int:
+                return sum(st.get("events_stored_pages", 0) for st in r.stats)
+
+            deadline = time.monotonic() + 10
+            while counted() < len(stored) and time.monotonic() < deadline:
+                r.step()
+                time.sleep(0.05)
+            assert counted() == len(stored), (counted(), len(stored))
             first = next(e for e in router.events if isinstance(e, BlockStored))
             assert first.parent_block_hash is None
             assert first.token_ids == requests[0].all_token_ids[:PAGES * BLOCK]
