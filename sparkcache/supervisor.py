@@ -262,7 +262,8 @@ class Supervisor:
             w.proc.join(1)
             exit_code = w.proc.exitcode
         rec = self._record(w)
-        record = None if rec is None else Record(int(rec.pid), int(rec.state), float(rec.heartbeat))
+        record = None if rec is None else Record(int(rec.pid), int(rec.state),
+                                                 float(rec.heartbeat), int(rec.processed))
         return Observation(w.proc.pid, exit_code, record, self.stop)
 
     def _tick(self, w: Worker, obs: Observation | None = None) -> Step:

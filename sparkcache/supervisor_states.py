@@ -9,9 +9,11 @@ Policy: supervisord's ``startsecs``/``startretries``/backoff, plus the READY han
 a heartbeat limit.
 
 * A worker is RUNNING only once its stats slot says READY with its own pid. A process that
-  is up but has not finished starting (commit redoing slots, maintenance reconciling, or
-  stuck) is not running, however long it has been up; one that is not READY within
-  ``ready_timeout_s`` is killed.
+  is up but has not finished starting (commit redoing slots, maintenance checking the
+  index, or stuck) is not running, however long it has been up; one that is not READY
+  within ``ready_timeout_s`` of its spawn, or of the last progress it reported (its
+  record's ``processed`` advancing while STARTING: a check of a huge index), is killed.
+  A beat alone is no progress: a worker stuck in a loop that beats is still killed.
 * A failed start is an exit (or that kill) before READY, or an exit within ``startsecs`` of
   the spawn: a worker that reports READY and dies at once is crash-looping all the same.
   After ``startretries`` failed starts in a row the worker is FATAL and left down; so is
@@ -90,6 +92,7 @@ class Record:
     pid: int
     state: int  # a ``workers.lifecycle.State``
     heartbeat: float  # the worker's time.time() at its last beat
+    processed: int = 0  # its work done; while STARTING, its start-up steps (progress)
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,10 @@ class WorkerView:
     backoffs: tuple[float, ...] = ()
     beat: float | None = None  # the last heartbeat value seen
     beat_at: float = 0.0  # when that value was first seen
+    # STARTING: the start-up steps the worker reported done (its record's ``processed``,
+    # e.g. maintenance's index check), and when they last advanced.
+    progress: int = 0
+    progress_at: float = 0.0
 
     def to(self, state: WorkerState, **changes: object) -> WorkerView:
         """This view in ``state`` (with ``changes``); refuses a transition the table does
@@ -162,10 +169,14 @@ def tick(view: WorkerView, now: float, obs: Observation, policy: Policy) -> Step
                 view.to(S.RUNNING, ready_at=now, beat=rec.heartbeat, beat_at=now), (),
                 f"READY after {now - view.started:.2f}s",
             )
-        if now - view.started > policy.ready_timeout_s:
+        if rec is not None and rec.processed > view.progress:
+            return Step(dataclasses.replace(view, progress=int(rec.processed), progress_at=now))
+        if now - max(view.started, view.progress_at) > policy.ready_timeout_s:
             return Step(
                 view.to(S.KILLING), (Action.KILL,),
-                f"not READY within {policy.ready_timeout_s:g}s; killed",
+                f"not READY within {policy.ready_timeout_s:g}s"
+                + (f" of its last progress ({now - view.started:.0f}s after its start)"
+                   if view.progress else "") + "; killed",
             )
         return Step(view)
     # RUNNING
@@ -182,7 +193,8 @@ def tick(view: WorkerView, now: float, obs: Observation, policy: Policy) -> Step
 
 def _spawn(view: WorkerView, now: float, restart: bool) -> Step:
     new = view.to(
-        S.STARTING, started=now, ready_at=None, beat=None, beat_at=now,
+        S.STARTING, started=now, ready_at=None, beat=None, beat_at=now, progress=0,
+        progress_at=now,
         restarts=view.restarts + int(restart),
     )
     return Step(new, (Action.SPAWN,))

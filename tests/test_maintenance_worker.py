@@ -193,30 +193,32 @@ def test_a_slice_that_only_punches_counts_against_the_caps(
         assert len(m.pacing.duty._spans) == spans + slices
 
 
-def test_an_orphan_the_start_up_reconcile_spared_for_its_age_is_swept_later(
+def test_what_a_crash_left_is_swept_once_the_grace_after_the_start_is_over(
         tmp_path: Path, instance: str) -> None:
-    """A crash between collection's delete and its unlink (or the two halves of a large
-    file, whose first cut renews its time) leaves an orphan as young as the file: the
-    start-up reconcile spares it with the in-flight commits' files. Once that grace is
-    over the worker sweeps every fan-out directory again, one a slice."""
+    """A start sweeps no file before READY (a sweep reads every row: past the READY limit
+    at millions of rows). A crash between collection's delete and its unlink leaves an
+    orphan, of any age; once the grace for in-flight commits' files is over the worker
+    sweeps every key prefix, as many a slice as its time affords, and removes it."""
     clock = FakeClock(tick=1e-4)
     with rig(tmp_path / "store", instance, clock=clock, **SETTINGS) as r:
         m = r.maintenance
         put(r, 4)
         key = os.urandom(16).hex()
-        orphan = m.store.layout.objects_dir / key[:2] / f"{key}.{os.urandom(8).hex()}"
-        orphan.write_bytes(bytes(8192))  # its row deleted, then the crash
-        m.store.reconcile()  # what run() does first
-        assert orphan.exists()  # as young as an in-flight commit's file: spared
-        os.utime(orphan, (time.time() - 3600,) * 2)  # ... and then it is not
+        orphans = [m.store.layout.objects_dir / k[:2] / f"{k}.{os.urandom(8).hex()}"
+                   for k in (key, "ff" + key[2:])]
+        for orphan in orphans:
+            orphan.parent.mkdir(exist_ok=True)
+            orphan.write_bytes(bytes(8192))  # its row deleted, then the crash
+            os.utime(orphan, (time.time() - 3600,) * 2)
+        m.store.check_index()  # what run() does first: no file is swept
         drive(r, clock, 20)
-        assert orphan.exists()  # not before the grace is over
+        assert all(orphan.exists() for orphan in orphans)  # not before the grace is over
         clock.now += 60
         for _ in range(5000):
-            if not orphan.exists():
+            if not m._resweep:
                 break
             clock.now += m.step()
-        assert not orphan.exists()
+        assert not any(orphan.exists() for orphan in orphans) and not m._resweep
         assert m.life.report["slice_max_s"] <= 0.02
     assert fsck(tmp_path / "store", grace_seconds=0).ok
 

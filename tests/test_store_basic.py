@@ -14,11 +14,20 @@ import numpy as np
 import pytest
 
 from sparkcache.identity import Namespace, sequence_keys
-from sparkcache.store import PageData, PageStore, Root, StoreError, UnsafeStoreDir, index
+from sparkcache.store import (
+    PageData,
+    PageStore,
+    ReconcileResult,
+    Root,
+    StoreError,
+    UnsafeStoreDir,
+    index,
+)
 from sparkcache.store.fsck import fsck
 from sparkcache.store.layout import fanout, object_name
 from sparkcache.store.objects import HEADER_SIZE
 from sparkcache.store.reader import StoreReader
+from sparkcache.store.recovery import sweep_units
 from sparkcache.store.testing import make_root, object_file, page_bytes
 
 SIZE = 4096
@@ -200,6 +209,41 @@ def test_reconcile_removes_orphans_and_temps_keeps_sqlite_files(store: PageStore
     assert not orphan.exists() and not temp.exists() and stranger.exists()
     assert wal.exists() and store.layout.index_path.exists()
     assert restored(store, keys) == [page_bytes(keys[0], SIZE)]
+
+
+def test_a_sweep_by_units_of_three_digits_does_what_the_whole_sweep_does(
+        store: PageStore, caplog: pytest.LogCaptureFixture) -> None:
+    """What the maintenance worker sweeps after a start, a sixteenth of a fan-out
+    directory at a time: each unit removes its orphans and temp files and quarantines
+    its rows whose file is gone, touching nothing under another prefix; every unit
+    together leaves what a whole sweep leaves, and a stranger file is reported once."""
+    keys = keys_for(list(range(16)))
+    store.commit(make_root(rid(), keys[:1], SIZE))  # two turns: an object file, a pack
+    store.commit(make_root(rid(), keys, SIZE))
+    gen = dict(store._rconn.execute("SELECT key, generation FROM objects"))
+    (store.layout.objects_dir / fanout(keys[0]) / object_name(keys[0], gen[keys[0]])).unlink()
+    fan = store.layout.objects_dir / "ab"
+    fan.mkdir(exist_ok=True)
+    orphans = [fan / object_name(f"ab{d}" + "0" * 29, "1" * 16) for d in "07f"]
+    temp = fan / (object_name("ab7" + "1" * 29, "2" * 16) + ".tmp")
+    stranger = fan / "notes.txt"
+    for p in (*orphans, temp, stranger):
+        p.write_bytes(b"junk")
+    result = store.sweep(["ab7"], grace_seconds=0)
+    assert (result.orphan_files_removed, result.temp_files_removed) == (1, 1)
+    assert orphans[0].exists() and not orphans[1].exists() and orphans[2].exists()
+    with caplog.at_level("WARNING"):
+        results = [store.sweep([unit], grace_seconds=0) for unit in sweep_units(3)]
+    assert sum(r.orphan_files_removed for r in results) == 2
+    assert sum(r.objects_missing for r in results) == 1
+    assert not any(p.exists() for p in orphans) and stranger.exists()
+    assert [m for m in caplog.messages if "notes.txt" in m] == [
+        "unexpected entry objects/ab/notes.txt left in place"]
+    assert store.usage().by_state["quarantined"] == (1, SIZE)
+    assert store.lookup(keys) == 0  # its first page is gone: nothing to restore
+    assert store.reconcile(grace_seconds=0) == ReconcileResult(0, 0, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="a fan-out directory or a part of one"):
+        sweep_units(1)
 
 
 def test_reconcile_fixes_refcounts_and_dead_rows(store: PageStore) -> None:

@@ -121,6 +121,32 @@ def test_not_ready_in_time_is_killed_and_counts_as_a_failed_start() -> None:
     assert after.state is S.BACKOFF and after.failed_starts == 1 and after.last_exit == -9
 
 
+def test_start_up_progress_extends_the_ready_deadline_and_a_beat_alone_does_not() -> None:
+    """A maintenance worker checking a huge index reports its steps while STARTING: each
+    advance gives it ``ready_timeout_s`` more. One that stops advancing, or only beats,
+    is killed that long after its last progress."""
+    view = tick(WorkerView(), T0, Observation(), POLICY).view
+    starting = Observation(PID, record=Record(PID, int(Life.STARTING), 1.0, 0))
+    for i in range(1, 5):  # 200 s of progress, a step every 50 s
+        view = tick(view, T0 + 50 * i, Observation(PID, record=Record(
+            PID, int(Life.STARTING), 1.0 + i, 10 * i)), POLICY).view
+        assert view.state is S.STARTING and view.progress == 10 * i
+    assert tick(view, T0 + 259, starting, POLICY).view.state is S.STARTING
+    step = tick(view, T0 + 261, starting, POLICY)
+    assert step.view.state is S.KILLING and "of its last progress" in step.note
+    # Beats without progress (a loop that beats) change nothing.
+    view = tick(WorkerView(), T0, Observation(), POLICY).view
+    for i in range(1, 7):
+        view = tick(view, T0 + 10 * i, Observation(PID, record=Record(
+            PID, int(Life.STARTING), 1.0 + i, 0)), POLICY).view
+    assert tick(view, T0 + 61, starting, POLICY).view.state is S.KILLING
+    # The predecessor's record is no progress of this process.
+    view = tick(WorkerView(), T0, Observation(), POLICY).view
+    view = tick(view, T0 + 50, Observation(PID, record=Record(PID - 1, 2, 1.0, 99)), POLICY).view
+    assert view.progress == 0
+    assert tick(view, T0 + 61, starting, POLICY).view.state is S.KILLING
+
+
 def test_heartbeat_advancing_keeps_it_running_and_a_stale_one_kills() -> None:
     view = _running()
     now = T0 + 0.5

@@ -1,9 +1,10 @@
-"""The maintenance worker of one rank: ``reconcile()`` at start, then slices of bounded
-work: during a pressure episode, eviction from ``max_bytes`` down to the low watermark,
-in lease order (roots whose lease is over, least recently used first, then the oldest
-conversation leases; a read lease is never overridden: docs/maintenance.md, "Leases at
-the cap"); collection of unreferenced objects; and what the
-engine asks on the request rings (the engine only reads the index): restore touches,
+"""The maintenance worker of one rank: the index checked at start (``check_index``),
+then slices of bounded work: during a pressure episode, eviction from ``max_bytes`` down
+to the low watermark, in lease order (roots whose lease is over, least recently used
+first, then the oldest conversation leases; a read lease is never overridden:
+docs/maintenance.md, "Leases at the cap"); collection of unreferenced objects; the sweep
+of what a crash left, once after each start; and what the engine asks on the request
+rings (the engine only reads the index): restore touches,
 lookup leases and their releases, quarantines.
 
 The policy (budget per slice, duty cap, I/O cap, hysteresis, the hard cap's clock) is
@@ -45,6 +46,7 @@ from sparkcache.ratelog import RateLimitedLog
 from sparkcache.store import CollectResult, EvictResult, PageStore
 from sparkcache.store.eviction import EvictionPlan
 from sparkcache.store.layout import DIR_FLAGS
+from sparkcache.store.recovery import sweep_units
 from sparkcache.store.space import Ballast, ballast_bytes, is_disk_full, reserve_shortfall
 from sparkcache.store.store import DEFAULT_GRACE_SECONDS
 
@@ -65,13 +67,16 @@ LEASED_READ_S = 1.0
 _MAX_POS = segments.RINGS["publish"][1]
 # Clocks of two processes: an access stamped this far in the future is still believed.
 _FUTURE_SLACK_S = 60.0
-# The start-up reconcile spares files no row names while they are younger than its grace
-# (an in-flight commit's), and so also the orphans a crash left young: a file collected
-# soon after it was written, or one cut short (collect.shrunk) just before. Once the grace
-# is over every fan-out directory is swept again, one a slice (``SWEEP``), so that they
-# do not stay until the next restart.
+# A start sweeps no file before READY: what a crash leaves is files (temp files of
+# commits in flight, orphans, records not punched), which cost space, never a wrong
+# answer, and a sweep reads every row (17 s at 10 M page rows here, past the READY
+# limit). Once the grace for in-flight commits' files is over after the start, every
+# file is swept once, a unit (``SWEEP_DIGITS`` hex digits of key prefix: a sixteenth of a
+# fan-out directory, ~2,400 rows at 10 M) at a time, as many a slice as its time
+# affords, one while evicting (docs/store.md, "Starting after a crash").
 RESWEEP_AFTER_S = DEFAULT_GRACE_SECONDS
-SWEEP = "sweep"  # a unit of a slice's work: one fan-out directory swept
+SWEEP_DIGITS = 3
+SWEEP = "sweep"  # a unit of a slice's work: one key prefix's files swept
 # After a slice failed on a full disk, the ballast is not taken again for this long: a
 # quota (EDQUOT) or an index that cannot grow leaves statvfs's free space plentiful, and
 # the ballast was taken and given up every slice.
@@ -128,7 +133,7 @@ class Maintenance:
         self.slice_last_s = self.slice_max_s = 0.0
         self.index_sync_s = self.index_sync_max_s = 0.0
         self._quarantines: list[tuple[str, str]] = []
-        self._resweep = deque(f"{i:02x}" for i in range(256))
+        self._resweep = deque(sweep_units(SWEEP_DIGITS))
         self._resweep_at = clock() + RESWEEP_AFTER_S
         self.space = self.store.space()  # the store's filesystem, read every slice
         self._rank_fd = os.open(self.store.layout.rank_dir, DIR_FLAGS)
@@ -142,7 +147,8 @@ class Maintenance:
             ring.close()
 
     def run(self) -> None:
-        self.store.reconcile()
+        self.store.check_index(self._started_a_step)
+        self.life.processed = 0  # counts slices from here
         self.life.to(State.READY)
         while not self.life.stop:
             pause = self.step()
@@ -151,6 +157,13 @@ class Maintenance:
         self.life.to(State.DRAINING)
         self._take_requests()
         self.store.flush_touches()
+
+    def _started_a_step(self) -> None:
+        """Progress of the start (the index check): counted in ``processed``, which the
+        supervisor reads as progress while the worker is STARTING and which extends its
+        READY deadline (``supervisor_states``), and a beat at most every half second."""
+        self.life.processed += 1
+        self.life.progress()
 
     def step(self) -> float:
         """One turn of the loop: a slice if the duty and I/O caps allow one now, then the
@@ -187,9 +200,13 @@ class Maintenance:
             # Less what collection is about to free anyway.
             need = max(need, short - usage.collectable_bytes - self.store.unlinking.bytes)
         if self._resweep and meter.started >= self._resweep_at:
-            begun = meter.now()
-            self.store.sweep([self._resweep.popleft()])
-            meter.spend(SWEEP, 1, 0, meter.now() - begun)
+            # One unit while evicting: a unit at 10 M rows takes most of a slice.
+            for _ in range(1 if need > 0 else len(self._resweep)):
+                if not self._resweep or not (meter.fresh or meter.affordable(SWEEP, 1)):
+                    break
+                begun = meter.now()
+                self.store.sweep([self._resweep.popleft()])
+                meter.spend(SWEEP, 1, 0, meter.now() - begun)
         collected = CollectResult(0, 0)
         # Deferred punches fall due with nothing else left to collect (after an episode):
         # they are collection's work too, or their blocks stay in packs until the next.

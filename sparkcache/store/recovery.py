@@ -28,6 +28,8 @@ from sparkcache.store.records import StoreError
 
 log = logging.getLogger(__name__)
 
+_HEX = frozenset("0123456789abcdef")
+
 # Punching frees whole blocks only; 4 KiB is the block of every filesystem the store runs
 # on (ext4, XFS, btrfs), and a pack's records are aligned to it (``RECORD_ALIGN``).
 BLOCK = 4096
@@ -74,18 +76,29 @@ def repair_rows(conn: sqlite3.Connection) -> tuple[int, int]:
     return dead, fixed
 
 
-def _prefix_range(fan: str) -> tuple[str, str]:
-    """Keys starting with the two hex digits ``fan`` sort in ``[fan, next)``."""
-    upper = f"{int(fan, 16) + 1:02x}" if fan != "ff" else "g"
-    return fan, upper
+def _prefix_range(prefix: str) -> tuple[str, str]:
+    """Keys starting with the hex digits ``prefix`` sort in ``[prefix, next)``."""
+    upper = int(prefix, 16) + 1
+    return prefix, f"{upper:0{len(prefix)}x}" if upper < 16 ** len(prefix) else "g"
+
+
+def sweep_units(digits: int) -> list[str]:
+    """Every key prefix of ``digits`` hex digits (at least 2: a fan-out directory, or a
+    part of one), in order: units of a sweep that together cover the store."""
+    if digits < 2:
+        raise ValueError(f"a sweep unit is a fan-out directory or a part of one: {digits}")
+    return [f"{i:0{digits}x}" for i in range(16 ** digits)]
 
 
 def sweep_files(
     conn: sqlite3.Connection, ops: FileOps, objects_fd: int, grace_seconds: float,
-    fans: Iterable[str] | None, sync_index: Callable[[], None],
+    units: Iterable[str] | None, sync_index: Callable[[], None],
 ) -> SweepResult:
     """Remove old temp files and files no row names; report live rows with no file. In
-    the fan-out directories ``fans`` alone if given, else in every entry of ``objects/``.
+    the files whose names begin with one of the key prefixes ``units`` alone if given
+    (``sweep_units``: each a fan-out directory's two digits, or more, for a part of
+    one: the rows read and the write lock's hold shrink with it), else in every entry of
+    ``objects/``.
 
     ``sync_index`` makes every committed transaction of the index durable
     (``index.sync_wal``): it runs once, before the first file no row names is unlinked
@@ -106,17 +119,20 @@ def sweep_files(
             sync_index()
             synced = True
 
-    for fan in sorted(os.listdir(objects_fd)) if fans is None else fans:
-        if not is_fanout(fan):
-            log.warning("unexpected entry objects/%s left in place", fan)
+    for unit in sorted(os.listdir(objects_fd)) if units is None else units:
+        fan = unit[:2]
+        if not (is_fanout(unit) if units is None else is_fanout(fan) and set(unit) <= _HEX):
+            log.warning("unexpected entry objects/%s left in place", unit)
             continue
         try:
             fd = open_subdir(fan, objects_fd, create=False)
+        except FileNotFoundError:
+            continue  # nothing was ever stored under this prefix
         except (StoreError, OSError) as exc:
             log.warning("skipping objects/%s: %s", fan, exc)
             continue
         try:
-            missing += _sweep_dir(conn, ops, fd, fan, grace_seconds, result, durable)
+            missing += _sweep_dir(conn, ops, fd, unit, grace_seconds, result, durable)
         finally:
             os.close(fd)
     result.missing = tuple(missing)
@@ -135,13 +151,22 @@ class _Entry:
     old: bool  # older than the grace when listed
 
 
-def _list_dir(fd: int, fan: str, grace_seconds: float) -> list[_Entry]:
+def _list_dir(fd: int, unit: str, grace_seconds: float) -> list[_Entry]:
+    """The files of fan-out directory ``fd`` whose names begin with ``unit``. A name
+    that is not the store's is reported by the unit that begins the directory."""
     entries = []
     now = time.time()
+    fan = unit[:2]
+    first = unit == fan.ljust(len(unit), "0")
     for name in os.listdir(fd):
+        if not name.startswith(unit):
+            if first and not (name.startswith(fan) and parse_object_name(name)):
+                log.warning("unexpected entry objects/%s/%s left in place", fan, name)
+            continue
         parsed = parse_object_name(name)
-        if parsed is None or parsed[0][:2] != fan:
-            log.warning("unexpected entry objects/%s/%s left in place", fan, name)
+        if parsed is None:
+            if first:
+                log.warning("unexpected entry objects/%s/%s left in place", fan, name)
             continue
         try:
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
@@ -157,14 +182,14 @@ def _sweep_dir(
     conn: sqlite3.Connection,
     ops: FileOps,
     fd: int,
-    fan: str,
+    unit: str,
     grace_seconds: float,
     result: SweepResult,
     durable: Callable[[], None],
 ) -> list[tuple[str, str]]:
-    """One fan-out directory. Its files are object files named by their own key's row and
-    packs named by the rows of their records (``file_key``), whatever directories those
-    records' own keys fall in.
+    """The files of one fan-out directory (``fd``) under key prefix ``unit``. Its files
+    are object files named by their own key's row and packs named by the rows of their
+    records (``file_key``), whatever directories those records' own keys fall in.
 
     The directory is listed and its files stat-ed before the write transaction, so a
     commit waits for the rows of one directory to be read and its orphans removed, not
@@ -175,8 +200,8 @@ def _sweep_dir(
     none an in-flight commit writes (a commit writes only under names it has just made);
     and a row whose file was not listed (committed since) has its file looked for again
     before it is called missing."""
-    entries = _list_dir(fd, fan, grace_seconds)
-    span = _prefix_range(fan)
+    entries = _list_dir(fd, unit, grace_seconds)
+    span = _prefix_range(unit)
     named_packs: list[tuple[str, str]] = []
     with index.write_txn(conn):
         rows = dict(conn.execute(

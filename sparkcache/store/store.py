@@ -114,6 +114,9 @@ PUNCH_DELAY_S = 10.0
 # "Recycled files").
 HALVE_ABOVE_BYTES = 1 << 20
 DEFAULT_GRACE_SECONDS = 60.0
+# SQLite virtual-machine instructions between two calls of a long statement's progress
+# handler (``check_index``): ~2.5 ms of a quick_check on this guest.
+PROGRESS_OPS = 100_000
 # The least time a staged page (``stage``) is kept from collection, whatever the lease.
 MIN_STAGE_HOLD_S = 60.0
 
@@ -1296,7 +1299,10 @@ class PageStore:
     # ------------------------------------------------------------------ recovery
 
     def reconcile(self, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> ReconcileResult:
-        """Start-up repair after a crash: dead rows, wrong refcounts, orphan and temp files.
+        """A whole repair (``sparkcache fsck --repair``): dead rows, wrong refcounts (only
+        damage from outside the store's transactions makes either), then every file swept
+        (orphans, temp files, records not punched, rows whose file is gone). Reads every
+        row and lists every file: a start does not run it (``check_index``).
 
         Fails closed: if the index does not pass ``quick_check`` nothing is deleted. Temp
         files younger than ``grace_seconds`` are left alone (a commit in another process may
@@ -1309,19 +1315,32 @@ class PageStore:
         log.info("reconcile %s: %s", self.layout.rank_dir, result)
         return result
 
-    def sweep(self, fans: Sequence[str],
-              grace_seconds: float = DEFAULT_GRACE_SECONDS) -> ReconcileResult:
-        """``reconcile``'s sweep of the fan-out directories ``fans`` alone, without its
-        row repair (which reads every row): what the maintenance worker runs, a directory
-        a slice, once its start-up reconcile's grace is over, for the orphans that one
-        spared for their age (a crash between collection's delete and unlink of a file
-        written or cut short less than the grace before)."""
-        return self._sweep(fans, grace_seconds, 0, 0)
+    def check_index(self, progress: Callable[[], None] | None = None) -> None:
+        """What a start needs before the store is used: the index passes ``quick_check``
+        (``recovery.check_readable``: fail closed), ``progress`` called every so often
+        while it reads (a check reads the whole index: seconds at millions of rows).
+        Nothing a crash leaves needs more before serving (docs/store.md, "Starting
+        after a crash"): the files it leaves are swept later (``sweep``)."""
+        if progress is not None:
+            self._wconn.set_progress_handler(lambda: progress() or 0, PROGRESS_OPS)
+        try:
+            recovery.check_readable(self._wconn, str(self.layout.index_path))
+        finally:
+            self._wconn.set_progress_handler(None, 0)
 
-    def _sweep(self, fans: Sequence[str] | None, grace_seconds: float, dead: int,
+    def sweep(self, units: Sequence[str],
+              grace_seconds: float = DEFAULT_GRACE_SECONDS) -> ReconcileResult:
+        """``reconcile``'s sweep of the files under key prefixes ``units`` alone
+        (``recovery.sweep_units``), without its row repair (which reads every row): what
+        the maintenance worker runs, a few units a slice, once the start's grace is over,
+        for what a crash left (temp files, orphans, records not punched, rows whose file
+        is gone)."""
+        return self._sweep(units, grace_seconds, 0, 0)
+
+    def _sweep(self, units: Sequence[str] | None, grace_seconds: float, dead: int,
                fixed: int) -> ReconcileResult:
         swept = recovery.sweep_files(self._wconn, self._ops, self._objects_fd, grace_seconds,
-                                     fans, lambda: index.sync_wal(self.layout.index_path))
+                                     units, lambda: index.sync_wal(self.layout.index_path))
         for key, generation in swept.missing:
             self.counters.missing_files += 1
             log.warning("object %s.%s has no file: quarantined", key, generation)

@@ -9,14 +9,18 @@ import signal
 import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sparkcache.store import index
 from sparkcache.store.fileops import FileOps
-from sparkcache.store.layout import fanout, object_name
-from sparkcache.store.objects import split_pieces
+from sparkcache.store.layout import fanout, object_name, open_subdir
+from sparkcache.store.objects import record_span, split_pieces
 from sparkcache.store.records import PageData, Root
+
+if TYPE_CHECKING:
+    from sparkcache.store.store import PageStore
 
 
 def page_bytes(key: str, size: int) -> bytes:
@@ -150,3 +154,56 @@ def populate(store_conn: sqlite3.Connection, roots: int, pages: int, page_bytes:
             "INSERT INTO root_pages SELECT printf('%032x', i / ?), i % ?, printf('%032x', i) "
             "FROM seq", (pages, pages))
         conn.execute("DROP TABLE seq")
+
+
+def populate_packs(store: PageStore, pages: int, page_bytes: int, pack_records: int,
+                   root_pages: int, now: float) -> None:
+    """Fill an empty store with ``pages`` pages in packs of ``pack_records`` records,
+    roots of ``root_pages`` pages, in SQL and sparse files alone (``populate``, with the
+    files a sweep looks for): ten million rows in minutes, a pack file of no blocks. Keys
+    spread over the fan-out directories by pack. What ``scripts/bench_start.py`` starts
+    a supervisor on; a restore of it reads zeros, which fail their checksum."""
+    if pages % root_pages or pack_records % 16:
+        raise ValueError(f"{pages} pages in roots of {root_pages} and packs of "
+                         f"{pack_records}: whole roots, and packs of a multiple of 16")
+
+    def key(i: str) -> str:
+        """The key of record ``i`` (an SQL expression), as 32 hex digits: its pack's fan-out
+        directory first, then a digit that spreads the rows, and the packs' names, over
+        the sixteenths of a directory (units of the sweep after a start), as the hex
+        digests of real keys are spread."""
+        pack = f"({i}) / {pack_records}"
+        return f"printf('%02x%x%029x', {pack} % 256, ({pack} / 256 + ({i})) % 16, {i})"
+
+    first = key(f"(i / {pack_records}) * {pack_records}")
+    with index.write_txn(store._wconn) as conn:
+        conn.execute(
+            "CREATE TEMP TABLE seq AS WITH RECURSIVE s(i) AS "
+            "(SELECT 0 UNION ALL SELECT i + 1 FROM s WHERE i + 1 < ?) SELECT i FROM s",
+            (pages,),
+        )
+        conn.execute(
+            f"INSERT INTO objects SELECT {key('i')}, "
+            f"'0000000000000000', ?, 1, 'live', ?, CASE WHEN i % {pack_records} = 0 "
+            f"THEN NULL ELSE {first} END, (i % {pack_records}) * ?, NULL FROM seq",
+            (page_bytes, now, record_span(page_bytes)))
+        roots = pages // root_pages
+        conn.execute(
+            "INSERT INTO roots SELECT printf('%032x', i), ?, ?, ?, ? - ? + i, ? - ? + i "
+            "FROM seq WHERE i < ?",
+            (root_pages * page_bytes, root_pages, now, now, roots, now, roots, roots))
+        conn.execute(
+            f"INSERT INTO root_pages SELECT printf('%032x', i / ?), i % ?, "
+            f"{key('i')} FROM seq", (root_pages, root_pages))
+        conn.execute("DROP TABLE seq")
+    for p in range(-(-pages // pack_records)):
+        name = f"{p % 256:02x}{p // 256 % 16:x}{p * pack_records:029x}"
+        fd = open_subdir(fanout(name), store._objects_fd, create=True)
+        try:
+            f = os.open(object_name(name, "0" * 16), os.O_CREAT | os.O_WRONLY, 0o600,
+                        dir_fd=fd)
+            os.ftruncate(f, min(pack_records, pages - p * pack_records)
+                         * record_span(page_bytes))
+            os.close(f)
+        finally:
+            os.close(fd)
