@@ -90,7 +90,7 @@ def test_every_file_and_code_name_named_exists(doc: Path) -> None:
     ))) | {p.stem for p in scripts}
     paths = re.findall(r"\]\(([\w./-]+)\)", text)
     for span in re.findall(r"`([^`\n]+)`", text):
-        if re.fullmatch(r"[\w./-]+\.(?:py|md|toml)", span):
+        if re.fullmatch(r"[\w./-]+\.(?:py|md|toml|c)", span):
             paths.append(span)
             continue
         for name in re.findall(r"\b[a-z_][a-z0-9]*_[a-z0-9_]+\b", span):

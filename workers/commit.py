@@ -43,7 +43,7 @@ from sparkcache.workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, Role, Wo
 from sparkcache import segments
 from sparkcache.protocol import DurableStatus
 from sparkcache.segments import OWNER_COMMIT
-from sparkcache.store import CommitFailed, PageData, PageStore, Root
+from sparkcache.store import CommitFailed, PageData, PageStore, Root, index
 from sparkcache.store.fileops import FileOps
 from sparkcache.store.space import is_disk_full
 
@@ -209,6 +209,10 @@ class Commit:
             log.warning("slot %d holds no readable publication: %s", slot, exc)
         except CommitFailed as exc:
             self.life.failed += 1
+            if index.sync_failed(exc):
+                # Not acknowledged, and nothing after it may be (IndexSyncFailed): the
+                # worker stops, FATAL, its slot left for an operator's restart to redo.
+                raise
             if is_disk_full(exc):
                 self.life.disk_full_error(f"the commit of slot {slot}", exc)
             else:

@@ -43,7 +43,7 @@ from sparkcache.maintenance_policy import (
 )
 from sparkcache.protocol import RequestKind
 from sparkcache.ratelog import RateLimitedLog
-from sparkcache.store import CollectResult, EvictResult, PageStore
+from sparkcache.store import CollectResult, EvictResult, PageStore, index
 from sparkcache.store.eviction import EvictionPlan
 from sparkcache.store.layout import DIR_FLAGS
 from sparkcache.store.recovery import sweep_units
@@ -175,8 +175,9 @@ class Maintenance:
                 worked = self.slice()
                 self._sync_collected()
             except Exception as exc:
-                # A full disk is a StoreError too, but space comes back: not FATAL.
-                if is_disk_full(exc):
+                # A full disk is a StoreError too, but space comes back: not FATAL. An
+                # fsync that failed (ENOSPC too, on a thin volume) is never tried again.
+                if is_disk_full(exc) and not index.sync_failed(exc):
                     self._disk_full(exc)
                 elif isinstance(exc, ENVIRONMENT_FAULTS):
                     raise

@@ -368,6 +368,33 @@ class OutcomeUnknown(StoreError):
     """COMMIT itself failed: the transaction may or may not be durable."""
 
 
+class IndexSyncFailed(OutcomeUnknown):
+    """An fsync of the index (its WAL, or the file) failed. The kernel may have dropped
+    the pages it could not write and marked them clean, so a later fsync can succeed
+    while a transaction committed before it is lost at the next power cut, and with it
+    every later one the WAL replays after it (SQLite stops at the first frame that does
+    not check out). Nothing written to the index since can be acknowledged as durable:
+    a worker that meets this stops (an environment fault), as PostgreSQL does."""
+
+
+# SQLite's extended result codes for a failed fsync of a file or of its directory.
+_SQLITE_SYNC_FAILED = frozenset({1034, 5130})  # SQLITE_IOERR_FSYNC, SQLITE_IOERR_DIR_FSYNC
+_SYNC_ADVICE = ("nothing more is acknowledged: check the disk (the kernel log), run "
+                "`sparkcache fsck`, then restart the supervisor")
+
+
+def sync_failed(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or an error it was raised from, is a failed fsync of the index
+    (``IndexSyncFailed``, or SQLite's own at a COMMIT or a checkpoint)."""
+    while exc is not None:
+        if isinstance(exc, IndexSyncFailed) or (
+                isinstance(exc, sqlite3.Error)
+                and getattr(exc, "sqlite_errorcode", None) in _SQLITE_SYNC_FAILED):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 @contextmanager
 def write_txn(conn: sqlite3.Connection, locked: Callable[[float], None] | None = None,
               ) -> Iterator[sqlite3.Connection]:
@@ -393,6 +420,9 @@ def write_txn(conn: sqlite3.Connection, locked: Callable[[float], None] | None =
     except sqlite3.Error as exc:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
+        if sync_failed(exc):
+            raise IndexSyncFailed(f"an fsync of the index failed at a COMMIT ({exc}); "
+                                  f"{_SYNC_ADVICE}") from exc
         raise OutcomeUnknown(f"index COMMIT failed: {exc}") from exc
 
 
@@ -415,7 +445,9 @@ def sync_wal(path: Path) -> None:
     """fsync the WAL of the index at ``path``: every transaction committed before the
     call, synced or not (``unsynced``), is durable once it returns. Outside any
     transaction, so no lock is held while the disk answers. Without a WAL file (its last
-    connection checkpointed it away) the index file itself is synced."""
+    connection checkpointed it away) the index file itself is synced. A failed fsync is
+    ``IndexSyncFailed``: never tried again (the next would say nothing of this one's
+    pages)."""
     wal = path.with_name(path.name + "-wal")
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
@@ -424,6 +456,9 @@ def sync_wal(path: Path) -> None:
         fd = os.open(path, flags)
     try:
         os.fdatasync(fd)
+    except OSError as exc:
+        raise IndexSyncFailed(f"an fsync of the index's WAL failed ({exc}); "
+                              f"{_SYNC_ADVICE}") from exc
     finally:
         os.close(fd)
 
