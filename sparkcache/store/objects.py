@@ -174,7 +174,7 @@ def write_temp(
                 hook("commit.written")
                 at, chunk, chunk_bytes = at + chunk_bytes, [], 0
         if recycled_fd is not None and os.fstat(fd).st_size != at:
-            os.ftruncate(fd, at)
+            ops.truncate(fd, at)
     except BaseException:
         ops.close(fd)
         try:
