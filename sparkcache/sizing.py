@@ -169,12 +169,15 @@ def advise(inputs: SizingInputs) -> Advice:
     low_for_target = max_b - gap
     why = (f" (raised to the largest publication "
            f"{_said(inputs.largest_publication_bytes, size(largest))})" if raised else "")
+    # A gap past max_bytes has no low watermark: it once printed a negative one.
+    if low_for_target >= 0:
+        low = f", low watermark {size(low_for_target)}"
+    else:
+        low = ": more than max_bytes, so no low watermark gives it" + (
+            f"; the longest possible is {duration(max_b / g)}" if g > 0 else "")
     lines.append(
         f"for an episode every {_said(inputs.target_interval_s, duration(target))}: gap = "
-        f"net growth x target = {size(gap)}{why}, low watermark {size(low_for_target)}"
-        + ("" if low_for_target >= 0 else
-           f": does not fit under max_bytes; the longest possible is {duration(max_b / g)}"
-           if g > 0 else ""))
+        f"net growth x target = {size(gap)}{why}{low}")
 
     # What a larger gap costs; a gap past max_bytes cannot be had: at most all of it.
     target_gap, gap = gap, min(gap, max_b)

@@ -116,7 +116,7 @@ def _supervisor(store_dir: Path) -> dict:
     if elsewhere is not None:  # its pid means nothing here: neither running nor stale
         return {"state": "unknown", "pid": rt.get("pid"), "why": elsewhere}
     if not running:
-        return {"state": "stale", "pid": rt.get("pid")}
+        return {"state": "stale", "pid": rt.get("pid"), "settings": rt.get("settings") or {}}
     return {"state": "running", **rt}
 
 
@@ -231,7 +231,8 @@ def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) 
     if live is not None:
         ranks, capacity_each = live.ranks, live.max_bytes
     else:
-        capacity_each = max_bytes
+        # A killed supervisor's file still says what the store was run with.
+        capacity_each = int(sup.get("settings", {}).get("max_bytes", max_bytes))
         try:
             ranks = [_rank_status(store_dir, r, max_bytes) for r in list_ranks(store_dir)]
         except (OSError, StoreError) as exc:
@@ -241,6 +242,11 @@ def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) 
     fatal = [w["name"] for w in sup.get("workers", []) if w["state"] == "FATAL"]
     if fatal and error is None:
         error = f"FATAL: {', '.join(fatal)}"
+    if sup["state"] == "stale" and error is None:
+        # Killed, not stopped: the engines it served get misses and refusals until a
+        # supervisor starts again. A probe built on status must see that.
+        error = (f"the supervisor (pid {sup['pid']}) was killed: nothing is served from "
+                 "this store until one starts again")
     reports = ([_reports(sup, r) for r in range(int(sup["ranks"]))]
                if sup["state"] == "running" else [])
     entries = sum(r.entries for r in ranks)

@@ -106,6 +106,8 @@ def test_a_target_longer_than_the_store_holds() -> None:
     assert a.low_watermark_for_target_bytes < 0
     assert a.removed_per_episode_bytes == 40 * GiB  # at most all of it
     assert "the longest possible is 34.1min" in a.lines[2]
+    # Said so, not as a negative low watermark ("low watermark -29.3GiB").
+    assert "no low watermark gives it" in a.lines[2] and "-" not in a.lines[2].split("=")[-1]
 
 
 def test_bad_figures_are_refused_naming_them() -> None:

@@ -122,12 +122,18 @@ def test_status_sees_through_a_stale_runtime_file(
     gone.wait()
     me = psutil.Process()
     for pid, started in ((gone.pid, 1.0), (me.pid, process_start(me.pid) - 100)):
-        _runtime_file(store_dir, pid, started)
-        assert status(store_dir, json_out=False) == 0
-        assert capsys.readouterr().out.splitlines()[1] == (
+        _runtime_file(store_dir, pid, started, settings={"max_bytes": 1 << 30})
+        # Unhealthy: a probe built on status must notice (it said healthy=yes and exited
+        # 0, with the 40 GiB default as the capacity).
+        assert status(store_dir, json_out=False) == 1
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].endswith("/2.0GiB healthy=no"), out[0]  # its 1 GiB a rank, 2 ranks
+        assert out[1] == (
             f"sparkcache: supervisor not running (runtime.json of pid {pid} left by a "
             "supervisor that was killed; the next start replaces it)"
         )
+        assert out[-1] == (f"sparkcache: the supervisor (pid {pid}) was killed: nothing is "
+                           "served from this store until one starts again")
 
 
 def test_fsck_clean_then_finds_and_repairs_damage(

@@ -174,9 +174,13 @@ def test_sigkilled_supervisor_is_swept_by_the_next(tmp_path: Path, instance: str
                           for p in tree), 20, "workers to die with the supervisor")
     assert instance_entries(instance)  # ... but its segments stay until the next start
     assert read_live(store) == (read(store), False)  # its runtime.json stays too: stale
-    out = subprocess.run([*_cli(), "status", "--store-dir", str(store)], capture_output=True,
-                         text=True, timeout=60).stdout
-    assert f"supervisor not running (runtime.json of pid {sup.pid} left" in out
+    done = subprocess.run([*_cli(), "status", "--store-dir", str(store)],
+                          capture_output=True, text=True, timeout=60)
+    assert f"supervisor not running (runtime.json of pid {sup.pid} left" in done.stdout
+    # A health probe built on status sees it: unhealthy, with the capacity it ran with.
+    assert done.returncode == 1 and "healthy=no" in done.stdout, done.stdout
+    assert "/1.0GiB healthy=no" in done.stdout, done.stdout  # its 1 GiB, not the default
+    assert f"the supervisor (pid {sup.pid}) was killed" in done.stdout
     # What else a kill leaves: the fork server's socket directory, and a runtime file's
     # temporary copy (a kill inside its rewrite, planted here).
     old_mp = Path(read(store)["mp_temp_dir"])
