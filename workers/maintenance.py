@@ -69,11 +69,12 @@ _MAX_POS = segments.RINGS["publish"][1]
 _FUTURE_SLACK_S = 60.0
 # A start sweeps no file before READY: what a crash leaves is files (temp files of
 # commits in flight, orphans, records not punched), which cost space, never a wrong
-# answer, and a sweep reads every row (17 s at 10 M page rows here, past the READY
-# limit). Once the grace for in-flight commits' files is over after the start, every
-# file is swept once, a unit (``SWEEP_DIGITS`` hex digits of key prefix: a sixteenth of a
-# fan-out directory, ~2,400 rows at 10 M) at a time, as many a slice as its time
-# affords, one while evicting (docs/store.md, "Starting after a crash").
+# answer, and the whole repair a start ran reads every row (98.8 s at 10 M page rows,
+# scripts/bench_start.py, past the READY limit). Once the grace for in-flight commits'
+# files is over after the start, every file is swept once, a unit (``SWEEP_DIGITS`` hex
+# digits of key prefix: a sixteenth of a fan-out directory, ~2,400 rows at 10 M) at a
+# time, as many a slice as its time affords, one while evicting (docs/store.md,
+# "Starting after a crash").
 RESWEEP_AFTER_S = DEFAULT_GRACE_SECONDS
 SWEEP_DIGITS = 3
 SWEEP = "sweep"  # a unit of a slice's work: one key prefix's files swept
