@@ -4,12 +4,16 @@ identity, and the staging pool's size."""
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from sparkcache import config
 from sparkcache.config import Config
 from sparkcache.vllm.request_keys import kv_format, model_identity
+
+log = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 256 << 20
 # A running request's pages are published each time this many more are computed (1024
@@ -68,6 +72,10 @@ def from_vllm(vllm_config: Any) -> Settings:
         raise ValueError(refused)
     block_size = int(vllm_config.cache_config.block_size)
     overrides = {k: str(v) for k, v in extra.items() if k in config.FIELDS}
+    asked = overrides.get("page_tokens") or os.environ.get(config.env_name("page_tokens"))
+    if asked is not None and asked.strip() != str(block_size):
+        log.warning("SparkCache: page_tokens %s ignored: a page is one vLLM block, %d tokens "
+                    "here (--block-size)", asked.strip(), block_size)
     # A page is one vLLM block: the keys the scheduler computes per block are page keys.
     overrides["page_tokens"] = str(block_size)
     cfg = config.load(overrides=overrides, check_store_dir=False)

@@ -201,6 +201,35 @@ def test_a_bad_save_stride_is_refused_naming_what_is_allowed(tmp_path: Path, bad
         settings.from_vllm(config(bad))
 
 
+def test_a_page_size_other_than_the_block_size_is_named_and_the_block_size_kept(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page is one vLLM block; a page size set otherwise (the connector's config or
+    SPARKCACHE_PAGE_TOKENS) was replaced without a word."""
+    from types import SimpleNamespace
+
+    from sparkcache.vllm import settings
+
+    def config(**extra: object) -> SimpleNamespace:
+        return SimpleNamespace(
+            kv_transfer_config=SimpleNamespace(
+                kv_connector_extra_config={"store_dir": str(tmp_path), **extra}),
+            cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="bfloat16"),
+            model_config=SimpleNamespace(model="m", revision=None),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1))
+
+    with caplog.at_level("WARNING"):
+        assert settings.from_vllm(config(page_tokens=2 * BLOCK)).cfg.page_tokens == BLOCK
+        assert settings.from_vllm(config(page_tokens=BLOCK)).cfg.page_tokens == BLOCK
+        monkeypatch.setenv("SPARKCACHE_PAGE_TOKENS", "64")
+        assert settings.from_vllm(config()).cfg.page_tokens == BLOCK
+    assert [m for m in caplog.messages if "page_tokens" in m] == [
+        f"SparkCache: page_tokens {2 * BLOCK} ignored: a page is one vLLM block, {BLOCK} "
+        "tokens here (--block-size)",
+        f"SparkCache: page_tokens 64 ignored: a page is one vLLM block, {BLOCK} tokens here "
+        "(--block-size)"]
+
+
 @pytest.mark.parametrize("name", ["pipeline_parallel_size", "data_parallel_size_local",
                                   "decode_context_parallel_size",
                                   "prefill_context_parallel_size"])
