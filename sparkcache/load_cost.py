@@ -46,12 +46,16 @@ class LoadCost:
     page_tokens: int
     pages_per_s: float | None = None  # loads' pages served per second of loading
     tokens_per_s: float | None = None  # tokens the engine computes per second, prefilling
-    in_flight: int = 0  # pages of loads started and not finished
-    _loads: dict[str, int] = field(default_factory=dict)  # those loads' pages, by request
-    _busy_since: float = 0.0  # since when a load has been in flight (in_flight > 0)
+    _loads: dict[str, int] = field(default_factory=dict)  # loads in flight: pages, by request
+    _busy_since: float = 0.0  # since when some load has been in flight
     _done: int = 0  # pages finished since the last sample of the restore rate
     _step: tuple[float, int] | None = None  # the last step: when, tokens it scheduled
     _last_load: float = float("-inf")  # when the last load started
+
+    @property
+    def in_flight(self) -> int:
+        """Pages of loads started and not finished."""
+        return sum(self._loads.values())
 
     def step(self, tokens: int, now: float) -> None:
         """A scheduling step at ``now`` scheduled ``tokens`` tokens. The previous step's
@@ -66,10 +70,9 @@ class LoadCost:
     def load_started(self, req_id: str, pages: int, now: float) -> None:
         if pages <= 0 or req_id in self._loads:
             return
-        if self.in_flight == 0:
+        if not self._loads:
             self._busy_since = now
         self._loads[req_id] = pages
-        self.in_flight += pages
         self._last_load = now
 
     def load_finished(self, req_id: str, now: float) -> None:
@@ -78,7 +81,6 @@ class LoadCost:
         pages = self._loads.pop(req_id, 0)
         if pages <= 0:
             return
-        self.in_flight -= pages
         self._done += pages
         busy = now - self._busy_since
         if busy > 0:

@@ -24,24 +24,23 @@ static int failing(int fd) {
     return strcmp(path + n - 4, "-wal") == 0;
 }
 
-int fsync(int fd) {
-    static int (*real)(int);
+/* The libc call named, unless the WAL's fsync is to fail. */
+static int sync_or_fail(int fd, const char *name, int (**real)(int)) {
     if (failing(fd)) {
         errno = EIO;
         return -1;
     }
-    if (real == NULL)
-        real = (int (*)(int))dlsym(RTLD_NEXT, "fsync");
-    return real(fd);
+    if (*real == NULL)
+        *real = (int (*)(int))dlsym(RTLD_NEXT, name);
+    return (*real)(fd);
+}
+
+int fsync(int fd) {
+    static int (*real)(int);
+    return sync_or_fail(fd, "fsync", &real);
 }
 
 int fdatasync(int fd) {
     static int (*real)(int);
-    if (failing(fd)) {
-        errno = EIO;
-        return -1;
-    }
-    if (real == NULL)
-        real = (int (*)(int))dlsym(RTLD_NEXT, "fdatasync");
-    return real(fd);
+    return sync_or_fail(fd, "fdatasync", &real);
 }

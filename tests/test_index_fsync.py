@@ -39,6 +39,10 @@ def test_a_failed_fsync_is_told_from_other_commit_failures_through_the_causes() 
         assert sync_failed(exc)
     assert sync_failed(IndexSyncFailed("x")) and not sync_failed(other)
     assert not sync_failed(OutcomeUnknown("index COMMIT failed")) and not sync_failed(None)
+    # A chain of contexts that loops is walked once (it once looped here for good).
+    a, b = OutcomeUnknown("a"), OutcomeUnknown("b")
+    a.__context__, b.__context__ = b, a
+    assert not sync_failed(a)
 
 
 def test_the_wal_fsync_that_failed_is_an_index_sync_failure_and_stops_collection(

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from sparkcache.store.layout import FILE_MODE
-from sparkcache.store.records import StoreError, UnsafeStoreDir
+from sparkcache.store.records import StoreError, UnsafeStoreDir, causes
 
 # 2: object rows name the file their record is in (``file_key``, ``file_offset``); a
 # publication's new pages share one file (docs/store.md, "Packs"). An index of version 1
@@ -386,13 +386,11 @@ _SYNC_ADVICE = ("nothing more is acknowledged: check the disk (the kernel log), 
 def sync_failed(exc: BaseException | None) -> bool:
     """Whether ``exc``, or an error it was raised from, is a failed fsync of the index
     (``IndexSyncFailed``, or SQLite's own at a COMMIT or a checkpoint)."""
-    while exc is not None:
-        if isinstance(exc, IndexSyncFailed) or (
-                isinstance(exc, sqlite3.Error)
-                and getattr(exc, "sqlite_errorcode", None) in _SQLITE_SYNC_FAILED):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any(
+        isinstance(e, IndexSyncFailed) or (
+            isinstance(e, sqlite3.Error)
+            and getattr(e, "sqlite_errorcode", None) in _SQLITE_SYNC_FAILED)
+        for e in causes(exc))
 
 
 @contextmanager

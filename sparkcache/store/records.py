@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -20,6 +20,17 @@ class StoreError(RuntimeError):
 class UnsafeStoreDir(StoreError):
     """A store path is a symlink, not a directory, owned by someone else, writable by
     others, or on a network filesystem."""
+
+
+def causes(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and each exception it was raised from or during, once each (a chain of
+    ``__context__`` can loop): what a fault's kind is told by (a full disk, a failed
+    fsync) when the store has wrapped it."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
 
 
 class CommitFailed(StoreError):

@@ -17,6 +17,7 @@ import sqlite3
 from dataclasses import dataclass
 
 from sparkcache.store.layout import BALLAST_NAME, FILE_FLAGS, FILE_MODE
+from sparkcache.store.records import causes
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +33,12 @@ def is_disk_full(exc: BaseException | None) -> bool:
     """Whether ``exc``, or an exception it was raised from or during, is a full
     filesystem or quota: ``ENOSPC``/``EDQUOT`` from the kernel, or SQLite's
     ``SQLITE_FULL`` (a COMMIT that found no room for its WAL frames)."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
-            return True
-        if isinstance(exc, sqlite3.Error) and (
-                getattr(exc, "sqlite_errorcode", None) == _SQLITE_FULL
-                or "database or disk is full" in str(exc)):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any(
+        (isinstance(e, OSError) and e.errno in _FULL_ERRNOS)
+        or (isinstance(e, sqlite3.Error) and (
+            getattr(e, "sqlite_errorcode", None) == _SQLITE_FULL
+            or "database or disk is full" in str(e)))
+        for e in causes(exc))
 
 
 @dataclass(frozen=True)
