@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparkcache import kvmem, runtime, segments
+from sparkcache import attachment, kvmem, runtime, segments
 from sparkcache.config import AccessMode, Config
 from sparkcache.engine_stats import SLOT_CLIENT, EngineStatsWriter, client_fields
 from sparkcache.identity import KeyExtras, Namespace, key_halves, sequence_keys, split_keys
@@ -305,6 +305,10 @@ class SparkCacheClient:
         self._reg: _Registration | None = None
         self._conn: _Connection | None = None
         self._next_connect = 0.0
+        # Why there is no connection, as refusals meanwhile are counted (``attachment``),
+        # and the last thing said of it.
+        self._absent = attachment.SUPERVISOR_ABSENT
+        self._said: str | None = None
         self._reader: StoreReader | None = None
         self._pending: dict[int, _Pending] = {}
         self._released: list[Completion] = []
@@ -390,11 +394,15 @@ class SparkCacheClient:
                  "owner_start": process_start(os.getpid())},
             )
             self._reg = _Registration(views, reg_gen, ns, ns.seed())
-            return True
         except Exception:
             log.exception("register_kv_caches refused")
             self.counters.skipped["register_failed"] += 1
             return False
+        # Said now, as the engine starts, not at its first request: attached to which
+        # supervisor, or why not.
+        self._next_connect = 0.0
+        self._connection()
+        return True
 
     # ---------------------------------------------------------------- publication
 
@@ -405,15 +413,43 @@ class SparkCacheClient:
         if now < self._next_connect:
             return None
         self._next_connect = now + RECONNECT_INTERVAL_S
+        found: attachment.Attachment | None = None
         try:
+            found = attachment.find(self.cfg, self.rank)
+            if found.reason in attachment.MISMATCHES:
+                self._not_attached(found.reason, found.message, logging.WARNING)
+                return None
             self._conn = _Connection(self.cfg, self.rank)
         except runtime.OtherNamespace as exc:
-            # A deployment error, not a supervisor starting or stopping: said, not debug.
-            self._log.warning("namespace", "SparkCache is off for rank %d: %s",
-                              self.rank, exc)
+            # A deployment error, not a supervisor starting or stopping: said as a warning.
+            self._not_attached(attachment.SUPERVISOR_ABSENT, str(exc), logging.WARNING)
         except Exception as exc:
             log.debug("supervisor segments not available: %s", exc)
+            why = found.message if found is not None and found.reason else \
+                f"the supervisor's segments of instance {self.cfg.instance!r}: {exc}"
+            self._not_attached(attachment.SUPERVISOR_ABSENT, why, logging.INFO)
+        else:
+            self._absent = attachment.SUPERVISOR_ABSENT
+            self._announce(f"attached to {found.message}", logging.INFO)
         return self._conn
+
+    def _not_attached(self, reason: str, message: str, level: int) -> None:
+        """No connection, for ``reason``: what its refusals are counted as from now."""
+        self._absent = reason
+        self._announce(f"not attached: {message}", level)
+
+    def _announce(self, what: str, level: int) -> None:
+        """Say where this rank stands once each time it changes (a connection made, a
+        mismatch found, the supervisor gone), with the engine's page size and mode."""
+        if what == self._said:
+            return
+        self._said = what
+        page = ""
+        if self._reg is not None:
+            page = (f"; pages of {self.cfg.page_tokens} tokens, "
+                    f"{self._reg.views.page_bytes} bytes")
+        log.log(level, "SparkCache rank %d %s%s; mode %s", self.rank, what, page,
+                self.cfg.access_mode.value)
 
     def _publish_counters(self, force: bool = False) -> None:
         """Copy the counters into the rank's engine stats block for the supervisor's
@@ -474,7 +510,7 @@ class SparkCacheClient:
             return "unregistered"
         conn = self._connection()
         if conn is None:
-            return "supervisor_absent"
+            return self._absent
         limit = self.max_pending // 2 if partial else self.max_pending
         if len(self._pending) >= limit and seq_id not in self._pending_seqs():
             self._poll(conn)  # only then: the engine polls every step anyway
@@ -968,7 +1004,7 @@ class SparkCacheClient:
         none (``supervisor_absent``, ``restore_down``)."""
         conn = self._connection()
         if conn is None:
-            return "supervisor_absent"
+            return self._absent
         worker = self._restore_worker(conn)
         if worker is None:
             # The successor's restore worker takes the load (``_attach_again``). Loads

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparkcache.config import AccessMode, Config
-from sparkcache.shm import Consumer, Producer, Ring, SlotArena, StatsBlock, segment_name
+from sparkcache.shm import Consumer, Producer, Ring, Segment, SlotArena, StatsBlock, segment_name
 from sparkcache.shm.layouts import (
     COMPLETION,
     DURABLE,
@@ -24,6 +24,7 @@ from sparkcache.shm.layouts import (
     REQUEST,
     WORKER_STATS,
 )
+from sparkcache.shm.note import NOTE_MAX_BYTES, create_note, read_note
 from sparkcache.shm.records import RecordLayout
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,10 @@ STATS_SLOTS = 4  # one per worker role (workers.lifecycle.Role: its value is its
 # (sparkcache.engine_stats): the supervisor creates the block so that it can serve them.
 ENGINE = "engine_stats"
 ENGINE_SLOTS = 2
+# The rank's note (``shm.note``): which store its supervisor serves. An engine whose
+# connector names another store dir than the supervisor of its instance would otherwise
+# publish to workers that never see its registration (docs/vllm.md, "Attached").
+NOTE = "note"
 # Slot owners in the arena (FREE = 0 is shm.FREE).
 OWNER_CAPTURE = 1
 OWNER_COMMIT = 2
@@ -101,6 +106,19 @@ def attach_engine_stats(cfg: Config, rank: int) -> StatsBlock:
     return StatsBlock.attach(name(cfg.instance, rank, ENGINE), ENGINE_STATS)
 
 
+def store_note(cfg: Config, rank: int) -> dict:
+    """What rank ``rank``'s note says: the store dir (resolved) its supervisor serves,
+    that supervisor's pid and the instance."""
+    return {"store_dir": str(Path(cfg.store_dir).resolve()), "instance": cfg.instance,
+            "rank": rank, "supervisor_pid": os.getpid()}
+
+
+def read_store_note(instance: str, rank: int) -> dict | None:
+    """Rank ``rank``'s note of ``instance``'s running supervisor, or None (no supervisor,
+    or one of a version without notes)."""
+    return read_note(name(instance, rank, NOTE))
+
+
 @dataclass
 class RankSegments:
     """Every segment of one rank, as created by the supervisor (their owner)."""
@@ -111,6 +129,7 @@ class RankSegments:
     stats: StatsBlock
     # None where an observer found none (a supervisor of an older version).
     engine: StatsBlock | None = None
+    note: Segment | None = None
 
     @classmethod
     def create(cls, cfg: Config, rank: int, stats_slots: int) -> RankSegments:
@@ -121,6 +140,10 @@ class RankSegments:
         made: list = []
         what = ""
         try:
+            # First: whoever finds the rank's other segments finds it written.
+            what = name(cfg.instance, rank, NOTE)
+            note = create_note(what, store_note(cfg, rank))
+            made.append(note)
             rings = {}
             for role, (layout, capacity) in RINGS.items():
                 what = name(cfg.instance, rank, role)
@@ -145,7 +168,7 @@ class RankSegments:
                     f"space; {_size(free.f_bavail * free.f_frsize)} free now): free "
                     f"{SHM_DIR} or give it more room (docker run --shm-size)") from None
             raise
-        return cls(rank, rings, arena, stats, engine)
+        return cls(rank, rings, arena, stats, engine, note)
 
     def close(self) -> None:
         """Unlink everything; the owner's job."""
@@ -155,6 +178,8 @@ class RankSegments:
         self.stats.close()
         if self.engine is not None:
             self.engine.close()
+        if self.note is not None:
+            self.note.close()
 
 
 # ---------------------------------------------------------------------- /dev/shm space
@@ -172,7 +197,7 @@ def shm_needed(cfg: Config) -> dict[str, int]:
     """Bytes of /dev/shm one rank's segments take once in use, to the page (an upper
     bound): the arena (only in read-write mode: without capture nobody touches it and
     tmpfs allocates nothing), the rings (records and their table, two semaphores each),
-    the stats blocks (the workers' and the engine's)."""
+    the stats blocks (the workers' and the engine's), the note."""
     arena = 0
     if cfg.access_mode is AccessMode.READ_WRITE:
         # Slot data starts on a page past the header and slot table: one page more.
@@ -184,7 +209,9 @@ def shm_needed(cfg: Config) -> dict[str, int]:
     )
     stats = _pages(_HEADER + STATS_SLOTS * (16 + WORKER_STATS.itemsize + 128))
     engine = _pages(_HEADER + ENGINE_SLOTS * (16 + ENGINE_STATS.itemsize + 128))
-    return {"arena": arena, "rings": rings, "stats": stats, "engine_stats": engine}
+    note = _pages(_HEADER + NOTE_MAX_BYTES)
+    return {"arena": arena, "rings": rings, "stats": stats, "engine_stats": engine,
+            "note": note}
 
 
 class ShmSpaceError(RuntimeError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -229,6 +230,55 @@ def test_the_first_load_and_publication_after_a_supervisor_is_replaced_are_serve
         assert not c.counters.skipped and not c.counters.misses, c.counters
     finally:
         c.close()
+
+
+def test_a_store_dir_or_instance_not_the_supervisors_is_named_and_counted(
+        tmp_path: Path, instance: str, kv, caplog: pytest.LogCaptureFixture) -> None:
+    """An engine whose store dir and instance name two supervisors (or a supervisor and
+    no store) is not attached: it says so once, naming what the running supervisor
+    serves and the remedy, and counts its publications and loads under that reason.
+    Before, it published to the instance's workers while registering in another store:
+    every save was rejected there as unregistered, and nothing said why."""
+    store = tmp_path / "store"
+    sup = start_supervisor(store, instance)
+    clients = []
+    try:
+        with caplog.at_level(logging.INFO, logger="sparkcache.client"):
+            right = _client(tmp_path, instance, kv)
+            clients.append(right)
+            elsewhere = SparkCacheClient(make_cfg(tmp_path / "elsewhere", instance), 0,
+                                         model_id="m")
+            clients.append(elsewhere)
+            assert elsewhere.register_kv_caches(kv.tensors)
+            for i in range(3):
+                assert elsewhere.publish(i, list(range(40)), [0, 1, 2]) is False
+            assert elsewhere.load("x", list(range(40)), [0, 1, 2]) is False
+            other = SparkCacheClient(make_cfg(store, "someone-else"), 0, model_id="m")
+            clients.append(other)
+            assert other.register_kv_caches(kv.tensors)
+            assert other.publish("y", list(range(40)), [0, 1, 2]) is False
+        lines = [r.getMessage() for r in caplog.records if r.name == "sparkcache.client"]
+        attached = [m for m in lines if "attached to" in m]
+        assert len(attached) == 1, lines
+        assert f"pid {sup.pid}" in attached[0] and str(store.resolve()) in attached[0]
+        assert f"pages of {PAGE_TOKENS} tokens" in attached[0], attached
+        mismatch = [m for m in lines if "not attached" in m and "elsewhere" in m]
+        assert len(mismatch) == 1, lines  # said once, not per publication
+        assert f"store {store.resolve()}" in mismatch[0], mismatch
+        assert f"store_dir {str(store.resolve())!r}" in mismatch[0], mismatch
+        assert elsewhere.counters.skipped == {"store_mismatch": 3}
+        assert elsewhere.counters.misses["store_mismatch"] == 1
+        assert other.counters.skipped == {"instance_mismatch": 1}
+        named = [m for m in lines if "someone-else" in m]
+        assert named and f"instance {instance!r}" in named[0], lines
+        # The right one is served.
+        assert right.register_kv_caches(kv.tensors)  # the registry the others overwrote
+        assert right.publish("z", list(range(4 * PAGE_TOKENS)), [0, 1, 2, 3])
+        assert not right.counters.skipped
+    finally:
+        for c in clients:
+            c.close()
+        stop_supervisor(sup)
 
 
 def test_a_worker_down_under_its_supervisor_keeps_the_connection(

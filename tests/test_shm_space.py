@@ -74,11 +74,11 @@ def test_estimate_covers_what_create_makes(tmp_path: Path, instance: str) -> Non
             if instance in entry.name:
                 size = -(-entry.stat().st_size // 4096) * 4096
                 kind = entry.name.rsplit(".", 1)[-1]
-                kind = kind if kind in ("arena", "stats", "engine_stats") else "rings"
+                kind = kind if kind in ("arena", "stats", "engine_stats", "note") else "rings"
                 used[kind] = used.get(kind, 0) + size
     finally:
         rank.close()
-    for kind in ("arena", "rings", "stats", "engine_stats"):
+    for kind in ("arena", "rings", "stats", "engine_stats", "note"):
         assert used[kind] <= need[kind] <= used[kind] + 8192, kind
 
 

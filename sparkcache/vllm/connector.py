@@ -45,6 +45,23 @@ def _tp_rank() -> int:
         return 0
 
 
+def _log_through_vllm() -> None:
+    """SparkCache's log lines in vLLM's processes go out through vLLM's own handlers, with
+    its format (level, time, file) and the process prefix vLLM puts on its workers'
+    output. vLLM configures only its ``vllm`` logger: ours reached Python's last-resort
+    handler, bare messages without a time or a process, and none below a warning (the
+    line saying the connector attached among them). Left alone where the host process
+    gave SparkCache's logger (or the root logger) handlers of its own."""
+    ours = logging.getLogger("sparkcache")
+    theirs = logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
+
+
 def _recompute_failed_loads(transfer: Any) -> None:
     """A cache is best effort: a page that fails verification or vanished must be
     computed, not fail its request, which vLLM's default ``kv_load_failure_policy``
@@ -88,6 +105,7 @@ class SparkCacheConnector(KVConnectorBase_V1):
         self._unserved = Unserved() if role != KVConnectorRole.SCHEDULER else None
         # get_finished raised: the worker side's jobs are salvaged, new ones unserved.
         self._salvaging = False
+        _log_through_vllm()
         try:
             _recompute_failed_loads(vllm_config.kv_transfer_config)
             settings = settings_mod.from_vllm(vllm_config)

@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparkcache import kvmem, registry
+from sparkcache import attachment, kvmem, registry
 from sparkcache.config import AccessMode
 from sparkcache.identity import Namespace
 from sparkcache.load_cost import LoadCost
@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 ANSWER_REUSE_S = 1.0
 # How often an incomplete or stale set of registrations is read again.
 REGISTRY_RECHECK_S = 1.0
+# How often the supervisor the settings name is looked for again (``attachment``).
+ATTACH_RECHECK_S = 5.0
 
 
 @dataclass
@@ -97,6 +99,8 @@ class SchedulerSide:
         # Finished requests whose blocks vLLM holds for their saves: since when.
         self._held: dict[str, float] = {}
         self._saving = settings.cfg.access_mode is AccessMode.READ_WRITE
+        self._mismatch_at = 0.0
+        self._mismatch: str | None = None
         self.events = (KVEvents(settings.cfg.store_dir, settings.tp_size, background=True)
                        if kv_events else None)
 
@@ -135,6 +139,23 @@ class SchedulerSide:
             # After a reset the namespace is this process's alone: its ledger is too.
             self.events.attach(self._ns, durable=not self._reset_tag)
         return self._ns
+
+    def mismatch(self) -> str | None:
+        """Why the store dir and instance the settings name are not one supervisor's
+        (``attachment.MISMATCHES``), or None; looked at every ``ATTACH_RECHECK_S``. The
+        worker sides name it in the log; here it keeps a save that could not be stored
+        from being counted as one, and lookups from leasing through the wrong
+        supervisor."""
+        now = time.monotonic()
+        if now >= self._mismatch_at:
+            self._mismatch_at = now + ATTACH_RECHECK_S
+            try:
+                reason = attachment.find(self.settings.cfg, 0).reason
+            except Exception:
+                log.debug("looking for the supervisor failed", exc_info=True)
+                reason = None
+            self._mismatch = reason if reason in attachment.MISMATCHES else None
+        return self._mismatch
 
     def reset(self) -> bool:
         """vLLM's ``reset_cache``, called after a weight update: every later lookup misses
@@ -220,6 +241,10 @@ class SchedulerSide:
         if state.load_failed:
             self.counters["load_failed_before"] += 1
             return 0, False
+        mismatch = self.mismatch()
+        if mismatch is not None:
+            self.counters[f"lookup_{mismatch}"] += 1
+            return 0, False
         # The answers expected: the pages the keys' memo took from the conversation's
         # previous turn, which saved them when it finished, then where its latest saves
         # ended (the previous turn's may not be committed yet).
@@ -289,7 +314,7 @@ class SchedulerSide:
             if state is not None and state.blocks:
                 meta.preempted.append(self._preemption_save(req_id, state))
         self._track_blocks(scheduler_output)
-        stride = self.settings.save_stride_pages
+        stride = self.settings.save_stride_pages if self.mismatch() is None else 0
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             state = self._reqs.get(req_id)
             if state is None or state.request is None:
@@ -421,6 +446,12 @@ class SchedulerSide:
             return False, None
         if self.settings.cfg.access_mode is not AccessMode.READ_WRITE:
             return False, None
+        mismatch = self.mismatch()
+        if mismatch is not None:
+            # Nothing would be stored: counted as skipped, never as a save, and the
+            # blocks go back at once.
+            self.counters[f"save_{mismatch}"] += 1
+            return False, None
         # Not the tokens of a step still in flight (async scheduling): on a GPU its
         # kernels may not have written them when capture copies the blocks.
         done = int(request.num_computed_tokens) - int(getattr(request, "num_in_flight_tokens", 0))
@@ -470,7 +501,9 @@ class SchedulerSide:
         if self.events is not None:
             out.update(self.events.counts.totals())
         for reason in ("lookup_skipped", "namespace_mismatch", "aborted_while_loading",
-                       "load_failed_before", "lookup_before_reset", "lookup_skip_reading"):
+                       "load_failed_before", "lookup_before_reset", "lookup_skip_reading",
+                       *(f"{side}_{why}" for side in ("lookup", "save")
+                         for why in attachment.MISMATCHES)):
             if self.counters[reason]:
                 out[f"skipped:{reason}"] = self.counters[reason]
         return out

@@ -230,6 +230,25 @@ def test_a_page_size_other_than_the_block_size_is_named_and_the_block_size_kept(
         "(--block-size)"]
 
 
+def test_saves_to_a_store_no_supervisor_of_the_instance_serves_are_skipped_not_counted(
+        supervisor: Path, instance: str, tmp_path: Path) -> None:
+    """The connector's store_dir is not the one the instance's supervisor serves: its
+    finished requests are counted as saves skipped for the mismatch, not as saves (the
+    worker side, attached to nothing, could store none), their blocks go back at once,
+    and lookups are skipped the same way."""
+    prompt = list(range(3000, 3000 + 4 * BLOCK + 3))
+    with rig(tmp_path / "elsewhere", instance) as r:
+        r.sched.add_request(request("A", prompt, max_tokens=2))
+        r.run_until_idle()
+        side = r.sched.get_kv_connector()._scheduler
+        totals = side.totals()
+        assert totals["skipped:save_store_mismatch"] == 1, totals
+        assert totals["skipped:lookup_store_mismatch"] == 1, totals
+        assert not totals["saves"] and "A" not in r.finished_sending, totals
+        client = r.workers[0]._worker.client
+        assert client._connection() is None and client._absent == "store_mismatch"
+
+
 @pytest.mark.parametrize("name", ["pipeline_parallel_size", "data_parallel_size_local",
                                   "decode_context_parallel_size",
                                   "prefill_context_parallel_size"])
