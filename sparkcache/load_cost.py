@@ -97,6 +97,13 @@ class LoadCost:
         return ((self.in_flight + pages) / self.pages_per_s,
                 pages * self.page_tokens / self.tokens_per_s)
 
+    def compute_seconds(self, pages: int) -> float | None:
+        """Seconds the engine takes to compute ``pages`` pages' tokens; None until
+        measured."""
+        if not self.tokens_per_s:
+            return None
+        return pages * self.page_tokens / self.tokens_per_s
+
     def worth_loading(self, pages: int, now: float) -> bool:
         """Whether a load of ``pages`` pages should go ahead: True unless it is expected to
         take longer than computing them, and a load started within ``PROBE_S``."""

@@ -9,13 +9,13 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from sparkcache import attachment, kvmem, registry
 from sparkcache.config import AccessMode
-from sparkcache.identity import Namespace
+from sparkcache.identity import KEY_BYTES, Namespace
 from sparkcache.load_cost import LoadCost
 from sparkcache.prefix_lookup import ALIVE_RECHECK_S, PrefixLookup
 from sparkcache.protocol import new_lease_id, process_gone
@@ -37,6 +37,23 @@ ANSWER_REUSE_S = 1.0
 REGISTRY_RECHECK_S = 1.0
 # How often the supervisor the settings name is looked for again (``attachment``).
 ATTACH_RECHECK_S = 5.0
+# A request waiting for a save of its prefix (``_save_to_wait_for``) is looked up again
+# after this long: vLLM asks every step, and an idle engine steps in a tight loop.
+SAVE_RECHECK_S = 0.02
+# Saves remembered for requests that may wait for them, at most.
+SAVES_KEPT = 4096
+# This many waits in a row for saves not stored in time (a store refusing them at its
+# cap, a capture worker down) stop waits for a while: each cost a request its wait.
+WAITS_IN_VAIN = 3
+WAITS_OFF_S = 30.0
+
+
+@dataclass
+class _SaveInFlight:
+    """A save handed to the workers, remembered for ``save_wait_s``."""
+
+    pages: int
+    at: float  # time.monotonic() when it was handed over
 
 
 @dataclass
@@ -63,6 +80,10 @@ class _Request:
     blocks: list[int] = field(default_factory=list)
     scheduled_to: int = 0
     saved_pages: int = 0
+    # Since when its lookups are answered "later", waiting for a save (0: not waiting),
+    # and the most pages of the saves it waited for.
+    waiting_since: float = 0.0
+    waited_for: int = 0
 
 
 class SchedulerSide:
@@ -101,6 +122,11 @@ class SchedulerSide:
         self._saving = settings.cfg.access_mode is AccessMode.READ_WRITE
         self._mismatch_at = 0.0
         self._mismatch: str | None = None
+        self._attached = False  # a supervisor of the instance serves the store dir
+        # Saves in flight, oldest first, by the raw key of their last page.
+        self._saves: OrderedDict[bytes, _SaveInFlight] = OrderedDict()
+        self._waits_in_vain = 0  # waits in a row that ended with the save not stored
+        self._waits_off_until = 0.0
         self.events = (KVEvents(settings.cfg.store_dir, settings.tp_size, background=True)
                        if kv_events else None)
 
@@ -146,16 +172,21 @@ class SchedulerSide:
         worker sides name it in the log; here it keeps a save that could not be stored
         from being counted as one, and lookups from leasing through the wrong
         supervisor."""
-        now = time.monotonic()
-        if now >= self._mismatch_at:
-            self._mismatch_at = now + ATTACH_RECHECK_S
-            try:
-                reason = attachment.find(self.settings.cfg, 0).reason
-            except Exception:
-                log.debug("looking for the supervisor failed", exc_info=True)
-                reason = None
-            self._mismatch = reason if reason in attachment.MISMATCHES else None
+        self._look_for_supervisor()
         return self._mismatch
+
+    def _look_for_supervisor(self) -> None:
+        now = time.monotonic()
+        if now < self._mismatch_at:
+            return
+        self._mismatch_at = now + ATTACH_RECHECK_S
+        try:
+            reason = attachment.find(self.settings.cfg, 0).reason
+        except Exception:
+            log.debug("looking for the supervisor failed", exc_info=True)
+            reason = attachment.SUPERVISOR_ABSENT
+        self._mismatch = reason if reason in attachment.MISMATCHES else None
+        self._attached = reason is None
 
     def reset(self) -> bool:
         """vLLM's ``reset_cache``, called after a weight update: every later lookup misses
@@ -204,7 +235,7 @@ class SchedulerSide:
     # ------------------------------------------------------------------ loads
 
     def get_num_new_matched_tokens(self, request: Any,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._reqs.get(request.request_id)
         if (state is not None and state.answer is not None
                 and state.answer[0] == num_computed_tokens
@@ -215,11 +246,12 @@ class SchedulerSide:
         if state is not None:
             state.request = request
             state.answer = (num_computed_tokens, answer)
+            hold = ANSWER_REUSE_S if answer[0] is not None else SAVE_RECHECK_S
             state.answer_until = time.monotonic() + min(
-                ANSWER_REUSE_S, self.settings.cfg.lookup_lease_seconds / 2)
+                hold, self.settings.cfg.lookup_lease_seconds / 2)
         return answer
 
-    def _match(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def _match(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self.counted = True
         prompt = int(request.num_prompt_tokens)
         # At least one prompt token is left to compute: vLLM needs a forward to sample.
@@ -253,6 +285,13 @@ class SchedulerSide:
         pages = self.lookup.lookup(keys, beyond=start, hints=state.keys.expected_ends(),
                                    lease=lease)
         self.counters["lookups"] += 1
+        now = time.monotonic()
+        if self._waits_for_save(state, keys, max(pages, start), now):
+            # Asked again at a later step: what the save stores is likelier to be loaded
+            # than computed (the prefix vLLM holds itself, ``start``, needs no save).
+            if pages:
+                self.lookup.release(lease)
+            return None, False
         if pages and self.settings.drop_last_page:
             # As vLLM's prefix cache with a draft model: the draft's KV at the page's
             # last token was computed with a next token this request may not have.
@@ -262,7 +301,7 @@ class SchedulerSide:
                 self.lookup.release(lease)
             return 0, False
         if (self.settings.cut_slow_loads
-                and not self.cost.worth_loading(pages - start, time.monotonic())):
+                and not self.cost.worth_loading(pages - start, now)):
             # Expected to arrive later than the engine would compute it (load_cost).
             self.lookup.release(lease)
             self.counters["load_cuts"] += 1
@@ -270,6 +309,59 @@ class SchedulerSide:
             return 0, False
         state.load, state.lease = (start, pages), lease
         return pages * self.block - num_computed_tokens, True
+
+    def _waits_for_save(self, state: _Request, keys: list[str], have: int,
+                        now: float) -> bool:
+        """Whether a request whose first ``have`` pages are stored (or held by vLLM) is
+        to wait for a save of this engine that stores more of its prefix: an agent's
+        next turn comes within milliseconds of the reply, before the save of the turn
+        that replied is durable, and missed it (docs/vllm.md, "A turn sent at once").
+        It waits while the save is younger than ``save_wait_s`` and than the time the
+        engine takes to compute the pages it adds; then the prefix stored is taken.
+        After ``WAITS_IN_VAIN`` waits in a row that ended so (a store refusing saves,
+        say), none for ``WAITS_OFF_S``. Counted: ``save_waits`` (requests),
+        ``save_wait_seconds``, ``save_waits_in_vain``."""
+        limit = self.settings.save_wait_s
+        saves = self._saves
+        while saves:  # forget saves past any wait, oldest first
+            oldest = next(iter(saves.values()))
+            if now - oldest.at <= limit:
+                break
+            saves.popitem(last=False)
+        wanted = None
+        for last, save in list(saves.items()):
+            if save.pages > len(keys) or (wanted is not None and save.pages <= wanted.pages):
+                continue
+            if state.keys.key_bytes(save.pages - 1, save.pages) != last:
+                continue
+            if save.pages <= have:
+                del saves[last]  # stored: no later request waits for it
+                continue
+            wanted = save
+        if wanted is not None:
+            compute = self.cost.compute_seconds(wanted.pages - have)
+            if now - wanted.at > (limit if compute is None else min(limit, compute)):
+                wanted = None
+        if wanted is not None and (state.waiting_since or now >= self._waits_off_until):
+            if not state.waiting_since:
+                state.waiting_since = now
+                self.counters["save_waits"] += 1
+            state.waited_for = max(state.waited_for, wanted.pages)
+            return True
+        if state.waiting_since:
+            self.counters["save_wait_seconds"] += now - state.waiting_since
+            in_vain = have < state.waited_for
+            state.waiting_since, state.waited_for = 0.0, 0
+            self._waits_in_vain = self._waits_in_vain + 1 if in_vain else 0
+            if in_vain:
+                self.counters["save_waits_in_vain"] += 1
+            if self._waits_in_vain >= WAITS_IN_VAIN:
+                self._waits_in_vain = 0
+                self._waits_off_until = now + WAITS_OFF_S
+                log.info("SparkCache: %d requests in a row waited for saves that were not "
+                         "stored in time; none waits for the next %g s", WAITS_IN_VAIN,
+                         WAITS_OFF_S)
+        return False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._reqs.get(request.request_id)
@@ -475,6 +567,14 @@ class SchedulerSide:
         return True, None
 
     def _note_save(self, request: Any, raw_keys: bytes) -> None:
+        self._look_for_supervisor()
+        if self.settings.save_wait_s > 0 and raw_keys and self._attached:
+            # (Without a supervisor nothing is stored: no request waits for it.)
+            last = raw_keys[-KEY_BYTES:]
+            self._saves.pop(last, None)  # (a save again of the same pages: the newer)
+            self._saves[last] = _SaveInFlight(len(raw_keys) // KEY_BYTES, time.monotonic())
+            if len(self._saves) > SAVES_KEPT:
+                self._saves.popitem(last=False)
         if self.events is not None:
             self.events.note_save(request, raw_keys, self.block, self._hash_block_size)
 
@@ -495,7 +595,8 @@ class SchedulerSide:
         out = Counter({k: v for k, v in self.counters.items()
                        if k in ("lookups", "hit_tokens", "saves", "partial_saves",
                                 "preemption_saves", "held_requests", "held_seconds",
-                                "load_cuts", "load_cut_tokens")})
+                                "load_cuts", "load_cut_tokens", "save_waits",
+                                "save_wait_seconds", "save_waits_in_vain")})
         for reason, n in self.lookup.misses.items():
             out[f"skipped:lookup_{reason}"] += n
         if self.events is not None:

@@ -22,7 +22,13 @@ DEFAULT_STAGING_BYTES = 256 << 20
 # chunks still goes out chunk by chunk.
 DEFAULT_SAVE_STRIDE_PAGES = 64
 # Keys of kv_connector_extra_config that are the connector's own, not Config fields.
-OWN_KEYS = ("model_id", "staging_bytes", "save_stride_pages", "cut_slow_loads")
+OWN_KEYS = ("model_id", "staging_bytes", "save_stride_pages", "cut_slow_loads",
+            "save_wait_seconds")
+# A request whose prefix a save of this engine is still storing waits for it at most this
+# long (or as long as computing the pages it adds, if less): an agent's next turn comes
+# within milliseconds of the last reply, before that reply's save is durable.
+DEFAULT_SAVE_WAIT_S = 2.0
+MAX_SAVE_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,9 @@ class Settings:
     # (``load_cost``). Off: every hit is loaded, however long it waits, and the engine's
     # time goes to other requests.
     cut_slow_loads: bool = True
+    # How long a lookup may wait for a save of this engine still storing the prefix
+    # (``scheduler_side``); 0: never, the prefix stored so far is taken.
+    save_wait_s: float = DEFAULT_SAVE_WAIT_S
 
 
 def eagle_block_drop(vllm_config: Any) -> bool:
@@ -101,9 +110,20 @@ def from_vllm(vllm_config: Any) -> Settings:
     if not isinstance(cut, bool):
         raise ValueError(f"cut_slow_loads {cut!r}: true or false (whether a load expected "
                          f"to take longer than recomputing its tokens is left out)")
+    wait = extra.get("save_wait_seconds", DEFAULT_SAVE_WAIT_S)
+    if isinstance(wait, bool) or not isinstance(wait, int | float | str):
+        wait = None
+    try:
+        wait = float(wait) if wait is not None else -1.0
+    except ValueError:
+        wait = -1.0
+    if not 0 <= wait <= MAX_SAVE_WAIT_S:
+        raise ValueError(f"save_wait_seconds {extra.get('save_wait_seconds')!r}: seconds "
+                         f"from 0 to {MAX_SAVE_WAIT_S:g} (how long a request waits for a "
+                         f"save of its prefix still being stored; 0: never)")
     return Settings(cfg, model_id, int(vllm_config.parallel_config.tensor_parallel_size),
                     block_size, staging, stride, kv_format(vllm_config),
-                    eagle_block_drop(vllm_config), cut)
+                    eagle_block_drop(vllm_config), cut, wait)
 
 
 # Parallelism whose ranks would share a tensor-parallel rank's registration on one node:

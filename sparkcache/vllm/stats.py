@@ -33,6 +33,14 @@ METRICS = {
                   "tokens, so none was made."),
     "load_cut_tokens": ("vllm:sparkcache_load_cut_tokens",
                         "Tokens of those lookups, recomputed instead of loaded."),
+    "save_waits": ("vllm:sparkcache_save_waits",
+                   "Requests whose lookup waited for a save of their prefix still being "
+                   "stored."),
+    "save_wait_seconds": ("vllm:sparkcache_save_wait_seconds",
+                          "Seconds those requests waited, summed."),
+    "save_waits_in_vain": ("vllm:sparkcache_save_waits_in_vain",
+                           "Of those waits, the ones that ended with the save not stored "
+                           "in time (the request then took what was stored)."),
     "saves": ("vllm:sparkcache_saves", "Finished requests whose pages were published."),
     "saved_pages": ("vllm:sparkcache_saved_pages", "Pages published for capture."),
     "partial_saves": ("vllm:sparkcache_partial_saves",

@@ -890,6 +890,62 @@ def test_a_load_slower_than_recomputing_is_cut_and_counted(
             assert "load_cuts" not in data and data["hit_tokens"] == 2 * pages * BLOCK, data
 
 
+@pytest.mark.parametrize("wait_s,stall_s", [(2.0, 0.6), (0.4, 1.5), (0.0, 0.6)])
+def test_a_turn_sent_before_the_last_save_is_durable_waits_for_it(
+        supervisor: Path, instance: str, wait_s: float, stall_s: float) -> None:
+    """Turn B comes the moment turn A finished, while A's save is still being committed
+    (the commit worker stopped for ``stall_s``): B's lookup is answered "later" until the
+    save is durable, then B loads the whole prefix. A save not durable within
+    ``save_wait_seconds`` is not waited for beyond it (B computes, the wait counted in
+    vain); 0 never waits. Before, B missed and recomputed every page."""
+    import os
+    import signal
+
+    from sparkcache import runtime
+    from sparkcache.vllm import SparkCacheConnector
+
+    pages = 5
+    prefix = list(range(60, 60 + pages * BLOCK))
+    with rig(supervisor, instance, extra={"save_wait_seconds": wait_s}) as r:
+        commit = next(w["pid"] for w in runtime.read(supervisor)["workers"]
+                      if w["role"] == "commit")
+        os.kill(commit, signal.SIGSTOP)
+        resumed = False
+        try:
+            run_turn(r, "A", [*prefix, 1])
+            t0 = time.monotonic()
+            r.sched.add_request(request("B", [*prefix, 2, 3], max_tokens=2))
+            while "B" not in r.finished_recving and r.sched.requests.get("B") is not None \
+                    and not r.sched.requests["B"].num_computed_tokens:
+                if not resumed and time.monotonic() - t0 >= stall_s:
+                    os.kill(commit, signal.SIGCONT)
+                    resumed = True
+                r.step()
+                time.sleep(0.005)
+                assert time.monotonic() - t0 < 30, "B neither loaded nor computed"
+        finally:
+            if not resumed:
+                os.kill(commit, signal.SIGCONT)
+        r.run_until_idle()
+        data = functools.reduce(lambda a, b: a.aggregate(b), [
+            SparkCacheConnector.build_kv_connector_stats(p) for p in r.stats]).reduce()
+        if wait_s > stall_s:
+            assert "B" in r.loads and not r.load_errors, data
+            table = r.tables["B"]
+            for page in (0, pages - 1):
+                assert r.block_holds(0, table[page], prefix[page * BLOCK:(page + 1) * BLOCK],
+                                     page * BLOCK), page
+            assert data["save_waits"] == 1 and data["hit_tokens"] == pages * BLOCK, data
+            assert stall_s - 0.1 <= data["save_wait_seconds"] < wait_s, data
+            assert "save_waits_in_vain" not in data, data
+        elif wait_s:
+            assert "B" not in r.loads, data
+            assert data["save_waits"] == 1 and data["save_waits_in_vain"] == 1, data
+            assert wait_s <= data["save_wait_seconds"] < stall_s, data
+        else:
+            assert "B" not in r.loads and "save_waits" not in data, data
+
+
 def test_the_plugin_registers_the_connector_by_name_and_again_is_no_fault(
         caplog: pytest.LogCaptureFixture) -> None:
     """The installed entry point is what vLLM's plugin loader runs (in each process, maybe
