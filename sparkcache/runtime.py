@@ -23,9 +23,14 @@ from sparkcache.store import StoreError, layout
 log = logging.getLogger(__name__)
 
 RUNTIME_FILE = "runtime.json"
-# ``layout.write_file``'s temporary copies of the runtime file.
+# What the running supervisor did lately (``sparkcache.activity``), and the capacity
+# settings of the last one to run, kept after it stops (what ``status`` shows then).
+ACTIVITY_FILE = "activity.json"
+SETTINGS_FILE = "settings.json"
+# ``layout.write_file``'s temporary copies of the supervisor's files.
 _TEMP_RE = re.compile(
-    rf"^\.{re.escape(RUNTIME_FILE)}\.[0-9a-f]{{16}}{re.escape(layout.TEMP_SUFFIX)}$")
+    rf"^\.({'|'.join(re.escape(n) for n in (RUNTIME_FILE, ACTIVITY_FILE, SETTINGS_FILE))})"
+    rf"\.[0-9a-f]{{16}}{re.escape(layout.TEMP_SUFFIX)}$")
 # Settings the supervisor repeats under "settings" (numbers only): what ``status``,
 # ``top`` and ``sizing`` read of the instance they look at, rather than their own
 # environment's values.
@@ -110,6 +115,22 @@ def write(store_dir: Path, data: dict[str, Any]) -> None:
         layout.write_file(dir_fd, RUNTIME_FILE, json.dumps(data).encode())
     finally:
         os.close(dir_fd)
+
+
+def write_settings(store_dir_fd: int, settings: dict[str, Any]) -> None:
+    """Keep the capacity settings a supervisor runs with in ``settings.json`` (0600,
+    atomically) in the store dir open as ``store_dir_fd``: ``status`` shows them once it
+    has stopped, rather than its own environment's defaults."""
+    layout.write_file(store_dir_fd, SETTINGS_FILE, json.dumps(settings).encode())
+
+
+def last_settings(store_dir: Path) -> dict[str, Any] | None:
+    """The settings the last supervisor of ``store_dir`` ran with, or None."""
+    try:
+        data = json.loads(layout.read_file(store_dir, SETTINGS_FILE))
+    except (OSError, ValueError, StoreError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def read(store_dir: Path) -> dict[str, Any] | None:

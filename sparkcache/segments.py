@@ -11,7 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparkcache.config import AccessMode, Config
-from sparkcache.shm import Consumer, Producer, Ring, Segment, SlotArena, StatsBlock, segment_name
+from sparkcache.shm import (
+    Consumer,
+    Producer,
+    Ring,
+    Segment,
+    SegmentError,
+    SlotArena,
+    StatsBlock,
+    segment_name,
+)
 from sparkcache.shm.layouts import (
     COMPLETION,
     DURABLE,
@@ -26,6 +35,7 @@ from sparkcache.shm.layouts import (
 )
 from sparkcache.shm.note import NOTE_MAX_BYTES, create_note, read_note
 from sparkcache.shm.records import RecordLayout
+from sparkcache.shm.segment import NAME_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +121,20 @@ def store_note(cfg: Config, rank: int) -> dict:
     that supervisor's pid and the instance."""
     return {"store_dir": str(Path(cfg.store_dir).resolve()), "instance": cfg.instance,
             "rank": rank, "supervisor_pid": os.getpid()}
+
+
+def running_stores() -> list[dict]:
+    """The notes of this user's running supervisors (rank 0's of each instance): which
+    instance serves which store, for a tool pointed at a store no supervisor serves."""
+    found = []
+    for path in sorted(SHM_DIR.glob(f"{NAME_PREFIX}u{os.geteuid()}.*.r0.{NOTE}")):
+        try:
+            note = read_note("/" + path.name)
+        except SegmentError:
+            continue
+        if note is not None and isinstance(note.get("store_dir"), str):
+            found.append(note)
+    return found
 
 
 def read_store_note(instance: str, rank: int) -> dict | None:

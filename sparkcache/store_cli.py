@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sparkcache import runtime, segments
+from sparkcache import activity, runtime, segments
 from sparkcache.config import GiB as GIB
 from sparkcache.shm import SegmentError, StatsBlock, TornRead
 from sparkcache.shm.layouts import WORKER_STATS
@@ -223,18 +223,23 @@ def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) 
     """Print the capacity line operators grep, then the supervisor and its workers (or
     JSON). With a supervisor running, entries and used bytes are its maintenance
     workers' live figures and healthy is the /healthz verdict (every worker READY with a
-    fresh heartbeat); without one, they come from the index and healthy means every rank
-    is within ``max_bytes``. Returns 0 when healthy."""
+    fresh heartbeat), followed by its restores and hit rate (``activity.json``); without
+    one, they come from the index and healthy means every rank is within the
+    ``max_bytes`` the last supervisor ran with (``settings.json``; ``max_bytes`` for a
+    store none ran on), and the stores this user's supervisors do serve are named.
+    Returns 0 when healthy."""
     sup = _supervisor(store_dir)
     live, why_not_live = _live(store_dir, max_bytes) if sup["state"] == "running" else (None, "")
     error = None
     if live is not None:
         ranks, capacity_each = live.ranks, live.max_bytes
     else:
-        # A killed supervisor's file still says what the store was run with.
-        capacity_each = int(sup.get("settings", {}).get("max_bytes", max_bytes))
+        # What the store was run with: a killed supervisor's runtime file says it, and
+        # every supervisor keeps its settings in the store, read once it has stopped.
+        settings = sup.get("settings") or runtime.last_settings(store_dir) or {}
+        capacity_each = int(settings.get("max_bytes", max_bytes))
         try:
-            ranks = [_rank_status(store_dir, r, max_bytes) for r in list_ranks(store_dir)]
+            ranks = [_rank_status(store_dir, r, capacity_each) for r in list_ranks(store_dir)]
         except (OSError, StoreError) as exc:
             ranks, error = [], str(exc)
         if not ranks and error is None:
@@ -257,6 +262,12 @@ def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) 
     else:
         healthy = bool(ranks) and error is None and all(r.healthy for r in ranks)
     metrics = _metrics_url(sup)
+    done = activity.read(store_dir) if sup["state"] == "running" else None
+    # No supervisor on this store: say where this user's run, if anywhere (a status run
+    # without --store-dir looks at the default one).
+    elsewhere = ([n for n in segments.running_stores()
+                  if n["store_dir"] != str(Path(store_dir).resolve())]
+                 if sup["state"] != "running" else [])
     if json_out:
         print(
             json.dumps(
@@ -274,6 +285,10 @@ def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) 
                     "metrics_url": metrics,
                     "supervisor": sup,
                     "maintenance": reports,
+                    "activity": done,
+                    "elsewhere": [{"instance": n.get("instance"), "store_dir": n["store_dir"],
+                                   "supervisor_pid": n.get("supervisor_pid")}
+                                  for n in elsewhere],
                 }
             )
         )
@@ -284,6 +299,13 @@ def status(store_dir: Path, json_out: bool, max_bytes: int = DEFAULT_MAX_BYTES) 
         )
         for line in _supervisor_lines(sup):
             print(line)
+        for n in elsewhere:
+            print(f"sparkcache: a supervisor (pid {n.get('supervisor_pid')}) runs instance "
+                  f"{n.get('instance')!r} on store {n['store_dir']}: sparkcache status "
+                  f"--store-dir {n['store_dir']}")
+        if done is not None:
+            for line in activity.lines(done):
+                print(f"sparkcache: {line}")
         if metrics is not None:
             print(f"sparkcache: metrics {metrics}/metrics and {metrics}/healthz")
         if live is not None and live.healthy:

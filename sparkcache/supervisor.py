@@ -25,9 +25,11 @@ from multiprocessing.connection import wait
 import posix_ipc
 import psutil
 
-from sparkcache import __version__, runtime, segments
+from sparkcache import __version__, activity, runtime, segments
+from sparkcache.activity import Activity
 from sparkcache.config import AccessMode, Config
 from sparkcache.filesystems import MEMORY_FILESYSTEMS, filesystem_of
+from sparkcache.metrics import reading
 from sparkcache.metrics.carry import Carry
 from sparkcache.metrics.reading import Source, WorkerInfo
 from sparkcache.metrics.server import MetricsServer, MetricsServerError
@@ -72,6 +74,7 @@ MAINTENANCE_IOPRIO = 7
 # are spawned, and never carry torch.
 FORKED_ROLES = frozenset({Role.CAPTURE, Role.RESTORE})
 FORKSERVER_MODULE = "sparkcache.workers.forkserver"
+ACTIVITY_SAMPLE_S = activity.SAMPLE_S
 WATCH_S = 0.5  # longest wait between looks at the workers (heartbeats, READY)
 STARTING_WATCH_S = 0.1  # ... while one is starting, so READY shows soon
 # How often a worker that has not begun to drain is sent SIGTERM again (_stop_role). The
@@ -148,6 +151,9 @@ class Supervisor:
         self.metrics: MetricsServer | None = None
         self._runtime_stale = False  # runtime.json could not be written: try again
         self._rare = RateLimitedLog(log)
+        # Restores and hits over the last minute, for status and top (activity.json).
+        self.activity = Activity(time.time(), process_start(os.getpid()))
+        self._activity_at = 0.0
         self._store_fd: int | None = None  # the store dir locked, open
         self.exit_code = 0
 
@@ -402,6 +408,7 @@ class Supervisor:
                         )
                 time.sleep(0.02)
             self.write_runtime()
+            runtime.write_settings(self._store_fd, self.runtime()["settings"])
         except BaseException:
             self.shutdown()
             raise
@@ -481,6 +488,9 @@ class Supervisor:
                 log.error("%s could not be started: %r", w.name, exc)
                 self._tick(w, Observation(exit_code=1, stopping=self.stop))
             changed |= self._shown(w.view) != old
+        if now >= self._activity_at:
+            self._activity_at = now + ACTIVITY_SAMPLE_S
+            self._sample_activity()
         if changed or self._runtime_stale:
             try:
                 self.write_runtime()
@@ -491,6 +501,17 @@ class Supervisor:
                 self._runtime_stale = True
                 self._rare.warning("runtime", "could not write %s: %s; the workers go on",
                                    RUNTIME_FILE, exc)
+
+    def _sample_activity(self) -> None:
+        """Sample the engines' and restore workers' counters into ``activity.json``."""
+        try:
+            rd = reading.read(Source(self.cfg, lambda: tuple(self.segments), self.worker_infos))
+            self.activity.sample(activity.read_counters(rd), rd.at)
+            if self._store_fd is not None:
+                activity.write(self._store_fd, self.activity.summary(rd.at))
+        except (OSError, StoreError, SegmentError, TornRead) as exc:
+            self._rare.warning("activity", "could not write %s: %s; the workers go on",
+                               runtime.ACTIVITY_FILE, exc)
 
     # ------------------------------------------------------------------ runtime file
 
@@ -620,8 +641,9 @@ class Supervisor:
             seg.close()
         # From the store it served, wherever that is now: not from another at its path.
         if self._store_fd is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(RUNTIME_FILE, dir_fd=self._store_fd)
+            for name in (RUNTIME_FILE, runtime.ACTIVITY_FILE):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=self._store_fd)
             os.close(self._store_fd)
             self._store_fd = None
         if self._lock_fd is not None:

@@ -298,11 +298,12 @@ def test_status_reads_live_figures_from_a_running_instance(tmp_path: Path,
         while shown().returncode != 0:
             assert time.monotonic() < deadline, "status never healthy again"
             time.sleep(0.3)
-    # Stopped: the index again, and the caller's max_bytes.
+    # Stopped: the index again, and the capacity the supervisor ran with, which it kept
+    # in the store (not the tool's default of 40 GiB, nor its own flags).
     out = shown("--max-bytes", "2GiB", "--low-watermark-bytes", "1GiB")
     assert out.stdout.splitlines()[0] == (
         f"sparkcache: capacity ranks=1 entries={index_view.entries} "
-        f"used={index_view.used_bytes / GiB:.1f}/2.0GiB healthy=yes")
+        f"used={index_view.used_bytes / GiB:.1f}/1.0GiB healthy=yes")
 
 
 def store_cli_rank(store: Path) -> RankStatus:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from sparkcache import activity
 from sparkcache.instance import Instance
 from sparkcache.metrics import reading
 from sparkcache.metrics.reading import WorkerReading
@@ -90,6 +91,9 @@ class Frame:
     workers: list[WorkerRow]
     ranks: list[RankRow]
     settings: dict[str, float] = field(default_factory=dict)
+    # The supervisor's activity.json: restores and hits over the last minute and since
+    # its start (sparkcache.activity); None before its first sample.
+    activity: dict | None = None
 
 
 # Sort keys (the live view's keys choose them) -> how rows are ordered. Larger first for
@@ -246,4 +250,5 @@ def gather(inst: Instance, sampler: ProcessSampler, settings: dict[str, float],
         at=rd.at, store_dir=str(inst.store_dir), instance=rt.instance,
         supervisor_pid=rt.pid, metrics=rt.metrics, healthy=healthy, health=why, sort=sort,
         workers=sort_workers(workers, sort), ranks=ranks, settings=dict(settings),
+        activity=activity.read(inst.store_dir),
     )

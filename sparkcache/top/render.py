@@ -15,6 +15,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from sparkcache import activity
 from sparkcache.top.gather import Frame, RankRow, WorkerRow
 
 KEYS = "q quit  c CPU  m memory  i I/O  r rank  o role"
@@ -141,6 +142,9 @@ def header(frame: Frame, interval: float | None = None) -> Text:
     text.append("ok" if frame.healthy else "NOT OK", style="green" if frame.healthy else "red")
     if not frame.healthy:
         text.append(": " + "; ".join(frame.health.splitlines()))
+    if frame.activity is not None:
+        for line in activity.lines(frame.activity, frame.at):
+            text.append(f"\n{line}")
     every = "" if interval is None else f"  every {interval:g}s"
     text.append(f"\nsort {frame.sort}{every}  [{KEYS}]", style="dim")
     return text
