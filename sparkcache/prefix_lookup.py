@@ -101,20 +101,21 @@ class PrefixLookup:
         return worker_alive(stats.read(int(Role.MAINTENANCE)), self.cfg.heartbeat_timeout_s)
 
     def lookup(self, keys: Sequence[str], beyond: int = 0, hints: Sequence[int] = (),
-               lease: int = 0) -> int:
+               lease: int = 0, counted: bool = True) -> int:
         """Leading ``keys`` every rank holds, leased as read lease ``lease``
         (``protocol.new_lease_id``; 0: an anonymous one) until the load given that lease
         ends (``SparkCacheClient.load_keys``) or ``release``, or for
         ``lookup_lease_seconds`` at most; 0 if
         they are not more than ``beyond`` (the pages the caller has already: one probe
         per rank tells), and 0 on any fault (a miss, counted in ``misses`` by reason).
-        ``hints``: answers the caller expects, tried first (``chained_prefix``)."""
+        ``hints``: answers the caller expects, tried first (``chained_prefix``).
+        ``counted=False``: not counted in the hit rate (``lookups``, ``lookup_tokens``,
+        ``hit_tokens``) until the caller does so with ``count``."""
         if self.cfg.access_mode is AccessMode.OFF or len(keys) <= beyond:
             return 0
-        self.lookups += 1
-        self.lookup_tokens += (len(keys) - beyond) * self.cfg.page_tokens
         now = time.monotonic()
         keep = False  # maintenance is down under the supervisor the handles belong to
+        pages = 0
         try:
             if now < self._retry_at:
                 self.misses["unavailable"] += 1
@@ -145,11 +146,19 @@ class PrefixLookup:
                 if not keep:
                     self.close()
                 return 0
-            if pages:
-                self.hit_tokens += (pages - beyond) * self.cfg.page_tokens
             return pages
         finally:
+            if counted:
+                self.count(len(keys), beyond, pages)
             self._publish_counters(now)
+
+    def count(self, keys: int, beyond: int, pages: int) -> None:
+        """Count a lookup of ``keys`` pages beyond the caller's ``beyond`` that found
+        ``pages`` (a lookup made with ``counted=False``, whose answer stood)."""
+        self.lookups += 1
+        self.lookup_tokens += (keys - beyond) * self.cfg.page_tokens
+        if pages > beyond:
+            self.hit_tokens += (pages - beyond) * self.cfg.page_tokens
 
     def _same_supervisor(self) -> bool:
         """Whether runtime.json names the supervisor whose segments are attached here."""
@@ -162,6 +171,11 @@ class PrefixLookup:
 
     def _fields(self) -> dict[str, float]:
         return lookup_fields(self.lookups, self.lookup_tokens, self.hit_tokens, self.misses)
+
+    def publish_counters(self) -> None:
+        """Write the counters if a write is due: for a caller that steps (vLLM's
+        scheduler), so the last lookups before a quiet spell reach the supervisor."""
+        self._publish_counters(time.monotonic())
 
     def _publish_counters(self, now: float) -> None:
         """Copy the counters into rank 0's engine stats block for the supervisor's

@@ -282,9 +282,10 @@ class SchedulerSide:
         # ended (the previous turn's may not be committed yet).
         self._release(state)  # an earlier answer's, not loaded
         lease = new_lease_id()
+        # Counted once its answer stands: a request answered "later" while it waits for
+        # a save asks again, and the hit rate's denominator counts it once.
         pages = self.lookup.lookup(keys, beyond=start, hints=state.keys.expected_ends(),
-                                   lease=lease)
-        self.counters["lookups"] += 1
+                                   lease=lease, counted=False)
         now = time.monotonic()
         if self._waits_for_save(state, keys, max(pages, start), now):
             # Asked again at a later step: what the save stores is likelier to be loaded
@@ -292,6 +293,8 @@ class SchedulerSide:
             if pages:
                 self.lookup.release(lease)
             return None, False
+        self.lookup.count(len(keys), start, pages)
+        self.counters["lookups"] += 1
         if pages and self.settings.drop_last_page:
             # As vLLM's prefix cache with a draft model: the draft's KV at the page's
             # last token was computed with a next token this request may not have.
@@ -397,6 +400,7 @@ class SchedulerSide:
         meta, self._meta = self._meta, SparkCacheMetadata()
         self.cost.step(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)),
                        time.monotonic())
+        self.lookup.publish_counters()
         if not self._saving:
             return meta
         # Preempted first: a request preempted and scheduled again in the same step has
