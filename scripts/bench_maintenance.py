@@ -91,8 +91,9 @@ from sparkcache.store import PageData, PageStore, Root
 from sparkcache.store.eviction import EvictionPlan
 
 MIB = 1 << 20
-# What the supervisor gives maintenance (sparkcache.supervisor.MAINTENANCE_NICE; not
-# imported: that module loads torch, and so would every process spawned from here).
+# What the supervisor gives maintenance under a supervisor at nice 0
+# (sparkcache.supervisor.MAINTENANCE_NICE_STEP; not imported: that module loads torch, and
+# so would every process spawned from here).
 NICE = 10
 # How long the engine's client trusts the used bytes it read before admitting a
 # publication (sparkcache.client.HEALTH_CACHE_S; not imported: that module loads torch).

@@ -6,6 +6,7 @@ import functools
 import inspect
 import json
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -330,12 +331,31 @@ def soak(
         raise typer.Exit(1)
 
 
+def _progress_lines() -> Callable[[str, str, float], None]:
+    """A soak's progress as plain lines on stderr, one each time a lane's step changes
+    (and at each quarter of its soak), written at once."""
+    shown: dict[str, tuple[str, int]] = {}
+
+    def progress(lane: str, what: str, share: float) -> None:
+        step = (what, int(share * 4))
+        if shown.get(lane) == step:
+            return
+        shown[lane] = step
+        share_text = f" {share:.0%}" if 0 < share < 1 else ""
+        typer.echo(f"{time.strftime('%H:%M:%S')} soak {lane}: {what}{share_text}", err=True)
+
+    return progress
+
+
 def _run_with_progress(run: Callable[..., Any], params: Any, work_dir: Path | None) -> Any:
     """``run`` under a rich progress bar on stderr: a bar per lane."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
+    if not console.is_terminal:
+        # Into a file or a pipe a bar is drawn only at the end: a line per step instead.
+        return run(params, _progress_lines(), work_dir)
     with Progress(TextColumn("{task.fields[lane]:<20}"), BarColumn(),
                   TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=console, transient=False) as bar:

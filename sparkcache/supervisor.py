@@ -21,6 +21,7 @@ import stat
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
+from pathlib import Path
 
 import posix_ipc
 import psutil
@@ -62,7 +63,10 @@ from sparkcache.workers.lifecycle import Role, State, WorkerSpec, run_worker, ti
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "supervisor.lock"
-MAINTENANCE_NICE = 10
+# Maintenance runs this much nicer than the supervisor, never less nice: an absolute 10
+# raised it, as root, above a supervisor run under `nice 19`.
+MAINTENANCE_NICE_STEP = 10
+MAX_NICE = 19
 # Maintenance's I/O: best effort at the lowest level, not the idle class. An idle-class
 # request waits while any other is pending (mq-deadline ages it after 10 s): at the cap,
 # where commits write all the time, maintenance's fsync then held the index's write lock
@@ -127,6 +131,20 @@ def default_cpus(avoid: list[int]) -> list[int]:
         log.warning("the avoided processes may use every core; workers run anywhere")
         return every
     return left
+
+
+def _lower_priority(p: psutil.Process) -> None:
+    """Maintenance's CPU and I/O priority, lowered from what it inherited, never raised:
+    ``MAINTENANCE_NICE_STEP`` nicer (at most 19), and best-effort I/O at level
+    ``MAINTENANCE_IOPRIO`` unless it was already lower (a higher level, or the idle
+    class)."""
+    p.nice(min(MAX_NICE, p.nice() + MAINTENANCE_NICE_STEP))
+    with contextlib.suppress(psutil.Error, AttributeError):
+        cls, level = p.ionice()
+        if cls == psutil.IOPRIO_CLASS_IDLE or (cls == psutil.IOPRIO_CLASS_BE
+                                               and level >= MAINTENANCE_IOPRIO):
+            return
+        p.ionice(psutil.IOPRIO_CLASS_BE, MAINTENANCE_IOPRIO)
 
 
 class Supervisor:
@@ -252,9 +270,7 @@ class Supervisor:
             p = psutil.Process(proc.pid)
             p.cpu_affinity(w.cpus)
             if w.role is Role.MAINTENANCE:
-                p.nice(MAINTENANCE_NICE)
-                with contextlib.suppress(psutil.Error, AttributeError):
-                    p.ionice(psutil.IOPRIO_CLASS_BE, MAINTENANCE_IOPRIO)
+                _lower_priority(p)
         except (psutil.Error, OSError, ValueError) as exc:
             log.warning("%s: could not pin or renice: %s", w.name, exc)
         log.info("%s started: pid %d, cores %s", w.name, proc.pid, w.cpus)
@@ -352,7 +368,32 @@ class Supervisor:
         # Handlers first: a SIGTERM during start-up must still unlink what was created.
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        made = [d for d in (self.cfg.store_dir, *self.cfg.store_dir.parents)
+                if not os.path.lexists(d)]
         self._lock()
+        try:
+            self._start_locked()
+        except BaseException:
+            self.shutdown()
+            self._remove_if_empty(made)
+            raise
+
+    def _remove_if_empty(self, made: list[Path]) -> None:
+        """Remove the store dir and the parents this start made (``made``, the store dir
+        first), if a refused start left nothing in them but the lock: a typo in
+        --store-dir must not leave directories behind."""
+        if not made or made[0] != self.cfg.store_dir:
+            return
+        try:
+            if os.listdir(made[0]) != [LOCK_FILE]:
+                return
+            os.unlink(made[0] / LOCK_FILE)
+            for d in made:
+                os.rmdir(d)  # fails on one something else has put into meanwhile
+        except OSError as exc:
+            log.debug("store dir %s left: %s", made[0], exc)
+
+    def _start_locked(self) -> None:
         runtime.remove_leftovers(self._store_fd, runtime.read(self.cfg.store_dir))
         self._check_disk()
         fstype = filesystem_of(self.cfg.store_dir)

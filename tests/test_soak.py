@@ -64,6 +64,9 @@ def test_tiny_soak_verifies_every_restore_and_leaves_nothing(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     lanes = json.loads(out)["lanes"]
     assert list(lanes) == list(LANES_RUN)
+    # Into a pipe, progress comes as lines while it runs (a bar is drawn only at the end).
+    for name in LANES_RUN:
+        assert f" soak {name}: starting" in err and f" soak {name}: done" in err, err[-2000:]
     for name, fig in lanes.items():
         for key in KEYS:
             assert key in fig, (name, key)

@@ -53,6 +53,16 @@ def test_crash_loop_ends_fatal_and_second_supervisor_refused(
         )
         assert second.returncode == 1
         assert "another supervisor" in second.stderr
+        # The same instance on a store dir (and parents) this start makes: refused, and
+        # nothing of it is left behind.
+        typo = tmp_path / "new" / "stroe"
+        third = subprocess.run(
+            [*_cli(), "supervise", "--store-dir", str(typo), "--instance", instance],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert third.returncode == 1
+        assert "another supervisor of this instance runs" in third.stderr, third.stderr
+        assert not (tmp_path / "new").exists()
         fault.touch()  # from now on the commit worker dies as it starts
         commit_pid = _worker(store, "commit")["pid"]
         # Killed once it has run past --startsecs (3 s): a crash of a running worker, not a
@@ -280,6 +290,36 @@ def test_avoid_keeps_workers_off_the_avoided_cores(tmp_path: Path, instance: str
     finally:
         busy.kill()
         busy.wait(10)
+
+
+@pytest.mark.parametrize("start_nice,want", [(0, 10), (5, 15), (15, 19)])
+def test_maintenance_is_made_nicer_than_the_supervisor_never_less_nice(
+        start_nice: int, want: int) -> None:
+    """Maintenance runs 10 nicer than what it inherits (at most 19), and its I/O no higher
+    than best effort 7: an absolute nice 10 raised it, as root, above a supervisor run
+    under nice 15; an idle I/O class stays idle."""
+    from sparkcache.supervisor import _lower_priority
+
+    def child(io_idle: bool) -> subprocess.Popen:
+        def lower() -> None:
+            os.nice(start_nice)
+            if io_idle:
+                psutil.Process().ionice(psutil.IOPRIO_CLASS_IDLE)
+        return subprocess.Popen(["sleep", "60"], preexec_fn=lower)
+
+    for io_idle in (False, True):
+        proc = child(io_idle)
+        try:
+            p = psutil.Process(proc.pid)
+            _lower_priority(p)
+            assert p.nice() == want
+            assert p.ionice().ioclass == (psutil.IOPRIO_CLASS_IDLE if io_idle
+                                          else psutil.IOPRIO_CLASS_BE)
+            if not io_idle:
+                assert p.ionice().value == 7
+        finally:
+            proc.kill()
+            proc.wait(10)
 
 
 @pytest.mark.parametrize("mode,roles", [
