@@ -511,6 +511,13 @@ class SparkCacheClient:
         conn = self._connection()
         if conn is None:
             return self._absent
+        if self._reg.views.page_bytes > conn.arena.slot_bytes:
+            self._announce(
+                f"cannot save: a page of this engine ({self._reg.views.page_bytes} bytes) "
+                f"is larger than the supervisor's capture slots ({conn.arena.slot_bytes} "
+                f"bytes): start the supervisor with SPARKCACHE_CAPTURE_SLOT_BYTES of at "
+                f"least a page; loads are served", logging.WARNING)
+            return "page_too_large"
         limit = self.max_pending // 2 if partial else self.max_pending
         if len(self._pending) >= limit and seq_id not in self._pending_seqs():
             self._poll(conn)  # only then: the engine polls every step anyway

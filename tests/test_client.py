@@ -281,6 +281,28 @@ def test_a_store_dir_or_instance_not_the_supervisors_is_named_and_counted(
         stop_supervisor(sup)
 
 
+def test_a_page_larger_than_the_supervisors_capture_slots_is_named_and_not_saved(
+        tmp_path: Path, instance: str, kv, caplog: pytest.LogCaptureFixture) -> None:
+    """The supervisor's capture slots hold less than one of the engine's pages: each save
+    would be refused by capture, so the rank says why once and skips them as
+    ``page_too_large``; loads are still served."""
+    store = tmp_path / "store"
+    sup = start_supervisor(store, instance, "--capture-slot-bytes", "8KiB")
+    c = _client(tmp_path, instance, kv)
+    try:
+        with caplog.at_level(logging.WARNING, logger="sparkcache.client"):
+            for i in range(3):
+                assert c.publish(i, list(range(4 * PAGE_TOKENS)), [0, 1, 2, 3]) is False
+        assert c.counters.skipped == {"page_too_large": 3}
+        named = [r.getMessage() for r in caplog.records if "capture slots" in r.getMessage()]
+        assert len(named) == 1 and "(8192 bytes)" in named[0], named
+        assert c.load("l", list(range(4 * PAGE_TOKENS)), [4, 5, 6, 7])  # not refused
+        wait_for(c.poll_loads, 60, "the load's report", poll=0.02)
+    finally:
+        c.close()
+        stop_supervisor(sup)
+
+
 def test_a_worker_down_under_its_supervisor_keeps_the_connection(
         tmp_path: Path, instance: str, kv) -> None:
     """Capture crash-looping under a running supervisor: publications meanwhile are
