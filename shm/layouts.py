@@ -259,23 +259,26 @@ WORKER_STATS = RecordLayout(
 LOOKUP_MISS_REASONS = ("unavailable", "evicting", "not_stored", "no_lease", "error", "other")
 SKIP_REASONS = (
     "register_failed", "mode_off", "restore_only", "unregistered", "supervisor_absent",
+    "store_mismatch", "instance_mismatch", "page_too_large",
     "pending_limit", "capture_down", "store_full", "no_slot", "bad_request", "too_large",
     "ring_full", "error", "other",
 )
 # A reported load's status: sparkcache.protocol.LoadStatus in lower case, and the
-# client's own: ``worker_gone`` (the worker died with it), ``supervisor_absent`` and
-# ``restore_down`` (none to hand it over to after it waited in the client's queue).
+# client's own: ``worker_gone`` (the worker died with it), ``supervisor_absent``,
+# ``store_mismatch``, ``instance_mismatch`` and ``restore_down`` (none to hand it over to
+# after it waited in the client's queue: ``sparkcache.attachment``).
 LOAD_RESULTS = (
     "ok", "partial", "corrupt", "unregistered", "bad_block", "failed", "malformed", "stale",
-    "worker_gone", "supervisor_absent", "restore_down", "other",
+    "worker_gone", "supervisor_absent", "store_mismatch", "instance_mismatch",
+    "restore_down", "other",
 )
 # Why a load or a synchronous restore the engine asked for missed.
 # No room (the load ring, the client's loads in flight) is none: such a load waits in the
 # client's queue.
 LOAD_MISS_REASONS = (
     "mode_off", "unregistered", "duplicate_load", "empty_load", "bad_block", "bad_request",
-    "supervisor_absent", "restore_down", "error", "not_stored", "corrupt", "worker_gone",
-    "other",
+    "supervisor_absent", "store_mismatch", "instance_mismatch", "restore_down", "error",
+    "not_stored", "corrupt", "worker_gone", "other",
 )
 
 # One slot per engine-side writer of a rank (sparkcache.engine_stats: slot 0 the rank's
@@ -284,8 +287,9 @@ LOAD_MISS_REASONS = (
 # count from 0 in each engine process.
 ENGINE_STATS = RecordLayout(
     "engine_stats",
-    # 1 had pid_start in wall-clock time (psutil create_time); 2 had no load queue
-    3,
+    # 1 had pid_start in wall-clock time (psutil create_time); 2 had no load queue; 3 no
+    # reasons for a supervisor of another store or instance, or a page too large
+    4,
     np.dtype(
         [
             ("pid", "<u4"),

@@ -188,6 +188,7 @@ def test_a_running_instance_survives_malformed_records(tmp_path: Path, instance:
     rng = np.random.default_rng(21)
     with pipeline(store, instance) as engine:
         cfg = engine.client.cfg
+        engine.client._disconnect()  # its rings' producer end, attached as it registered
         publish = segments.producer(cfg, 0, "publish")
         request = segments.producer(cfg, 0, "request")
         try:
