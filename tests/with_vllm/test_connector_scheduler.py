@@ -941,7 +941,8 @@ def test_a_turn_sent_before_the_last_save_is_durable_waits_for_it(
         elif wait_s:
             assert "B" not in r.loads, data
             assert data["save_waits"] == 1 and data["save_waits_in_vain"] == 1, data
-            assert wait_s <= data["save_wait_seconds"] < stall_s, data
+            # The bound is the save's age, which began a step before B's wait did.
+            assert wait_s - 0.2 <= data["save_wait_seconds"] <= wait_s + 0.2 < stall_s, data
         else:
             assert "B" not in r.loads and "save_waits" not in data, data
 
