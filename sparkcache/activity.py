@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sparkcache.runtime import ACTIVITY_FILE
-from sparkcache.store import StoreError, layout
+from sparkcache.runtime import ACTIVITY_FILE, read_object
+from sparkcache.store import layout
 
 if TYPE_CHECKING:  # the reading imports the workers' modules, which status does not need
     from sparkcache.metrics.reading import Reading
@@ -104,11 +104,8 @@ def write(store_dir_fd: int, summary: Mapping[str, Any]) -> None:
 
 def read(store_dir: Path) -> dict[str, Any] | None:
     """``activity.json`` as written, or None (none, unreadable, not an object)."""
-    try:
-        data = json.loads(layout.read_file(store_dir, ACTIVITY_FILE))
-    except (OSError, ValueError, StoreError):
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("totals"), dict) else None
+    data = read_object(store_dir, ACTIVITY_FILE)
+    return data if data is not None and isinstance(data.get("totals"), dict) else None
 
 
 def hit_rate(figures: Mapping[str, float]) -> str:

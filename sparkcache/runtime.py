@@ -124,24 +124,25 @@ def write_settings(store_dir_fd: int, settings: dict[str, Any]) -> None:
     layout.write_file(store_dir_fd, SETTINGS_FILE, json.dumps(settings).encode())
 
 
-def last_settings(store_dir: Path) -> dict[str, Any] | None:
-    """The settings the last supervisor of ``store_dir`` ran with, or None."""
+def read_object(store_dir: Path, name: str) -> dict[str, Any] | None:
+    """The JSON object a supervisor wrote as ``name`` in ``store_dir``, or None when there
+    is none it could have written (absent, unreadable, not JSON, or JSON but not an
+    object, or in a store dir that is not safe, where a supervisor writes nothing)."""
     try:
-        data = json.loads(layout.read_file(store_dir, SETTINGS_FILE))
+        data = json.loads(layout.read_file(store_dir, name))
     except (OSError, ValueError, StoreError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def last_settings(store_dir: Path) -> dict[str, Any] | None:
+    """The settings the last supervisor of ``store_dir`` ran with, or None."""
+    return read_object(store_dir, SETTINGS_FILE)
 
 
 def read(store_dir: Path) -> dict[str, Any] | None:
-    """``runtime.json`` as written, or None when there is none a supervisor could have
-    written (absent, unreadable, not JSON, or JSON but not an object, or in a store dir
-    that is not safe, where a supervisor writes nothing)."""
-    try:
-        data = json.loads(layout.read_file(store_dir, RUNTIME_FILE))
-    except (OSError, ValueError, StoreError):
-        return None
-    return data if isinstance(data, dict) else None
+    """``runtime.json`` as written, or None (``read_object``)."""
+    return read_object(store_dir, RUNTIME_FILE)
 
 
 def supervisor_identity(rt: dict[str, Any] | None) -> tuple | None:
