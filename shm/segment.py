@@ -451,6 +451,15 @@ def creator_alive(pid: int, start: float) -> bool:
         return True
 
 
+def process_gone(pid: int, start: float) -> bool:
+    """True once the process ``pid`` that started at ``start`` (``process_start``) has
+    exited: the pid is gone, is a zombie (exited, not yet reaped: its memory and files
+    are released), or names a process started at another time. Whatever psutil cannot
+    tell counts as alive: reporting a live writer dead could let it write into memory
+    its reader has reused, while a late report only delays."""
+    return pid <= 0 or not creator_alive(pid, start)
+
+
 def sweep(instance: str, only: Callable[[str], bool] | None = None) -> list[str]:
     """Unlink the segments (and their semaphores) of ``instance`` whose creator is dead,
     of those whose name (without the slash) ``only`` accepts if given. Segments of live

@@ -48,22 +48,30 @@ import torch
 
 from sparkcache import attachment, kvmem, runtime, segments
 from sparkcache.config import AccessMode, Config
-from sparkcache.engine_stats import SLOT_CLIENT, EngineStatsWriter, client_fields
+from sparkcache.engine_stats import SLOT_CLIENT, EngineStatsWriter, by_reason
 from sparkcache.identity import KeyExtras, Namespace, key_halves, sequence_keys, split_keys
 from sparkcache.protocol import (
     CaptureStatus,
     DurableStatus,
     LoadStatus,
     RequestKind,
-    process_gone,
     release_seconds,
     status_name,
     worker_alive,
 )
 from sparkcache.ratelog import RateLimitedLog
 from sparkcache.shm import FREE, Producer, RingEmpty, RingFull
-from sparkcache.shm.layouts import LOAD, PUBLISH, join_key, split_key
-from sparkcache.shm.segment import process_start
+from sparkcache.shm.layouts import (
+    LOAD,
+    LOAD_MISS_REASONS,
+    LOAD_RESULTS,
+    LOOKUP_MISS_REASONS,
+    PUBLISH,
+    SKIP_REASONS,
+    join_key,
+    split_key,
+)
+from sparkcache.shm.segment import process_gone, process_start
 from sparkcache.store.reader import StoreReader
 from sparkcache.workers.lifecycle import Role
 
@@ -144,6 +152,34 @@ class ClientCounters:
     loads_queued: int = 0
     load_queue_seconds: float = 0.0
     load_queue_depth: int = 0  # a gauge: loads waiting in the queue now
+
+    def fields(self) -> dict[str, float]:
+        """This client's record in the rank's engine stats block (``ENGINE_STATS``)."""
+        # ``misses`` counts every miss; those of lookups are also in ``lookup_misses``, and
+        # the rest are the read side's (loads and synchronous restores).
+        looked = self.lookup_misses
+        read_misses = {reason: n - looked.get(reason, 0) for reason, n in self.misses.items()}
+        return {
+            "lookups": self.lookups,
+            "lookup_tokens": self.lookup_tokens,
+            "lookup_hit_tokens": self.hit_tokens,
+            **by_reason("lookup_miss_", self.lookup_misses, LOOKUP_MISS_REASONS),
+            "publications": self.published,
+            "published_pages": self.pages_published,
+            **by_reason("skip_", self.skipped, SKIP_REASONS),
+            "expired": self.released_by_deadline,
+            "loads": self.loads,
+            **by_reason("load_", self.load_status, LOAD_RESULTS),
+            "loaded_pages": self.loaded_pages,
+            "restored_pages": self.restored_pages,
+            **by_reason("load_miss_", read_misses, LOAD_MISS_REASONS),
+            "checksum_failures": self.misses["corrupt"],
+            "requests_dropped": self.requests_dropped,
+            "ring_errors": self.ring_errors,
+            "loads_queued": self.loads_queued,
+            "load_queue_seconds": self.load_queue_seconds,
+            "load_queue_depth": self.load_queue_depth,
+        }
 
 
 @dataclass(frozen=True)
@@ -457,7 +493,7 @@ class SparkCacheClient:
         otherwise). Called from the polls and lookups the engine makes anyway."""
         conn = self._conn
         if conn is not None and conn.engine is not None:
-            conn.engine.write_due(lambda: client_fields(self.counters), force)
+            conn.engine.write_due(self.counters.fields, force)
 
     def _attach_again(self) -> _Connection | None:
         """A worker of this connection was found stopped. If ``runtime.json`` names

@@ -22,22 +22,15 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 
 from sparkcache import segments
 from sparkcache.config import Config
 from sparkcache.shm import StatsBlock
 from sparkcache.shm.layouts import (
     ENGINE_STATS,
-    LOAD_MISS_REASONS,
-    LOAD_RESULTS,
     LOOKUP_MISS_REASONS,
-    SKIP_REASONS,
 )
 from sparkcache.shm.segment import process_start
-
-if TYPE_CHECKING:
-    from sparkcache.client import ClientCounters
 
 log = logging.getLogger(__name__)
 
@@ -67,35 +60,6 @@ def by_reason(prefix: str, counts: Mapping[str, int], known: tuple[str, ...]) ->
     for reason, n in counts.items():
         out[names.get(reason, other)] += n
     return out
-
-
-def client_fields(c: ClientCounters) -> dict[str, float]:
-    """The fields of a ``SparkCacheClient``'s record, from its counters."""
-    # ``misses`` counts every miss; those of lookups are also in ``lookup_misses``, and the
-    # rest are the read side's (loads and synchronous restores).
-    looked = c.lookup_misses
-    read_misses = {reason: n - looked.get(reason, 0) for reason, n in c.misses.items()}
-    return {
-        "lookups": c.lookups,
-        "lookup_tokens": c.lookup_tokens,
-        "lookup_hit_tokens": c.hit_tokens,
-        **by_reason("lookup_miss_", c.lookup_misses, LOOKUP_MISS_REASONS),
-        "publications": c.published,
-        "published_pages": c.pages_published,
-        **by_reason("skip_", c.skipped, SKIP_REASONS),
-        "expired": c.released_by_deadline,
-        "loads": c.loads,
-        **by_reason("load_", c.load_status, LOAD_RESULTS),
-        "loaded_pages": c.loaded_pages,
-        "restored_pages": c.restored_pages,
-        **by_reason("load_miss_", read_misses, LOAD_MISS_REASONS),
-        "checksum_failures": c.misses["corrupt"],
-        "requests_dropped": c.requests_dropped,
-        "ring_errors": c.ring_errors,
-        "loads_queued": c.loads_queued,
-        "load_queue_seconds": c.load_queue_seconds,
-        "load_queue_depth": c.load_queue_depth,
-    }
 
 
 def lookup_fields(lookups: int, tokens: int, hit_tokens: int,

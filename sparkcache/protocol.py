@@ -13,7 +13,6 @@ import os
 import time
 from enum import IntEnum
 
-from sparkcache.shm.segment import creator_alive
 from sparkcache.workers.lifecycle import State
 
 
@@ -102,12 +101,3 @@ def worker_alive(report: tuple | None, stale_after_s: float, now: float | None =
         return False
     now = time.time() if now is None else now
     return report.state == State.READY and now - report.heartbeat < stale_after_s
-
-
-def process_gone(pid: int, start: float) -> bool:
-    """True once the process ``pid`` that started at ``start`` (``process_start``) has
-    exited: the pid is gone, is a zombie (exited, not yet reaped: its memory and files
-    are released), or names a process started at another time. Whatever psutil cannot
-    tell counts as alive: reporting a live writer dead could let it write into memory
-    its reader has reused, while a late report only delays."""
-    return pid <= 0 or not creator_alive(pid, start)

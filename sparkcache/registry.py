@@ -57,7 +57,7 @@ def read_registry(store_dir: Path, rank: int) -> dict[str, Any] | None:
 
 def registration_owner(desc: dict[str, Any]) -> tuple[float, float] | None:
     """The pid and start time of the engine process that wrote ``desc`` (for
-    ``protocol.process_gone``); None if it does not say."""
+    ``shm.segment.process_gone``); None if it does not say."""
     owner = desc.get("owner_pid"), desc.get("owner_start")
     if all(isinstance(x, int | float) and not isinstance(x, bool) for x in owner):
         return owner  # type: ignore[return-value]

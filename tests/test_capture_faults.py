@@ -24,6 +24,7 @@ from sparkcache.shm.segment import (
     UNWRITTEN_GRACE_S,
     Segment,
     instance_entries,
+    process_gone,
     process_start,
     segment_name,
     sweep,
@@ -32,7 +33,6 @@ from sparkcache.workers.capture import Capture
 from worker_rig import rig
 
 from sparkcache import kvmem, segments
-from sparkcache.protocol import process_gone
 
 SETTINGS = {"release_timeout_seconds": "5"}
 

@@ -23,7 +23,7 @@ from test_metrics import get, scrape, value
 
 from sparkcache import engine_stats
 from sparkcache.client import ClientCounters
-from sparkcache.engine_stats import WRITE_INTERVAL_S, by_reason, client_fields
+from sparkcache.engine_stats import WRITE_INTERVAL_S, by_reason
 from sparkcache.prefix_lookup import PrefixLookup
 from sparkcache.protocol import LoadStatus, status_name
 from sparkcache.synthetic import sequences
@@ -158,7 +158,7 @@ def test_client_fields_split_lookup_misses_from_read_misses() -> None:
     c.misses.update({"evicting": 1, "error": 3, "bad_block": 2, "corrupt": 1})
     c.lookup_misses.update({"evicting": 1, "error": 1})
     c.load_status.update({"ok": 4, "worker_gone": 1, "surprising": 1})
-    f = client_fields(c)
+    f = c.fields()
     assert f["lookup_miss_evicting"] == 1 and f["lookup_miss_error"] == 1
     assert f["load_miss_error"] == 2 and f["load_miss_bad_block"] == 2
     assert "load_miss_evicting" not in f

@@ -33,6 +33,7 @@ from posix_ipc import SignalError
 from sparkcache.shm import FREE, RingClosed, RingEmpty, RingFull
 from sparkcache.shm.arena import writer_dead
 from sparkcache.shm.layouts import join_keys
+from sparkcache.shm.segment import process_gone
 from sparkcache.workers import lifecycle, slotfmt
 from sparkcache.workers.announce import SlotAnnouncer
 from sparkcache.workers.batches import split_batches
@@ -40,7 +41,7 @@ from sparkcache.workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, WorkerSp
 from sparkcache.workers.prefault import Prefaulter
 
 from sparkcache import kvmem, registry, segments
-from sparkcache.protocol import CaptureStatus, process_gone, release_seconds
+from sparkcache.protocol import CaptureStatus, release_seconds
 from sparkcache.segments import OWNER_CAPTURE, OWNER_COMMIT
 from sparkcache.store import PageStore
 from sparkcache.store.index import OutcomeUnknown

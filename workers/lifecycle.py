@@ -25,7 +25,7 @@ import psutil
 import setproctitle
 from sparkcache.shm import SegmentError, StatsBlock, TornRead
 from sparkcache.shm.layouts import DROP_REASONS, DURATION_BUCKETS_S, OUTCOMES, WORKER_STATS
-from sparkcache.shm.segment import process_start
+from sparkcache.shm.segment import process_gone, process_start
 
 from sparkcache import segments
 from sparkcache.config import Config
@@ -276,8 +276,6 @@ class Lifecycle:
         A record caught mid-write counts as running, asked again, for up to
         ``TORN_PEER_S``: one torn for longer was left so by a process killed in the
         middle of a write."""
-        from sparkcache.protocol import process_gone  # it imports this module
-
         if self._stats is None:
             return False
         try:

@@ -48,12 +48,13 @@ import numpy as np
 from posix_ipc import SignalError
 from sparkcache.shm import RingClosed, RingEmpty, RingFull
 from sparkcache.shm.layouts import READ_PATHS, join_keys, split_key
+from sparkcache.shm.segment import process_gone
 from sparkcache.workers import lifecycle
 from sparkcache.workers.batches import split_batches
 from sparkcache.workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, WorkerSpec
 
 from sparkcache import registry, segments
-from sparkcache.protocol import LoadStatus, process_gone
+from sparkcache.protocol import LoadStatus
 from sparkcache.ratelog import RateLimitedLog
 from sparkcache.store import StoreError, UnsafeStoreDir
 from sparkcache.store.direct import IN_FLIGHT, DirectReads

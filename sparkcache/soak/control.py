@@ -19,20 +19,18 @@ the figure for that.
 
 The protocol is a line each way over the child's stdin and stdout: ``ready`` once it
 started; then ``<phase> <index>`` in, and the probe's JSON out. End of input ends it.
+This module is the parent's side; the child is ``sparkcache.soak.control_process``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import select
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparkcache import exit_signal
 from sparkcache.soak.params import SoakParams
 
 START_TIMEOUT_S = 120.0
@@ -54,7 +52,7 @@ class ControlEngine:
         spec = json.dumps(params.describe())
         self._log = open(log_path, "wb")  # noqa: SIM115  closed in close()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "sparkcache.soak.control", spec],
+            [sys.executable, "-m", "sparkcache.soak.control_process", spec],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
             bufsize=1)
         self._busy = False
@@ -103,43 +101,3 @@ class ControlEngine:
 def kv_blocks(params: SoakParams) -> int:
     """KV blocks of the control's engine: one probe's, and a spare."""
     return -(-(params.probe_tokens + params.probe_decode_tokens) // params.page_tokens) + 1
-
-
-def _serve(params: SoakParams) -> None:
-    import torch
-
-    from sparkcache.soak.backend import NullBackend
-    from sparkcache.soak.engine import SoakEngine
-    from sparkcache.soak.model import ToyModel
-    from sparkcache.soak.workload import run_probe
-
-    # A SIGTERM to the soak's process group (kill, timeout) ends this process through
-    # the finally below, as Ctrl-C does: by default it would die at once and leave its
-    # KV cache's segment in /dev/shm.
-    exit_signal.install(signal.SIGTERM)
-    torch.set_num_threads(1)
-    os.sched_setaffinity(0, {params.engine_core})
-    # Named after the soak's process, as its lanes' instances are (lanes.run_lane).
-    engine = SoakEngine(f"soak{os.getppid()}ctl", params.page_tokens, kv_blocks(params),
-                        ToyModel())
-    engine.backend = NullBackend()
-    try:
-        run_probe(engine, params, engine.namespace, "warmup", 0)
-        print("ready", flush=True)
-        for line in sys.stdin:
-            exit_signal.exit_if_signalled()
-            phase, index = line.split()
-            probe = run_probe(engine, params, engine.namespace, phase, int(index))
-            print(json.dumps({"decode_cpu_s": probe.decode_cpu_s, "cpu_s": probe.cpu_s}),
-                  flush=True)
-    finally:
-        engine.close()
-
-
-def main(argv: list[str]) -> None:
-    fields = json.loads(argv[0])  # SoakParams.describe() of the soak's parameters
-    _serve(SoakParams(**{**fields, "lanes": tuple(fields["lanes"])}))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

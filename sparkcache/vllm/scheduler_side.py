@@ -18,7 +18,8 @@ from sparkcache.config import AccessMode
 from sparkcache.identity import KEY_BYTES, Namespace
 from sparkcache.load_cost import LoadCost
 from sparkcache.prefix_lookup import ALIVE_RECHECK_S, PrefixLookup
-from sparkcache.protocol import new_lease_id, process_gone
+from sparkcache.protocol import new_lease_id
+from sparkcache.shm.segment import process_gone
 from sparkcache.vllm.block_hash_keys import KeySource, key_source
 from sparkcache.vllm.kv_events import KVEvents, to_vllm
 from sparkcache.vllm.metadata import PageJob, SparkCacheMetadata
