@@ -17,11 +17,12 @@ import pytest
 from pipeline_util import make_cfg, pipeline, wait_committed
 from sparkcache.shm.segment import process_start
 
-from sparkcache import runtime, sizing_cli
+from sparkcache import runtime
+from sparkcache.cli import sizing_command
+from sparkcache.cli.store_commands import _rank_status
 from sparkcache.instance import Instance
 from sparkcache.sizing import Figure, SizingError, SizingInputs, advise
 from sparkcache.sizing_measure import Measured, RankRates, measure
-from sparkcache.store_cli import _rank_status
 from sparkcache.synthetic import sequences
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -208,9 +209,9 @@ def test_a_store_that_shrank_over_the_window_is_advised_on(
 ) -> None:
     """Measured growth can be below 0 (rows collected before their files are unlinked,
     a root superseded by a smaller one): that is no growth, not a bad flag (exit 2)."""
-    monkeypatch.setattr(sizing_cli, "measure", lambda *_: _measured(-5 * MiB))
+    monkeypatch.setattr(sizing_command, "measure", lambda *_: _measured(-5 * MiB))
     cfg = make_cfg(tmp_path, "tunused")
-    assert sizing_cli.main(cfg, json_out=True, window_s=1.0, target_interval_s=600,
+    assert sizing_command.main(cfg, json_out=True, window_s=1.0, target_interval_s=600,
                            given={}) == 0, capsys.readouterr().err
     data = json.loads(capsys.readouterr().out)
     growth = data["inputs"]["net_growth_bytes_per_s"]
@@ -228,7 +229,7 @@ def test_a_supervisor_whose_segments_cannot_be_read_is_one_line(
     runtime.write(store, {"instance": instance, "ranks": 1, "pid": me.pid,
                           "pid_start": process_start(me.pid), "cpus": [0], "workers": []})
     cfg = make_cfg(store, instance)
-    assert sizing_cli.main(cfg, json_out=False, window_s=0.1, target_interval_s=600,
+    assert sizing_command.main(cfg, json_out=False, window_s=0.1, target_interval_s=600,
                            given={}) == 1
     err = capsys.readouterr().err
     assert err.startswith("sparkcache: cannot read the running instance's segments: "), err
@@ -239,6 +240,6 @@ def test_a_supervisor_whose_segments_cannot_be_read_is_one_line(
 def test_a_window_that_cannot_be_waited_is_refused(tmp_path: Path, window: float,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     cfg = make_cfg(tmp_path, "tunused")
-    assert sizing_cli.main(cfg, json_out=False, window_s=window, target_interval_s=600,
+    assert sizing_command.main(cfg, json_out=False, window_s=window, target_interval_s=600,
                            given={}) == 2
     assert "--window" in capsys.readouterr().err

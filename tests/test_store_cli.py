@@ -22,13 +22,13 @@ from typer.testing import CliRunner
 
 from sparkcache import runtime
 from sparkcache.cli import app
+from sparkcache.cli.store_commands import RankStatus, _rank_status, fsck_command, status
 from sparkcache.config import GiB
 from sparkcache.instance import NoSupervisor, running
 from sparkcache.segments import RankSegments
 from sparkcache.store import PageStore
 from sparkcache.store.objects import HEADER_SIZE
 from sparkcache.store.testing import make_root
-from sparkcache.store_cli import RankStatus, _rank_status, fsck_command, status
 from sparkcache.synthetic import sequences
 
 SIZE = 1 << 20

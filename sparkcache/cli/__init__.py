@@ -13,7 +13,8 @@ from typing import Any
 
 import typer
 
-from sparkcache import __version__, config, store_cli, supervisor
+from sparkcache import __version__, config, supervisor
+from sparkcache.cli import store_commands
 from sparkcache.soak import params as soak_params
 from sparkcache.store.fsck import DEFAULT_FSCK_GRACE_SECONDS
 
@@ -98,7 +99,7 @@ def status(
 
     Exits 1 if the instance is not healthy.
     """
-    raise typer.Exit(store_cli.status(cfg.store_dir, json_out, cfg.max_bytes))
+    raise typer.Exit(store_commands.status(cfg.store_dir, json_out, cfg.max_bytes))
 
 
 @app.command("top")
@@ -155,7 +156,7 @@ def sizing(
     The growth and reclaim rates are measured on the running instance or
     given as flags; each figure says where it came from.
     """
-    from sparkcache import sizing_cli
+    from sparkcache.cli import sizing_command
 
     given = {
         "net_growth_bytes_per_s": net_growth_bytes_per_s,
@@ -163,7 +164,7 @@ def sizing(
         "largest_publication_bytes": largest_publication_bytes,
         "working_set_bytes": working_set_bytes, "mean_root_bytes": mean_root_bytes,
     }
-    raise typer.Exit(sizing_cli.main(cfg, json_out=json_out, window_s=window,
+    raise typer.Exit(sizing_command.main(cfg, json_out=json_out, window_s=window,
                                      target_interval_s=target_interval, given=given))
 
 
@@ -178,7 +179,7 @@ def fsck(
     ),
 ) -> None:
     """Check every store invariant; exit 1 if any is violated."""
-    raise typer.Exit(store_cli.fsck_command(cfg.store_dir, json_out, repair, grace_seconds))
+    raise typer.Exit(store_commands.fsck_command(cfg.store_dir, json_out, repair, grace_seconds))
 
 
 @app.command("supervise")
