@@ -966,3 +966,56 @@ def test_the_plugin_registers_the_connector_by_name_and_again_is_no_fault(
     assert not caplog.records, caplog.records
     config = KVTransferConfig(kv_connector="SparkCacheConnector", kv_role="kv_both")
     assert KVConnectorFactory.get_connector_class(config) is SparkCacheConnector
+
+
+def test_three_waits_in_vain_in_a_row_stop_waits_for_a_while(tmp_path: Path) -> None:
+    """A store that never makes saves durable (refusing at its cap, capture down) would
+    cost every next turn its whole wait: after three waits in a row that ended with the
+    save not stored, no request waits for ``WAITS_OFF_S``; one that does find its save
+    stored counts the run from naught again."""
+    from types import SimpleNamespace
+
+    from sparkcache import config
+    from sparkcache.identity import KEY_BYTES
+    from sparkcache.vllm import scheduler_side
+    from sparkcache.vllm.settings import Settings
+
+    cfg = config.load(env={}, overrides={"store_dir": str(tmp_path / "store")},
+                      check_store_dir=False)
+    side = scheduler_side.SchedulerSide(Settings(cfg, "m", 1, BLOCK, 1 << 20, 0,
+                                                 save_wait_s=0.5))
+    side._attached = True  # as if a supervisor served the store
+    side._mismatch_at = float("inf")
+    raw = bytes(range(KEY_BYTES)) * 4  # a request of 4 pages
+
+    def request() -> SimpleNamespace:
+        keys = SimpleNamespace(key_bytes=lambda a, b: raw[a * KEY_BYTES:b * KEY_BYTES])
+        return SimpleNamespace(keys=keys, waiting_since=0.0, waited_for=0)
+
+    def turn(now: float, stored: int) -> bool:
+        """A request of 4 pages, all covered by a save made at ``now``, of which
+        ``stored`` are stored: True if it waited at all. Asked at ``now``, then every
+        0.1 s until its answer stands."""
+        side._saves.clear()
+        side._saves[raw[-KEY_BYTES:]] = scheduler_side._SaveInFlight(4, now)
+        state, waited, t = request(), False, now
+        while side._waits_for_save(state, ["k"] * 4, stored, t):
+            waited, t = True, t + 0.1
+        return waited
+
+    t = 1000.0
+    for _ in range(scheduler_side.WAITS_IN_VAIN):
+        assert turn(t, 0)  # waited 0.5 s, in vain
+        t += 1
+    assert side.counters["save_waits_in_vain"] == scheduler_side.WAITS_IN_VAIN
+    assert not turn(t, 0)  # waits are off
+    assert not turn(t + scheduler_side.WAITS_OFF_S - 1, 0)
+    t += scheduler_side.WAITS_OFF_S + 1
+    assert turn(t, 0)  # on again, and in vain once more
+    # A wait that ends with its save stored starts the count again.
+    side._saves[raw[-KEY_BYTES:]] = scheduler_side._SaveInFlight(4, t + 2)
+    state = request()
+    assert side._waits_for_save(state, ["k"] * 4, 0, t + 2)
+    assert not side._waits_for_save(state, ["k"] * 4, 4, t + 2.1)
+    assert side._waits_in_vain == 0
+    assert side.counters["save_waits"] == scheduler_side.WAITS_IN_VAIN + 2
