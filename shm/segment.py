@@ -173,10 +173,11 @@ def instance_prefix(instance: str) -> str:
     comes first, so two users' instances of one name (each one's ``default``) never
     meet. Sharing names, the second user's supervisor found the first one's segments
     and refused to start."""
-    return f"{_user_prefix()}{instance}."
+    return f"{user_prefix()}{instance}."
 
 
-def _user_prefix() -> str:
+def user_prefix() -> str:
+    """What every /dev/shm name of this user's instances begins with (no slash)."""
     return f"{NAME_PREFIX}u{os.geteuid()}."
 
 
@@ -194,7 +195,7 @@ def _other_users(name: str) -> str:
     """For a missing segment ``name``: the users whose segments of that instance, rank
     and role exist (an engine run under another account than its supervisor's looks
     for its own user's names), as a clause; empty if none."""
-    mine = _user_prefix()
+    mine = user_prefix()
     if not name.startswith("/" + mine):
         return ""
     rest = name[len(mine) + 1:]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparkcache.runtime import ACTIVITY_FILE, read_object
+from sparkcache.sizing import size
 from sparkcache.store import layout
 
 if TYPE_CHECKING:  # the reading imports the workers' modules, which status does not need
@@ -135,7 +136,7 @@ def lines(data: Mapping[str, Any], now: float | None = None) -> list[str]:
         restored = figures.get("restored_bytes", 0.0)
         out.append(
             f"{label}{span}: restores={int(figures.get('restores', 0))} "
-            f"restored={_bytes(restored)} failed={int(figures.get('restore_failures', 0))} "
+            f"restored={size(restored)} failed={int(figures.get('restore_failures', 0))} "
             f"lookups={int(figures.get('lookups', 0))} hit rate {hit_rate(figures)}")
     return out
 
@@ -147,9 +148,3 @@ def _duration(seconds: float) -> str:
         return f"{seconds / 60:.0f}m"
     return f"{seconds:.0f}s"
 
-
-def _bytes(n: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return f"{int(n)}B"

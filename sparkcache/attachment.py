@@ -27,7 +27,6 @@ class Attachment:
     # None: a supervisor of the instance serves the store dir; else why not (above)
     reason: str | None
     message: str  # one line for the log, naming what was found and the remedy
-    supervisor_pid: int | None = None
 
 
 def _resolved(path: Path | str) -> str:
@@ -48,13 +47,13 @@ def find(cfg: Config, rank: int) -> Attachment:
         theirs = note.get("store_dir")
         if theirs == mine:
             return Attachment(None, f"the supervisor (pid {pid}) of instance "
-                              f"{cfg.instance!r}, store {mine}", pid)
+                              f"{cfg.instance!r}, store {mine}")
         return Attachment(
             STORE_MISMATCH,
             f"instance {cfg.instance!r} is served by the supervisor (pid {pid}) of store "
             f"{theirs}, but this engine's store_dir is {mine}: nothing is saved or loaded "
             f"until both name one store (give the connector store_dir {theirs!r}, or the "
-            f"instance of the supervisor of {mine})", pid)
+            f"instance of the supervisor of {mine})")
     rt, live = runtime.read_live(cfg.store_dir)
     if live and rt is not None and rt.get("instance") != cfg.instance:
         return Attachment(
@@ -62,11 +61,11 @@ def find(cfg: Config, rank: int) -> Attachment:
             f"store {mine} is served by the supervisor (pid {rt.get('pid')}) of instance "
             f"{rt.get('instance')!r}, but this engine's instance is {cfg.instance!r}: "
             f"nothing is saved or loaded until both name one instance (give the connector "
-            f"instance {rt.get('instance')!r})", rt.get("pid"))
+            f"instance {rt.get('instance')!r})")
     if live and rt is not None:
         # A supervisor of a version that writes no note: its runtime file vouches.
         return Attachment(None, f"the supervisor (pid {rt.get('pid')}) of instance "
-                          f"{cfg.instance!r}, store {mine}", rt.get("pid"))
+                          f"{cfg.instance!r}, store {mine}")
     return Attachment(
         SUPERVISOR_ABSENT,
         f"no supervisor of instance {cfg.instance!r} runs for store {mine}: saves and "

@@ -92,10 +92,10 @@ class LoadCost:
     def estimate(self, pages: int) -> tuple[float, float] | None:
         """(seconds to load ``pages`` pages after those in flight, seconds to compute
         their tokens); None until both rates are measured."""
-        if not self.pages_per_s or not self.tokens_per_s:
+        compute = self.compute_seconds(pages)
+        if not self.pages_per_s or compute is None:
             return None
-        return ((self.in_flight + pages) / self.pages_per_s,
-                pages * self.page_tokens / self.tokens_per_s)
+        return (self.in_flight + pages) / self.pages_per_s, compute
 
     def compute_seconds(self, pages: int) -> float | None:
         """Seconds the engine takes to compute ``pages`` pages' tokens; None until

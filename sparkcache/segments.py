@@ -35,7 +35,7 @@ from sparkcache.shm.layouts import (
 )
 from sparkcache.shm.note import NOTE_MAX_BYTES, create_note, read_note
 from sparkcache.shm.records import RecordLayout
-from sparkcache.shm.segment import NAME_PREFIX
+from sparkcache.shm.segment import user_prefix
 
 log = logging.getLogger(__name__)
 
@@ -117,17 +117,17 @@ def attach_engine_stats(cfg: Config, rank: int) -> StatsBlock:
 
 
 def store_note(cfg: Config, rank: int) -> dict:
-    """What rank ``rank``'s note says: the store dir (resolved) its supervisor serves,
-    that supervisor's pid and the instance."""
+    """What rank ``rank``'s note says (the rank is in its name): the store dir (resolved)
+    its supervisor serves, that supervisor's pid and the instance."""
     return {"store_dir": str(Path(cfg.store_dir).resolve()), "instance": cfg.instance,
-            "rank": rank, "supervisor_pid": os.getpid()}
+            "supervisor_pid": os.getpid()}
 
 
 def running_stores() -> list[dict]:
     """The notes of this user's running supervisors (rank 0's of each instance): which
     instance serves which store, for a tool pointed at a store no supervisor serves."""
     found = []
-    for path in sorted(SHM_DIR.glob(f"{NAME_PREFIX}u{os.geteuid()}.*.r0.{NOTE}")):
+    for path in sorted(SHM_DIR.glob(f"{user_prefix()}*.r0.{NOTE}")):
         try:
             note = read_note("/" + path.name)
         except SegmentError:

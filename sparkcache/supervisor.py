@@ -78,7 +78,6 @@ MAINTENANCE_IOPRIO = 7
 # are spawned, and never carry torch.
 FORKED_ROLES = frozenset({Role.CAPTURE, Role.RESTORE})
 FORKSERVER_MODULE = "sparkcache.workers.forkserver"
-ACTIVITY_SAMPLE_S = activity.SAMPLE_S
 WATCH_S = 0.5  # longest wait between looks at the workers (heartbeats, READY)
 STARTING_WATCH_S = 0.1  # ... while one is starting, so READY shows soon
 # How often a worker that has not begun to drain is sent SIGTERM again (_stop_role). The
@@ -172,6 +171,9 @@ class Supervisor:
         # Restores and hits over the last minute, for status and top (activity.json).
         self.activity = Activity(time.time(), process_start(os.getpid()))
         self._activity_at = 0.0
+        # What the metrics endpoint and the activity samples read: the segments it owns
+        # and its workers, as they are at each reading.
+        self.source = Source(cfg, lambda: tuple(self.segments), self.worker_infos)
         self._store_fd: int | None = None  # the store dir locked, open
         self.exit_code = 0
 
@@ -344,8 +346,7 @@ class Supervisor:
         taken fails the start in one line, as any other bad setting does."""
         if self.cfg.metrics_port == 0:
             return
-        server = MetricsServer(Source(self.cfg, lambda: tuple(self.segments),
-                                      self.worker_infos))
+        server = MetricsServer(self.source)
         try:
             server.start()
         except MetricsServerError as exc:
@@ -530,7 +531,7 @@ class Supervisor:
                 self._tick(w, Observation(exit_code=1, stopping=self.stop))
             changed |= self._shown(w.view) != old
         if now >= self._activity_at:
-            self._activity_at = now + ACTIVITY_SAMPLE_S
+            self._activity_at = now + activity.SAMPLE_S
             self._sample_activity()
         if changed or self._runtime_stale:
             try:
@@ -546,7 +547,7 @@ class Supervisor:
     def _sample_activity(self) -> None:
         """Sample the engines' and restore workers' counters into ``activity.json``."""
         try:
-            rd = reading.read(Source(self.cfg, lambda: tuple(self.segments), self.worker_infos))
+            rd = reading.read(self.source)
             self.activity.sample(activity.read_counters(rd), rd.at)
             if self._store_fd is not None:
                 activity.write(self._store_fd, self.activity.summary(rd.at))

@@ -212,7 +212,7 @@ def test_a_store_that_shrank_over_the_window_is_advised_on(
     monkeypatch.setattr(sizing_command, "measure", lambda *_: _measured(-5 * MiB))
     cfg = make_cfg(tmp_path, "tunused")
     assert sizing_command.main(cfg, json_out=True, window_s=1.0, target_interval_s=600,
-                           given={}) == 0, capsys.readouterr().err
+                               given={}) == 0, capsys.readouterr().err
     data = json.loads(capsys.readouterr().out)
     growth = data["inputs"]["net_growth_bytes_per_s"]
     assert growth["value"] == 0 and "measured on rank 0" in growth["source"]
@@ -230,7 +230,7 @@ def test_a_supervisor_whose_segments_cannot_be_read_is_one_line(
                           "pid_start": process_start(me.pid), "cpus": [0], "workers": []})
     cfg = make_cfg(store, instance)
     assert sizing_command.main(cfg, json_out=False, window_s=0.1, target_interval_s=600,
-                           given={}) == 1
+                               given={}) == 1
     err = capsys.readouterr().err
     assert err.startswith("sparkcache: cannot read the running instance's segments: "), err
     assert len(err.splitlines()) == 1
@@ -241,5 +241,5 @@ def test_a_window_that_cannot_be_waited_is_refused(tmp_path: Path, window: float
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     cfg = make_cfg(tmp_path, "tunused")
     assert sizing_command.main(cfg, json_out=False, window_s=window, target_interval_s=600,
-                           given={}) == 2
+                               given={}) == 2
     assert "--window" in capsys.readouterr().err

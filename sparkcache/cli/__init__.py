@@ -165,7 +165,7 @@ def sizing(
         "working_set_bytes": working_set_bytes, "mean_root_bytes": mean_root_bytes,
     }
     raise typer.Exit(sizing_command.main(cfg, json_out=json_out, window_s=window,
-                                     target_interval_s=target_interval, given=given))
+                                         target_interval_s=target_interval, given=given))
 
 
 @app.command("fsck")

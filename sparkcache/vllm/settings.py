@@ -5,6 +5,7 @@ identity, and the staging pool's size."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -110,14 +111,8 @@ def from_vllm(vllm_config: Any) -> Settings:
     if not isinstance(cut, bool):
         raise ValueError(f"cut_slow_loads {cut!r}: true or false (whether a load expected "
                          f"to take longer than recomputing its tokens is left out)")
-    wait = extra.get("save_wait_seconds", DEFAULT_SAVE_WAIT_S)
-    if isinstance(wait, bool) or not isinstance(wait, int | float | str):
-        wait = None
-    try:
-        wait = float(wait) if wait is not None else -1.0
-    except ValueError:
-        wait = -1.0
-    if not 0 <= wait <= MAX_SAVE_WAIT_S:
+    wait = _seconds(extra.get("save_wait_seconds", DEFAULT_SAVE_WAIT_S))
+    if not 0 <= wait <= MAX_SAVE_WAIT_S:  # (nan too)
         raise ValueError(f"save_wait_seconds {extra.get('save_wait_seconds')!r}: seconds "
                          f"from 0 to {MAX_SAVE_WAIT_S:g} (how long a request waits for a "
                          f"save of its prefix still being stored; 0: never)")
@@ -148,6 +143,16 @@ def _unsupported_parallelism(parallel: Any) -> str | None:
                     f"tensor parallelism, {name}=1 (data-parallel engines on separate "
                     f"nodes each with their own store are fine)")
     return None
+
+
+def _seconds(value: Any) -> float:
+    """``value`` (a number, or its text) as seconds, or nan."""
+    if isinstance(value, bool):
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def _non_negative(value: Any) -> int:

@@ -984,12 +984,12 @@ def test_three_waits_in_vain_in_a_row_stop_waits_for_a_while(tmp_path: Path) -> 
                       check_store_dir=False)
     side = scheduler_side.SchedulerSide(Settings(cfg, "m", 1, BLOCK, 1 << 20, 0,
                                                  save_wait_s=0.5))
-    side._attached = True  # as if a supervisor served the store
-    side._mismatch_at = float("inf")
+    side._found, side._find_at = None, float("inf")  # as if a supervisor served the store
     raw = bytes(range(KEY_BYTES)) * 4  # a request of 4 pages
 
     def request() -> SimpleNamespace:
-        keys = SimpleNamespace(key_bytes=lambda a, b: raw[a * KEY_BYTES:b * KEY_BYTES])
+        keys = SimpleNamespace(key_bytes=lambda a, b: raw[a * KEY_BYTES:b * KEY_BYTES],
+                               expected_ends=lambda: ())  # no memo: every save compared
         return SimpleNamespace(keys=keys, waiting_since=0.0, waited_for=0)
 
     def turn(now: float, stored: int) -> bool:
