@@ -17,6 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 try:  # vLLM 0.33 reports hits by tier; 0.32 (the CPU engine's) has no tiers
@@ -25,6 +27,7 @@ except ImportError:
     CacheHitSource = None
 
 from sparkcache.ratelog import RateLimitedLog
+from sparkcache.vllm import kv_groups
 from sparkcache.vllm import settings as settings_mod
 from sparkcache.vllm.metadata import SparkCacheMetadata
 from sparkcache.vllm.scheduler_side import SchedulerSide
@@ -82,7 +85,11 @@ def _publishes_kv_events(vllm_config: Any) -> bool:
     return bool(getattr(events, "enable_kv_cache_events", False))
 
 
-class SparkCacheConnector(KVConnectorBase_V1):
+class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):
+    """With the hybrid memory allocator (a model with sliding-window and full-attention
+    layers) each save and load spans every KV cache group (``kv_groups``); groups it
+    cannot store exactly disable it at start-up, with one line naming them."""
+
     if CacheHitSource is not None:
         _cache_hit_source = CacheHitSource.DISK  # vLLM's hit metrics, by tier
 
@@ -105,18 +112,23 @@ class SparkCacheConnector(KVConnectorBase_V1):
         self._unserved = Unserved() if role != KVConnectorRole.SCHEDULER else None
         # get_finished raised: the worker side's jobs are salvaged, new ones unserved.
         self._salvaging = False
+        # Several KV cache groups (the hybrid allocator): vLLM takes load failures by
+        # request (``get_transfer_results``), not by block.
+        self._hybrid = False
         _log_through_vllm()
         try:
             _recompute_failed_loads(vllm_config.kv_transfer_config)
             settings = settings_mod.from_vllm(vllm_config)
+            groups = kv_groups.from_kv_cache_config(kv_cache_config, settings.block_size)
+            self._hybrid = groups is not None and groups.hybrid
             if role == KVConnectorRole.SCHEDULER:
                 self._scheduler = SchedulerSide(
                     settings, getattr(kv_cache_config, "hash_block_size", None),
                     int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0),
                     getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None),
-                    kv_events=_publishes_kv_events(vllm_config))
+                    kv_events=_publishes_kv_events(vllm_config), groups=groups)
             else:
-                self._worker = WorkerSide(settings, _tp_rank())
+                self._worker = WorkerSide(settings, _tp_rank(), groups)
         except Exception as exc:
             # A misconfiguration is the operator's to fix, but vLLM serves on without us.
             log.error("SparkCache disabled: %s", exc)
@@ -179,10 +191,15 @@ class SparkCacheConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+            self, request: Any,
+            block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is None:
             return False, None
         try:
-            return self._scheduler.request_finished(request, block_ids)
+            return self._scheduler.request_finished(request, tuple(block_ids))
         except Exception:
             self._fault("request_finished")
             return False, None
@@ -310,15 +327,34 @@ class SparkCacheConnector(KVConnectorBase_V1):
             self._fault("get_finished salvage")
         return None, None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``'s reports and, for a model with several KV cache groups, the
+        loads that did not load every page, failed by request: vLLM refuses block-level
+        load errors there (it recomputes a failed request's prompt whole)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed: set[str] = set()
+        if self._hybrid:
+            try:
+                for side in (self._unserved, self._worker):
+                    if side is not None:
+                        failed |= side.failed_loads()
+                        side.load_errors()  # reported by request instead
+            except Exception:
+                self._fault("get_transfer_results")
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()) | failed,
+                                          failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
+        errors: set[int] = set()
         try:
-            errors = self._unserved.load_errors() if self._unserved is not None else set()
-            if self._worker is not None:
-                errors |= self._worker.load_errors()
-            return errors
+            for side in (self._unserved, self._worker):
+                if side is not None:
+                    errors |= side.load_errors()
+                    side.failed_loads()  # (asked by request only with several groups)
         except Exception:
             self._fault("get_block_ids_with_load_errors")
-        return set()
+        return set() if self._hybrid else errors
 
     def take_events(self) -> list[Any]:
         if self._scheduler is None:

@@ -22,6 +22,7 @@ from sparkcache.protocol import new_lease_id
 from sparkcache.shm.segment import process_gone
 from sparkcache.vllm.block_hash_keys import KeySource, key_source
 from sparkcache.vllm.kv_events import KVEvents, to_vllm
+from sparkcache.vllm.kv_groups import KVGroups
 from sparkcache.vllm.metadata import PageJob, SparkCacheMetadata
 from sparkcache.vllm.request_keys import RequestKeys, default_memo
 from sparkcache.vllm.settings import Settings
@@ -41,6 +42,8 @@ ATTACH_RECHECK_S = 5.0
 # A request waiting for a save of its prefix (``_save_to_wait_for``) is looked up again
 # after this long: vLLM asks every step, and an idle engine steps in a tight loop.
 SAVE_RECHECK_S = 0.02
+# Ends a hybrid model's lookup tries for a composite stored whole, at most.
+COMPOSITE_TRIES = 4
 # Saves remembered for requests that may wait for them, at most.
 SAVES_KEPT = 4096
 # This many waits in a row for saves not stored in time (a store refusing them at its
@@ -75,10 +78,14 @@ class _Request:
     answer: tuple[int, tuple[int, bool]] | None = None
     answer_until: float = 0.0
     # For saves while it runs: vLLM's request (from its lookup), its blocks as the
-    # scheduler's outputs gave them (emptied when it is preempted), the tokens computed
+    # scheduler's outputs gave them, a list per KV cache group (emptied when it is
+    # preempted), the tokens computed
     # once the last step that scheduled it has run, and the pages its last save covered.
     request: Any = None
-    blocks: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    # Tokens computed when vLLM last allocated its blocks: below the window that far
+    # back, a sliding-window group's tracked block ids may be freed (``windows_held``).
+    allocated_at: int = 0
     scheduled_to: int = 0
     saved_pages: int = 0
     # Since when its lookups are answered "later", waiting for a save (0: not waiting),
@@ -90,15 +97,28 @@ class _Request:
 class SchedulerSide:
     def __init__(self, settings: Settings, hash_block_size: int | None = None,
                  lookahead_tokens: int = 0, hash_algo: str | None = None,
-                 kv_events: bool = False) -> None:
+                 kv_events: bool = False, groups: KVGroups | None = None) -> None:
         """``hash_block_size``, ``lookahead_tokens`` and ``hash_algo``: how vLLM hashes
         blocks (its ``kv_cache_config.hash_block_size``, ``num_hash_lookahead_tokens``,
         ``cache_config.prefix_caching_hash_algo``). With a cryptographic hash page keys
         are derived from vLLM's block hashes, and keys of a prefix seen before taken from
         ``KeyMemo`` (``block_hash_keys.key_source``); otherwise hashed from the tokens.
         ``kv_events``: vLLM publishes KV cache events (``--kv-events-config``), so the
-        store's pages are announced (``kv_events.KVEvents``)."""
+        store's pages are announced (``kv_events.KVEvents``). ``groups``: vLLM's KV cache
+        groups where the hybrid allocator made several (``kv_groups``): each save and
+        load is then the composite of them."""
         self.settings = settings
+        self.groups = groups if groups is not None and groups.hybrid else None
+        # The group whose blocks hold the request's own page keys (vLLM's index).
+        self._anchor = self.groups.groups[0].index if self.groups is not None else 0
+        # A draft model drops a hit's last page, and the window before the page that is
+        # left starts a page before the one stored: vLLM frees that page's blocks before
+        # the request ends, so no save of it is ever complete (docs/vllm.md).
+        self._loads_off = self.groups is not None and settings.drop_last_page
+        if self._loads_off:
+            log.warning("SparkCache: a draft model on a model with sliding-window layers: "
+                        "prefixes are saved but not loaded (the window a draft model's "
+                        "hit needs is freed before a save can copy it)")
         self._hash_block_size = hash_block_size
         self._lookahead = lookahead_tokens
         self._hash_algo = hash_algo
@@ -275,6 +295,9 @@ class SchedulerSide:
         if state.load_failed:
             self.counters["load_failed_before"] += 1
             return 0, False
+        if self._loads_off:
+            self.counters["lookup_draft_window"] += 1
+            return 0, False
         mismatch = self.mismatch()
         if mismatch is not None:
             self.counters[f"lookup_{mismatch}"] += 1
@@ -288,6 +311,8 @@ class SchedulerSide:
         # a save asks again, and the hit rate's denominator counts it once.
         pages = self.lookup.lookup(keys, beyond=start, hints=state.keys.expected_ends(),
                                    lease=lease, counted=False)
+        if self.groups is not None and pages > start:
+            pages = self._composite_stored(state, keys, start, pages, lease)
         now = time.monotonic()
         if self._waits_for_save(state, keys, max(pages, start), now):
             # Asked again at a later step: what the save stores is likelier to be loaded
@@ -314,6 +339,29 @@ class SchedulerSide:
             return 0, False
         state.load, state.lease = (start, pages), lease
         return pages * self.block - num_computed_tokens, True
+
+    def _composite_stored(self, state: _Request, keys: list[str], start: int, pages: int,
+                          lease: int) -> int:
+        """The end of the longest composite stored whole (its sliding windows with it)
+        among the anchor's stored prefix (``pages``) and the ends the keys' memo expects
+        below it, leased as ``lease`` too; 0 if none beyond ``start``, and ``lease``
+        (which the anchor's lookup took) released. A few lookups at most: each an
+        O(log n) probe of the index."""
+        assert self.groups is not None
+        below = sorted((e for e in state.keys.expected_ends() if start < e < pages),
+                       reverse=True)
+        ends = [pages, *below[:COMPOSITE_TRIES - 1]]
+        for end in ends:
+            tail = self.groups.composite(state.keys.key_bytes(0, end), 0, end).keys[
+                end * KEY_BYTES:]
+            wanted = [*keys[:end], *(tail[i:i + KEY_BYTES].hex()
+                                     for i in range(0, len(tail), KEY_BYTES))]
+            if self.lookup.lookup(wanted, beyond=start, hints=(len(wanted),), lease=lease,
+                                  counted=False) == len(wanted):
+                return end
+        self.counters["lookup_window_not_stored"] += 1
+        self.lookup.release(lease)
+        return 0
 
     def _waits_for_save(self, state: _Request, keys: list[str], have: int,
                         now: float) -> bool:
@@ -395,17 +443,24 @@ class SchedulerSide:
         self.counted = True
         # vLLM now waits for this load's report, whatever follows.
         state.loading = True
-        block_ids = list(blocks.get_block_ids()[0])
+        tables = blocks.get_block_ids()
+        block_ids = list(tables[self._anchor])
         if len(block_ids) < end:
             # Sent all the same: the worker side finds the job invalid and reports it
             # ended at once, the blocks there are load errors, which vLLM computes.
             log.warning("request %s: %d blocks for a load of pages up to %d; not loaded",
                         request.request_id, len(block_ids), end)
-        state.loading_blocks = tuple(block_ids[start:end])
+        if self.groups is None or len(block_ids) < end:
+            job = PageJob(request.request_id, state.keys.key_bytes(start, end),
+                          block_ids[start:end], state.lease)
+        else:
+            # Should vLLM take fewer tokens than answered, the windows before its end are
+            # not stored: the load fails, and vLLM computes the prompt whole.
+            comp = self.groups.composite(state.keys.key_bytes(0, end), start, end, tables)
+            job = PageJob(request.request_id, comp.keys, comp.blocks, state.lease)
+        state.loading_blocks = tuple(job.block_ids)
         self.cost.load_started(request.request_id, end - start, time.monotonic())
-        self._meta.loads.append(
-            PageJob(request.request_id, state.keys.key_bytes(start, end),
-                    block_ids[start:end], state.lease))
+        self._meta.loads.append(job)
         state.lease = 0  # the load ends it
 
     def build_connector_meta(self, scheduler_output: Any) -> SparkCacheMetadata:
@@ -419,7 +474,7 @@ class SchedulerSide:
         # its old blocks saved before the new ones replace them here.
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             state = self._reqs.get(req_id)
-            if state is not None and state.blocks:
+            if state is not None and state.tables and state.tables[self._anchor]:
                 meta.preempted.append(self._preemption_save(req_id, state))
         self._track_blocks(scheduler_output)
         stride = self.settings.save_stride_pages if self.mismatch() is None else 0
@@ -429,6 +484,7 @@ class SchedulerSide:
                 continue
             request = state.request
             computed = int(request.num_computed_tokens)
+            state.allocated_at = computed
             state.scheduled_to = computed + int(n)
             if stride:
                 # As at finish: only pages whose KV no step in flight still writes.
@@ -446,31 +502,52 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is not None:
-                state.blocks = list(new.block_ids[0])
+                state.tables = [list(ids) for ids in new.block_ids]
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", ())
         for req_id, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
             state = self._reqs.get(req_id)
             if state is None or groups is None:
                 continue
-            if req_id in resumed:
-                state.blocks = list(groups[0])
+            if req_id in resumed or len(state.tables) != len(groups):
+                state.tables = [list(ids) for ids in groups]
             else:
-                state.blocks += groups[0]
+                for table, ids in zip(state.tables, groups, strict=True):
+                    table += ids
 
     def _save_job(self, req_id: str, state: _Request, done: int,
                   more_than: int) -> PageJob | None:
         """A save of the full pages among the first ``done`` tokens (their KV written), if
         there are more than ``more_than``."""
-        computed = min(done, len(state.blocks) * self.block)
+        anchor = state.tables[self._anchor] if state.tables else []
+        computed = min(done, len(anchor) * self.block)
         keys = self._keys(state.request, computed) if computed >= self.block else None
         if not keys or len(keys) <= more_than:
             return None
+        job = self._save_pages(req_id, state.keys, len(keys), state.tables,
+                               tracked_at=state.allocated_at)
+        if job is None:
+            return None
         state.saved_pages = len(keys)
         state.keys.note_saved(len(keys))
-        raw = state.keys.key_bytes(0, len(keys))
-        self._note_save(state.request, raw)
-        return PageJob(req_id, raw, state.blocks[: len(keys)])
+        self._note_save(state.request, state.keys.key_bytes(0, len(keys)))
+        return job
+
+    def _save_pages(self, req_id: str, keys: RequestKeys, pages: int,
+                    tables: list[list[int]], tracked_at: int | None = None) -> PageJob | None:
+        """The save of the first ``pages`` pages from the request's blocks (``tables``, by
+        KV cache group: vLLM's own at its end, else tracked from the scheduler's outputs
+        as of ``tracked_at`` tokens computed); None where a sliding-window group no longer
+        holds the window before its end (vLLM frees blocks that fell out of the window as
+        the request runs; counted as skipped, ``save_window_freed``)."""
+        anchor = keys.key_bytes(0, pages)
+        if self.groups is None:
+            return PageJob(req_id, anchor, list(tables[self._anchor][:pages]))
+        if not self.groups.windows_held(tables, pages, tracked_at):
+            self.counters["save_window_freed"] += 1
+            return None
+        comp = self.groups.composite(anchor, 0, pages, tables)
+        return PageJob(req_id, comp.keys, comp.blocks)
 
     def _preemption_save(self, req_id: str, state: _Request) -> PageJob:
         """The preempted request's computed pages, from its blocks before the preemption
@@ -487,7 +564,7 @@ class SchedulerSide:
             job = PageJob(req_id, b"", [])
         else:
             self.counters["preemption_saves"] += 1
-        state.blocks = []
+        state.tables = []
         state.scheduled_to = 0
         state.answer = None  # resumed, it looks up what this save stored
         return job
@@ -499,6 +576,11 @@ class SchedulerSide:
         return bool(self._held)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            # A model with several KV cache groups: failed by request (vLLM computes it).
+            state = self._reqs.get(req_id)
+            if state is not None:
+                state.load_failed = True
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:
             # Matched against every load still running, not only those ending now: with
@@ -525,7 +607,9 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ saves
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
+    def request_finished(self, request: Any,
+                         block_ids: tuple[list[int], ...]) -> tuple[bool, Any]:
+        """vLLM's ``request_finished_all_groups``: ``block_ids`` by KV cache group."""
         self.counted = True
         try:
             held, params = self._save(request, block_ids)
@@ -543,7 +627,7 @@ class SchedulerSide:
             self.lookup.release(state.lease)
             state.lease = 0
 
-    def _save(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
+    def _save(self, request: Any, tables: tuple[list[int], ...]) -> tuple[bool, Any]:
         state = self._reqs.get(request.request_id)
         if state is not None and state.loading:
             # Aborted while its load runs. vLLM itself holds the blocks of a request
@@ -563,21 +647,24 @@ class SchedulerSide:
         # Not the tokens of a step still in flight (async scheduling): on a GPU its
         # kernels may not have written them when capture copies the blocks.
         done = int(request.num_computed_tokens) - int(getattr(request, "num_in_flight_tokens", 0))
-        computed = min(done, len(block_ids) * self.block)
+        computed = min(done, len(tables[self._anchor]) * self.block)
         keys = self._keys(request, computed) if computed >= self.block else None
-        if not keys:
-            if state is None or not state.saved_pages or not state.blocks:
+        job = None
+        if keys:
+            # All its pages, even if a save made while it ran covered them: a rank may
+            # have skipped that one, and capture copies only what the store lacks.
+            job = self._save_pages(request.request_id, self._reqs[request.request_id].keys,
+                                   len(keys), list(tables))
+        if job is None:
+            if state is None or not state.saved_pages or not state.tables:
                 return False, None  # no full page: nothing to hash or save
             # Saves made while it ran may still be copying its blocks: vLLM holds them
             # until the worker sides report those done.
             self._meta.saves.append(PageJob(request.request_id, b"", []))
             return True, None
-        # All its pages, even if a save made while it ran covered them: a rank may have
-        # skipped that one, and capture copies only what the store lacks.
         request_keys = self._reqs[request.request_id].keys  # made by _keys
-        raw = request_keys.key_bytes(0, len(keys))
-        self._meta.saves.append(PageJob(request.request_id, raw, list(block_ids[: len(keys)])))
-        self._note_save(request, raw)
+        self._meta.saves.append(job)
+        self._note_save(request, request_keys.key_bytes(0, len(keys)))
         self.counters["saves"] += 1
         request_keys.note_saved(len(keys))
         return True, None
@@ -618,6 +705,7 @@ class SchedulerSide:
             out.update(self.events.counts.totals())
         for reason in ("lookup_skipped", "namespace_mismatch", "aborted_while_loading",
                        "load_failed_before", "lookup_before_reset", "lookup_skip_reading",
+                       "lookup_window_not_stored", "save_window_freed", "lookup_draft_window",
                        *(f"{side}_{why}" for side in ("lookup", "save")
                          for why in attachment.MISMATCHES)):
             if self.counters[reason]:

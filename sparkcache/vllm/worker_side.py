@@ -21,6 +21,7 @@ import torch
 from sparkcache import kvmem
 from sparkcache.client import SparkCacheClient
 from sparkcache.staging import StagingPool
+from sparkcache.vllm.kv_groups import KVGroups
 from sparkcache.vllm.metadata import PageJob, SparkCacheMetadata
 from sparkcache.vllm.settings import Settings
 
@@ -63,10 +64,26 @@ def block_dims(shape: tuple[int, ...], num_blocks: int, block_size: int) -> tupl
                      f"{block_size}, head size] or [2, {num_blocks}, ...]")
 
 
+def distinct_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor once, in order: with the hybrid allocator the layers of different KV
+    cache groups share tensors (layer ``i`` of every group holds its blocks in tensor
+    ``i``), and a page is each block of each tensor once."""
+    seen: set[tuple] = set()
+    out = []
+    for t in tensors:
+        ident = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if ident not in seen:
+            seen.add(ident)
+            out.append(t)
+    return out
+
+
 class WorkerSide:
-    def __init__(self, settings: Settings, rank: int) -> None:
+    def __init__(self, settings: Settings, rank: int, groups: KVGroups | None = None) -> None:
+        """``groups``: vLLM's KV cache groups where it made several (``kv_groups``)."""
         self.settings = settings
         self.rank = rank
+        self.groups = groups if groups is not None and groups.hybrid else None
         self.client = SparkCacheClient(settings.cfg, rank, model_id=settings.model_id,
                                        tp_size=settings.tp_size)
         self.counters: Counter = Counter()
@@ -86,6 +103,7 @@ class WorkerSide:
         self._inflight: dict[str, tuple[PageJob, list[int] | None, float]] = {}
         self._finished: set[str] = set()  # saved requests vLLM reported finished
         self._load_errors: set[int] = set()
+        self._failed: set[str] = set()  # the requests of those blocks
         self._poll_at = 0.0  # when get_finished next reads the rings with nothing outstanding
         # Something may have been counted since totals() was last read: start() had jobs,
         # or get_finished read the rings (the connector's stats skip the sums otherwise).
@@ -94,7 +112,7 @@ class WorkerSide:
     # ------------------------------------------------------------------ registration
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        tensors = list(kv_caches.values())
+        tensors = distinct_tensors(list(kv_caches.values()))
         if not tensors:
             raise ValueError("no KV caches to register")
         first = tensors[0]
@@ -105,12 +123,14 @@ class WorkerSide:
                                for t in tensors)
         if not all(t.is_cuda for t in tensors):
             self.shared_kv = self._adopt(tensors)
+        layout = kvmem.page_layout(tensors, block_dim)
+        if self.groups is not None:
+            layout += f";kv_groups={self.groups.signature()}"
         if all(t.is_cuda for t in tensors) or self.shared_kv is not None:
             ok = self.client.register_kv_caches(tensors, block_dim, size_dim,
-                                                kv_dtype=self.settings.kv_dtype)
+                                                kv_layout=layout, kv_dtype=self.settings.kv_dtype)
         else:
             # Private CPU memory: stage through shared pages (see StagingPool).
-            layout = kvmem.page_layout(tensors, block_dim)
             pages = max(1, min(self._num_blocks,
                                self.settings.staging_bytes // self._page_bytes))
             self.staging = StagingPool(self.settings.cfg.instance, self.rank, tensors,
@@ -321,6 +341,7 @@ class WorkerSide:
         if got < job.pages:
             self.counters["load_errors"] += 1
             self._load_errors.update(job.block_ids[got: job.pages])
+            self._failed.add(job.req_id)
         self._loading.pop(job.req_id, None)
         self._recved.add(job.req_id)
 
@@ -363,6 +384,7 @@ class WorkerSide:
                 del self._loading[req_id]
                 self._inflight.pop(req_id, None)
                 self._load_errors.update(job.block_ids[: job.pages])
+                self._failed.add(req_id)
                 self._recved.add(req_id)
         for req_id in [r for r in self._lent if r not in busy]:
             del self._lent[req_id]
@@ -402,6 +424,12 @@ class WorkerSide:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def failed_loads(self) -> set[str]:
+        """The requests whose blocks ``load_errors`` named, since the last call: vLLM
+        takes load failures of a model with several KV cache groups by request."""
+        failed, self._failed = self._failed, set()
+        return failed
+
     def close(self) -> None:
         self.client.close()
         if self.staging is not None:
@@ -424,6 +452,7 @@ class Unserved:
         self.jobs = 0  # answered so, for the log
         self._recved: set[str] = set()
         self._errors: set[int] = set()
+        self._failed: set[str] = set()
         self._sent: set[str] = set()
         self._finished: set[str] = set()
 
@@ -431,6 +460,7 @@ class Unserved:
         for job in meta.loads:
             self._recved.add(job.req_id)
             self._errors.update(job.block_ids[: job.pages])
+            self._failed.add(job.req_id)
         self._sent.update(job.req_id for job in meta.saves)
         self.jobs += len(meta.loads) + len(meta.saves)
 
@@ -441,3 +471,7 @@ class Unserved:
     def load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    def failed_loads(self) -> set[str]:
+        failed, self._failed = self._failed, set()
+        return failed

@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from sparkcache import kvmem
 from sparkcache.identity import Namespace, chain_seed
@@ -50,6 +51,42 @@ def write_checkpoint(path: Path, config: dict | None = None,
                       initializer_range=initializer_range)
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     return path
+
+
+def sparkcache_llm(model: Path, store: Path, instance: str, model_id: str,
+                   max_model_len: int = 1024) -> Any:
+    """vLLM's offline engine, in this process, on ``model`` (float32, blocks of
+    ``BLOCK``, its own prefix cache off) with SparkCache's connector on ``store``. The
+    load cut is off: a tiny model computes a prefix in milliseconds, and a load may
+    rightly be cut as slower (load_cost); these tests are of the restore itself."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    return LLM(model=str(model), skip_tokenizer_init=True, dtype="float32",
+               max_model_len=max_model_len, block_size=BLOCK, enable_prefix_caching=False,
+               enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=512, seed=0,
+               kv_transfer_config=KVTransferConfig(
+                   kv_connector="SparkCacheConnector",
+                   kv_connector_module_path="sparkcache.vllm", kv_role="kv_both",
+                   kv_load_failure_policy="recompute",
+                   kv_connector_extra_config={"store_dir": str(store), "instance": instance,
+                                              "model_id": model_id,
+                                              "cut_slow_loads": False}))
+
+
+def generate(llm: Any, tokens: list[int],
+             salt: str | None = None) -> tuple[list[int], list[float], int]:
+    """Eight greedy tokens after ``tokens`` (under a cache salt of its own, if given):
+    the tokens, their logprobs and the prompt tokens vLLM reported cached."""
+    from vllm import SamplingParams
+
+    prompt = {"prompt_token_ids": tokens, **({"cache_salt": salt} if salt else {})}
+    sp = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, detokenize=False,
+                        ignore_eos=True)
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    comp = out.outputs[0]
+    logprobs = [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)]
+    return list(comp.token_ids), logprobs, out.num_cached_tokens or 0
 
 
 def plain_page_keys(ns: Namespace, tokens: list[int]) -> PageKeys:

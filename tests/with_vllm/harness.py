@@ -42,13 +42,14 @@ from vllm.v1.attention.backends.utils import (
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from sparkcache.vllm import connector as connector_mod
+from sparkcache.vllm import settings as settings_mod
 
 MODEL = str(Path(__file__).with_name("tiny_llama"))
 BLOCK = 16
@@ -71,12 +72,17 @@ class Rig:
     sched: Scheduler
     workers: list[Any]  # SparkCacheConnector, one per TP rank
     kv: list[dict[str, torch.Tensor]]
-    tables: dict[str, list[int]] = field(default_factory=dict)
+    tables: dict[str, list[int]] = field(default_factory=dict)  # the first group's
+    # Every KV cache group's block ids, and the group of each layer (in the order of the
+    # KV dicts): a hybrid rig has a full-attention and a sliding-window group.
+    group_tables: dict[str, list[list[int]]] = field(default_factory=dict)
+    layer_groups: list[int] = field(default_factory=list)
     sent: Counter = field(default_factory=Counter)
     recved: Counter = field(default_factory=Counter)
     load_errors: set[int] = field(default_factory=set)
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)  # failed by request (hybrid)
     loads: dict[str, list[int]] = field(default_factory=dict)  # request -> blocks loaded
     # The connector stats payloads vLLM's scheduler put in its SchedulerStats.
     stats: list[dict[str, Any]] = field(default_factory=list)
@@ -90,15 +96,19 @@ class Rig:
         so = self.sched.schedule()
         starts = {}
         for nr in so.scheduled_new_reqs:
-            self.tables[nr.req_id] = list(nr.block_ids[0])
+            self.group_tables[nr.req_id] = [list(ids) for ids in nr.block_ids]
             starts[nr.req_id] = nr.num_computed_tokens
         cr = so.scheduled_cached_reqs
         for i, rid in enumerate(cr.req_ids):
             if cr.new_block_ids[i] is not None:
-                new = list(cr.new_block_ids[i][0])
                 resumed = rid in getattr(cr, "resumed_req_ids", ())
-                self.tables[rid] = new if resumed else self.tables[rid] + new
+                self.group_tables[rid] = [
+                    list(new) if resumed else old + list(new)
+                    for old, new in zip(self.group_tables[rid], cr.new_block_ids[i],
+                                        strict=True)]
             starts[rid] = cr.num_computed_tokens[i]
+        for rid in starts:
+            self.tables[rid] = self.group_tables[rid][0]
         meta = so.kv_connector_metadata
         for job in getattr(meta, "loads", ()):
             self.loads[job.req_id] = list(job.block_ids)
@@ -112,12 +122,15 @@ class Rig:
         sending: set[str] = set()
         recving: set[str] = set()
         errors: set[int] = set()
+        failed: set[str] = set()
         worker_stats = None
         for w in self.workers:
             if not so.has_sync_kv_loads:
                 w.start_load_kv(None)
             w.wait_for_save()
-            s, r = w.get_finished(so.finished_req_ids)
+            results = w.get_transfer_results(so.finished_req_ids)
+            s, r = results.finished_sending, results.finished_recving
+            failed |= results.failed_recving
             errors |= w.get_block_ids_with_load_errors()
             st = w.get_kv_connector_stats()
             if st is not None:
@@ -136,8 +149,10 @@ class Rig:
         self.load_errors |= errors
         self.finished_sending |= sending
         self.finished_recving |= recving
+        self.failed_recving |= failed
         kvo = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
-                                invalid_block_ids=errors, kv_connector_stats=worker_stats)
+                                failed_recving=failed, invalid_block_ids=errors,
+                                kv_connector_stats=worker_stats)
         ids = list(so.num_scheduled_tokens)
         outputs = self.sched.update_from_output(so, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
@@ -153,16 +168,19 @@ class Rig:
 
     def forward(self, rid: str, start: int, n: int) -> None:
         tokens = self.sched.requests[rid].all_token_ids
-        table = self.tables[rid]
         for rank, kv in enumerate(self.kv):
             for li, t in enumerate(kv.values()):
+                table = self.group_tables[rid][self.layer_groups[li] if self.layer_groups else 0]
                 for pos in range(start, start + n):
                     t[table[pos // BLOCK], :, pos % BLOCK, :] = kv_value(tokens[pos], pos, li, rank)
 
-    def block_holds(self, rank: int, block: int, tokens: list[int], first_pos: int) -> bool:
+    def block_holds(self, rank: int, block: int, tokens: list[int], first_pos: int,
+                    group: int = 0) -> bool:
         """Does ``block`` of ``rank`` hold what the forward writes for ``tokens`` at
-        positions ``first_pos...``?"""
+        positions ``first_pos...``, in the layers of KV cache group ``group``?"""
         for li, t in enumerate(self.kv[rank].values()):
+            if self.layer_groups and self.layer_groups[li] != group:
+                continue
             for j, tok in enumerate(tokens):
                 got = t[block, :, j, :]
                 want = kv_value(tok, first_pos + j, li, rank)
@@ -204,12 +222,16 @@ def request(rid: str, prompt: list[int], max_tokens: int = 2, *,
 @contextmanager
 def rig(store: Path, instance: str, *, tp: int = 1, num_blocks: int = 128,
         extra: dict | None = None, max_batched: int = 256, hash_algo: str = "sha256",
-        kv_events: KVEventsConfig | None = None):
+        kv_events: KVEventsConfig | None = None, sliding_window: int | None = None,
+        draft: bool = False):
     """A Scheduler and ``tp`` worker connectors on ``store``/``instance``, vLLM's
     ``prefix_caching_hash_algo`` set to ``hash_algo``, its KV events published as
     ``kv_events`` says (none unless given). ``NONE_HASH`` is made with SHA-256
     whatever that is: vLLM's xxhash needs a package this environment leaves out, so a
-    test that names it gives its requests a hasher of its own."""
+    test that names it gives its requests a hasher of its own. ``sliding_window``
+    (tokens): a hybrid model, its first layer of full attention and its second of that
+    sliding window, each a KV cache group of the hybrid allocator. ``draft``: the
+    connectors are made as beside a draft model that drops its hits' last block."""
     os.environ.setdefault("VLLM_CACHE_ROOT", str(store.parent / "vllm-cache"))
     # No load is cut for recomputing faster (``load_cost``) unless a test says so: the
     # stand-in forward computes a step in milliseconds, and the tests' own pauses between
@@ -235,16 +257,25 @@ def rig(store: Path, instance: str, *, tp: int = 1, num_blocks: int = 128,
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD,
                              dtype=torch.float16)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    groups = [KVCacheGroupSpec(names, spec)]
+    memory = num_blocks * spec.page_size_bytes * LAYERS
+    if sliding_window is not None:
+        window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD,
+                                   dtype=torch.float16, sliding_window=sliding_window)
+        groups = [KVCacheGroupSpec(names[:1], spec), KVCacheGroupSpec(names[1:], window)]
+        memory = num_blocks * spec.page_size_bytes
     layout = resolve_kv_cache_layout(
-        vllm_config, [[m.name for m in get_supported_kv_cache_layouts([])]], [spec])
-    kv_cache_config = get_kv_cache_config_from_groups(
-        vllm_config, [KVCacheGroupSpec(names, spec)], num_blocks * spec.page_size_bytes * LAYERS)
+        vllm_config, [[m.name for m in get_supported_kv_cache_layouts([])]],
+        [g.kv_cache_spec for g in groups])
+    kv_cache_config = get_kv_cache_config_from_groups(vllm_config, groups, memory)
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     # As vLLM's engine core resolves it before making the scheduler (and with it the
     # connector's scheduler side, whose key memo reads it).
     kv_cache_config.hash_block_size = BLOCK
     workers, kvs = [], []
+    drafted = mock.patch.object(settings_mod, "eagle_block_drop", return_value=draft)
     try:
+        drafted.start()
         # Workers first, as in vLLM: they register (and write the registry) before the
         # scheduler is made.
         for rank in range(tp):
@@ -264,7 +295,10 @@ def rig(store: Path, instance: str, *, tp: int = 1, num_blocks: int = 128,
         for w in workers:
             w.shutdown()
         raise
-    r = Rig(sched, workers, kvs)
+    finally:
+        drafted.stop()
+    r = Rig(sched, workers, kvs,
+            layer_groups=[0, 1] if sliding_window is not None else [])
     try:
         yield r
     finally:

@@ -583,7 +583,7 @@ def test_scheduler_side_answers_what_vllm_relies_on(
         finished = request("C", [*prefix, 4, 5])
         finished.num_computed_tokens = len(prefix) + 2
         finished.num_in_flight_tokens = 2 * BLOCK + 2  # the last two pages not written yet
-        assert side.request_finished(finished, list(range(20, 26)))[0]
+        assert side.request_finished(finished, (list(range(20, 26)),))[0]
         assert side.build_connector_meta(SchedulerOutput.make_empty()).saves[0].pages == 3
 
         desc = registry.read_registry(supervisor, 0)

@@ -15,6 +15,8 @@ from tests.with_vllm.engine_util import (
     BLOCK,
     CONFIG,
     engine_installed,
+    generate,
+    sparkcache_llm,
     stored_prefix_pages,
     wait_until,
     write_checkpoint,
@@ -34,8 +36,6 @@ def engine(tmp_path_factory):
     """One supervisor and one in-process engine for the module (an engine takes tens of
     seconds to start here)."""
     from sparkcache.shm.segment import instance_entries
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
 
     root = tmp_path_factory.mktemp("engine")
     store, instance = root / "store", f"t{uuid.uuid4().hex[:10]}"
@@ -52,20 +52,7 @@ def engine(tmp_path_factory):
                            "--release-timeout-seconds", "30")
     llm = None
     try:
-        llm = LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="float32",
-                  max_model_len=1024, block_size=BLOCK, enable_prefix_caching=False,
-                  enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=512, seed=0,
-                  kv_transfer_config=KVTransferConfig(
-                      kv_connector="SparkCacheConnector",
-                      kv_connector_module_path="sparkcache.vllm", kv_role="kv_both",
-                      kv_load_failure_policy="recompute",
-                      # The tiny model computes a prefix in milliseconds: a load may
-                      # rightly be cut as slower (load_cost). These tests are of the
-                      # restore itself.
-                      kv_connector_extra_config={"store_dir": str(store),
-                                                 "instance": instance,
-                                                 "model_id": "tiny-llama-random",
-                                                 "cut_slow_loads": False}))
+        llm = sparkcache_llm(ckpt, store, instance, "tiny-llama-random")
         yield llm, store
     finally:
         if llm is not None:
@@ -74,18 +61,6 @@ def engine(tmp_path_factory):
         code, err = stop_supervisor(sup)
         assert code == 0, err[-2000:]
         assert not instance_entries(instance), instance_entries(instance)
-
-
-def generate(llm, tokens: list[int], salt: str | None = None):
-    from vllm import SamplingParams
-
-    prompt = {"prompt_token_ids": tokens, **({"cache_salt": salt} if salt else {})}
-    sp = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, detokenize=False,
-                        ignore_eos=True)
-    out = llm.generate([prompt], sp, use_tqdm=False)[0]
-    comp = out.outputs[0]
-    logprobs = [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs, strict=True)]
-    return list(comp.token_ids), logprobs, out.num_cached_tokens or 0
 
 
 def save_turn(llm, store: Path, tokens: list[int], pages: int) -> None:
