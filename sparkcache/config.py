@@ -23,6 +23,7 @@ from typing import Any
 import psutil
 
 from sparkcache.filesystems import filesystem_problem
+from sparkcache.fleet.cluster import key_prefix_problem, url_problem
 
 ENV_PREFIX = "SPARKCACHE_"
 
@@ -205,6 +206,43 @@ class Config:
             "restart or a reboot find them in memory (e.g. 2GiB); 0: none."
         ),
     )
+    share_cluster_url: str = field(
+        default="",
+        metadata=_help(
+            "The fleet's Redis Cluster (redis://HOST:PORT, rediss:// for TLS): a share "
+            "worker per rank copies durable pages to it (docs/fleet.md); empty: off. "
+            "No credentials in it: the password comes from $SPARKCACHE_REDIS_PASSWORD or "
+            "the share password file."
+        ),
+    )
+    share_key_prefix: str = field(
+        default="sparkcache",
+        metadata=_help("Names in the cluster start with it: one per deployment, 1-64 "
+                       "characters of A-Z a-z 0-9 _ . -."),
+    )
+    share_username: str = field(
+        default="", metadata=_help("The cluster's ACL user; empty: the default user."))
+    share_password_file: str = field(
+        default="",
+        metadata=_help("A file holding the cluster's password, readable by its owner "
+                       "alone; empty: $SPARKCACHE_REDIS_PASSWORD, or none."),
+    )
+    share_tls_ca_file: str = field(
+        default="", metadata=_help("CA certificate for rediss://; empty: the system's."))
+    share_bytes_per_s: int = field(
+        default=256 * MiB,
+        metadata=_help("Bytes per second a share worker may send to the cluster (e.g. "
+                       "256MiB), per rank."),
+    )
+    share_duty: float = field(
+        default=0.2,
+        metadata=_help("Share of any second a share worker may work, > 0 and <= 1."),
+    )
+    share_roots: str = field(
+        default="all",
+        metadata=_help("Which roots are shared: all (newest first) or hit (only those "
+                       "restored at least once, most recently restored first)."),
+    )
     metrics_host: str = field(
         default="127.0.0.1",
         metadata=_help(
@@ -305,7 +343,8 @@ def _parse_field(name: str, text: str) -> Any:
     """Convert one raw string to the type of field ``name``; ValueError names what is allowed."""
     if name in ("max_bytes", "low_watermark_bytes", "min_free_bytes", "capture_slot_bytes",
                 "maintenance_slice_bytes", "maintenance_io_bytes_per_s",
-                "maintenance_pool_bytes", "maintenance_halve_bytes", "read_ahead_bytes"):
+                "maintenance_pool_bytes", "maintenance_halve_bytes", "read_ahead_bytes",
+                "share_bytes_per_s"):
         return parse_size(text)
     if name in ("ranks", "capture_slots", "page_tokens", "metrics_port",
                 "maintenance_slice_roots"):
@@ -324,7 +363,7 @@ def _parse_field(name: str, text: str) -> Any:
             return float(text)
         except ValueError:
             raise ValueError("a number of milliseconds") from None
-    if name in ("maintenance_duty", "maintenance_duty_max"):
+    if name in ("maintenance_duty", "maintenance_duty_max", "share_duty"):
         try:
             return float(text)
         except ValueError:
@@ -418,6 +457,20 @@ def validate(
     if not cfg.heartbeat_timeout_s >= MIN_HEARTBEAT_TIMEOUT_S:  # also refuses NaN
         bad("heartbeat_timeout_s", f"a number of seconds >= {MIN_HEARTBEAT_TIMEOUT_S:g}")
     _validate_maintenance(cfg, bad)
+    if cfg.share_cluster_url and "share_cluster_url" not in skip:
+        problem = url_problem(cfg.share_cluster_url)
+        if problem is not None:
+            # The URL as given may hold a password: never repeated into a log.
+            out.append(Problem("share_cluster_url", redacted_url(cfg.share_cluster_url),
+                               problem))
+    if key_prefix_problem(cfg.share_key_prefix):
+        bad("share_key_prefix", key_prefix_problem(cfg.share_key_prefix) or "")
+    if cfg.share_bytes_per_s <= 0:
+        bad("share_bytes_per_s", "a positive size")
+    if not 0 < cfg.share_duty <= 1:
+        bad("share_duty", "a share of a second above 0 and at most 1, such as 0.2")
+    if cfg.share_roots not in ("all", "hit"):
+        bad("share_roots", "all or hit")
     if not 0 <= cfg.metrics_port <= 65535:
         bad("metrics_port", "a port from 0 to 65535 (0: no endpoint)")
     if not is_host(cfg.metrics_host):
@@ -456,6 +509,16 @@ def _validate_maintenance(cfg: Config, bad: Callable[[str, str], None]) -> None:
         bad("maintenance_slice_ms",
             f"more than 0 and at most {duty * 1000:g} milliseconds (the maintenance duty, "
             f"{duty:g}, of a second)")
+
+
+def redacted_url(url: str) -> str:
+    """``url`` without what precedes an ``@`` in its authority (credentials)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    authority, slash, path = rest.partition("/")
+    return f"{scheme}://{authority.rpartition('@')[2]}{slash}{path}" if "@" in authority \
+        else url
 
 
 def is_host(text: str) -> bool:

@@ -157,6 +157,8 @@ class Supervisor:
             roles.insert(0, Role.CAPTURE)
         if cfg.access_mode is not AccessMode.OFF:
             roles.append(Role.RESTORE)
+        if cfg.share_cluster_url:
+            roles.append(Role.SHARE)
         self.workers = [Worker(r, role, self.cpus) for r in range(cfg.ranks) for role in roles]
         self.segments: list[segments.RankSegments] = []
         self.stop = False
@@ -271,7 +273,7 @@ class Supervisor:
         try:
             p = psutil.Process(proc.pid)
             p.cpu_affinity(w.cpus)
-            if w.role is Role.MAINTENANCE:
+            if w.role in (Role.MAINTENANCE, Role.SHARE):
                 _lower_priority(p)
         except (psutil.Error, OSError, ValueError) as exc:
             log.warning("%s: could not pin or renice: %s", w.name, exc)
@@ -669,7 +671,7 @@ class Supervisor:
         Then unlink every segment, remove the runtime file, release the lock.
         Idempotent."""
         self.stop = True
-        for role in (Role.RESTORE, Role.CAPTURE, Role.COMMIT, Role.MAINTENANCE):
+        for role in (Role.SHARE, Role.RESTORE, Role.CAPTURE, Role.COMMIT, Role.MAINTENANCE):
             self._stop_role(role)
         for w in self.workers:
             if w.proc is None or w.proc.exitcode is not None:

@@ -135,3 +135,82 @@ def test_credentials_come_from_the_environment_or_a_private_file(tmp_path: Path)
         with pytest.raises((AuthenticationError, RedisClusterException)):
             connect(settings, env={"TEST_FLEET_PW": "wrong"})
     assert not any(os.environ.get(k) for k in ("TEST_FLEET_PW",))
+
+
+def _store_with(store: Path, root: str, batch: list[tuple[bytes, bytes]]) -> None:
+    from sparkcache.store import PageData, PageStore, Root
+
+    with PageStore(store, 0) as s:
+        s.commit(Root(hashlib.blake2b(root.encode(), digest_size=16).hexdigest(),
+                      [PageData(k.hex(), v) for k, v in batch]))
+
+
+def _share_stats(store: Path, instance: str):
+    """The share worker's stats record once it has sent pages and has none left."""
+    from sparkcache.workers.lifecycle import Role
+
+    from sparkcache import segments
+    from tests.pipeline_util import make_cfg, wait_for
+
+    with segments.attach_stats(make_cfg(store, instance), 0) as stats:
+        def done():
+            rec = stats.read(int(Role.SHARE))
+            return rec if rec is not None and rec.processed and rec.backlog == 0 else None
+        return wait_for(done, 60, "the share worker done")
+
+
+def test_a_share_worker_per_node_sends_each_page_once_to_the_cluster(tmp_path: Path) -> None:
+    """Two nodes (supervisors on stores of their own) holding the same conversation's
+    pages, and node B one more turn: A's share worker sends them, B's only its own."""
+    from tests.pipeline_util import start_supervisor, stop_supervisor
+
+    first, more = pages(40, "turn-1"), pages(10, "turn-2")
+    _store_with(tmp_path / "a", "conv", first)
+    _store_with(tmp_path / "b", "conv", first + more)
+    with redis_cluster(tmp_path / "cluster") as cluster:
+        share = ("--share-cluster-url", cluster.url, "--share-key-prefix", "fleet-t")
+        a = start_supervisor(tmp_path / "a", "sharea", *share)
+        try:
+            rec = _share_stats(tmp_path / "a", "sharea")
+            assert (rec.processed, rec.failed) == (40, 0)
+            assert rec.copy_bytes == 40 * (PAGE + codec.HEADER.size)
+        finally:
+            code, err = stop_supervisor(a)
+        assert code == 0, err[-2000:]
+        b = start_supervisor(tmp_path / "b", "shareb", *share)
+        try:
+            rec = _share_stats(tmp_path / "b", "shareb")
+            assert (rec.processed, rec.failed) == (10, 0)  # the 40 of A's were there
+        finally:
+            code, err = stop_supervisor(b)
+        assert code == 0, err[-2000:]
+        client = connect(ClusterSettings(cluster.url, key_prefix="fleet-t"))
+        got = fetch(client, "fleet-t", [k for k, _ in first + more])
+        assert [bytes(p) for p in got.pages] == [v for _, v in first + more]
+        client.close()
+
+
+def test_an_unreachable_cluster_is_retried_with_back_off_and_the_rank_serves_on(
+        tmp_path: Path) -> None:
+    """Nothing listens at the URL: the share worker stays READY, counts the failures, says
+    so once in the log, and tries again later; the rank's other workers run as ever."""
+    from sparkcache.workers.lifecycle import Role, State
+
+    from sparkcache import segments
+    from tests.pipeline_util import free_port, make_cfg, start_supervisor, stop_supervisor, wait_for
+
+    _store_with(tmp_path / "a", "conv", pages(4, "down"))
+    url = f"redis://127.0.0.1:{free_port()}"
+    sup = start_supervisor(tmp_path / "a", "sharedown", "--share-cluster-url", url)
+    try:
+        with segments.attach_stats(make_cfg(tmp_path / "a", "sharedown"), 0) as stats:
+            rec = wait_for(lambda: (r := stats.read(int(Role.SHARE))) is not None
+                           and r.failed >= 2 and r, 30, "two failed tries")
+            assert rec.state == State.READY and rec.processed == 0
+            assert rec.backlog > 0  # the pages still to share
+            for role in (Role.CAPTURE, Role.COMMIT, Role.RESTORE, Role.MAINTENANCE):
+                assert stats.read(int(role)).state == State.READY
+    finally:
+        code, err = stop_supervisor(sup)
+    assert code == 0, err[-2000:]
+    assert err.count("sharing with") == 1, err[-3000:]

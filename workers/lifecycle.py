@@ -96,6 +96,7 @@ class Role(IntEnum):
     COMMIT = 1
     MAINTENANCE = 2
     RESTORE = 3
+    SHARE = 4  # copies durable pages to the fleet's cluster (docs/fleet.md); optional
 
 
 class State(IntEnum):
@@ -140,6 +141,7 @@ ROLE_MODULES = {
     Role.COMMIT: "sparkcache.workers.commit",
     Role.MAINTENANCE: "sparkcache.workers.maintenance",
     Role.RESTORE: "sparkcache.workers.restore",
+    Role.SHARE: "sparkcache.workers.share",
 }
 
 

@@ -41,18 +41,12 @@ class ClusterSettings:
     timeout_s: float = 1.0  # each connect and each command, so a dead node costs this once
 
     def __post_init__(self) -> None:
-        parts = urlsplit(self.url)
-        if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-            raise ValueError(f"cluster URL {self.url!r}: expected redis://HOST:PORT or "
-                             f"rediss://HOST:PORT (TLS)")
-        if parts.username or parts.password:
-            raise ValueError(f"cluster URL {parts.scheme}://***@{parts.hostname}: no "
-                             f"credentials in a URL (command lines are visible to every "
-                             f"user); give the user as username and the password in "
-                             f"${self.password_env} or a password file")
-        if not _PREFIX_RE.fullmatch(self.key_prefix):
-            raise ValueError(f"key prefix {self.key_prefix!r}: 1-64 characters of "
-                             f"A-Z a-z 0-9 _ . -")
+        problem = url_problem(self.url)
+        if problem is not None:
+            raise ValueError(f"cluster URL: expected {problem}")
+        problem = key_prefix_problem(self.key_prefix)
+        if problem is not None:
+            raise ValueError(f"key prefix {self.key_prefix!r}: expected {problem}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout {self.timeout_s!r}: more than 0 seconds")
 
@@ -72,6 +66,26 @@ class ClusterSettings:
             raise ValueError(f"password file {self.password_file}: readable by others "
                              f"(mode {stat.S_IMODE(st.st_mode):04o}); chmod 600 it")
         return self.password_file.read_text().strip()
+
+
+def url_problem(url: str) -> str | None:
+    """What a cluster URL should be, if ``url`` is not that; None if it is."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("redis", "rediss") or not parts.hostname:
+        return "redis://HOST:PORT, or rediss://HOST:PORT for TLS"
+    if parts.username or parts.password:
+        return (f"no credentials in the URL (a command line is visible to every user): "
+                f"the user as the share username, the password in ${DEFAULT_PASSWORD_ENV} "
+                f"or the share password file")
+    return None
+
+
+def key_prefix_problem(prefix: str) -> str | None:
+    return None if _PREFIX_RE.fullmatch(prefix) else "1-64 characters of A-Z a-z 0-9 _ . -"
 
 
 def page_name(prefix: str, key: bytes) -> bytes:
