@@ -76,7 +76,7 @@ RINGS: dict[str, tuple[RecordLayout, int]] = {
 PUBLISH_AHEAD_MAX_PAGES = 2 * RINGS["publish"][1]
 ARENA = "arena"
 STATS = "stats"
-STATS_SLOTS = 4  # one per worker role (workers.lifecycle.Role: its value is its slot)
+STATS_SLOTS = 5  # one per worker role (workers.lifecycle.Role: its value is its slot)
 # The engine's counters (ENGINE_STATS), one slot per engine-side writer
 # (sparkcache.engine_stats): the supervisor creates the block so that it can serve them.
 ENGINE = "engine_stats"

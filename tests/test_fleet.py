@@ -111,7 +111,7 @@ def test_a_master_killed_mid_run_costs_misses_never_wrong_bytes(tmp_path: Path) 
 
 
 def test_credentials_come_from_the_environment_or_a_private_file(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="no credentials in a URL"):
+    with pytest.raises(ValueError, match="no credentials in the URL"):
         ClusterSettings("redis://user:secret@127.0.0.1:7000")
     with pytest.raises(ValueError, match="key prefix"):
         ClusterSettings("redis://127.0.0.1:7000", key_prefix="a b")
