@@ -38,10 +38,12 @@ from sparkcache.store.reader import StoreReader
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0  # an idle worker looks for new roots this often
+# The roots to share are listed again at most this often (and when those listed are
+# done): a listing reads every root's row, which a batch must not pay each time.
+LIST_EVERY_S = 5.0
 BATCH_BYTES = 8 << 20  # pages read and sent in one batch, about
 BATCH_S = 0.05  # a batch's time, for the duty cap's arithmetic
 BACKOFF_S = (1.0, 60.0)  # after a failure: first wait, longest wait
-BACKLOG_EVERY_S = 5.0
 
 
 @dataclass
@@ -68,7 +70,8 @@ class Share:
         self.backoff = BACKOFF_S[0]
         self.duty = DutyCycle(cfg.share_duty, min(BATCH_S, cfg.share_duty))
         self.pacer = IoPacer(float(cfg.share_bytes_per_s), time.monotonic())
-        self.backlog_at = 0.0
+        self.roots: list[_Root] = []
+        self.listed_at = -LIST_EVERY_S
         self._rare = RateLimitedLog(log)
 
     def close(self) -> None:
@@ -82,12 +85,7 @@ class Share:
         if wait > 0:
             self.life.idle(min(wait, timeout))
             return
-        roots = self._roots()
-        if now >= self.backlog_at:
-            self.backlog_at = now + BACKLOG_EVERY_S
-            self.life.backlog = sum(r.bytes * (r.pages - self.shared.get(r.root_id, 0))
-                                    // max(1, r.pages) for r in roots)
-        todo = next((r for r in roots if self.shared.get(r.root_id, 0) < r.pages), None)
+        todo = self._next_root(now)
         if todo is None:
             self.life.backlog = 0
             self.life.idle(timeout)
@@ -107,6 +105,20 @@ class Share:
                 self.cluster = None
         finally:
             self.duty.record(started, time.monotonic())
+
+    def _next_root(self, now: float) -> _Root | None:
+        """The first root listed with pages not yet shared; the roots are listed again
+        (and the backlog reckoned) every ``LIST_EVERY_S``, and every ``POLL_S`` once
+        those listed are done."""
+        todo = next((r for r in self.roots if self.shared.get(r.root_id, 0) < r.pages), None)
+        if now - self.listed_at >= (POLL_S if todo is None else LIST_EVERY_S):
+            self.listed_at = now
+            self.roots = self._roots()
+            self.life.backlog = sum(r.bytes * (r.pages - self.shared.get(r.root_id, 0))
+                                    // max(1, r.pages) for r in self.roots)
+            todo = next((r for r in self.roots if self.shared.get(r.root_id, 0) < r.pages),
+                        None)
+        return todo
 
     def _roots(self) -> list[_Root]:
         """The roots to share, in the order they are shared."""
