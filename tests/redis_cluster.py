@@ -99,9 +99,9 @@ def redis_cluster(where: Path, masters: int = 3, password: str | None = None
                 conf += [f"requirepass {password}", f"masterauth {password}"]
             (d / "redis.conf").write_text("\n".join(conf) + "\n")
             (d / "redis.conf").chmod(0o600)
-            procs[port] = subprocess.Popen(["redis-server", str(d / "redis.conf")],
-                                           stdout=open(d / "log", "w"),  # noqa: SIM115
-                                           stderr=subprocess.STDOUT)
+            with open(d / "log", "w") as out:  # the server keeps its own descriptor
+                procs[port] = subprocess.Popen(["redis-server", str(d / "redis.conf")],
+                                               stdout=out, stderr=subprocess.STDOUT)
         cluster = Cluster(ports, procs, password)
         deadline = time.monotonic() + 20
         for port in ports:

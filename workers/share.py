@@ -32,7 +32,6 @@ from sparkcache.fleet.cluster import ClusterSettings, connect
 from sparkcache.fleet.pages import share
 from sparkcache.maintenance_policy import DutyCycle, IoPacer
 from sparkcache.ratelog import RateLimitedLog
-from sparkcache.store import index
 from sparkcache.store.reader import StoreReader
 
 log = logging.getLogger(__name__)
@@ -110,27 +109,19 @@ class Share:
         """The first root listed with pages not yet shared; the roots are listed again
         (and the backlog reckoned) every ``LIST_EVERY_S``, and every ``POLL_S`` once
         those listed are done."""
-        todo = next((r for r in self.roots if self.shared.get(r.root_id, 0) < r.pages), None)
-        if now - self.listed_at >= (POLL_S if todo is None else LIST_EVERY_S):
+        if now - self.listed_at >= (POLL_S if self._first_unshared() is None
+                                    else LIST_EVERY_S):
             self.listed_at = now
-            self.roots = self._roots()
+            self.roots = [_Root(*r) for r in self.reader.roots(restored_only=self.hit_only)]
+            live = {r.root_id for r in self.roots}
+            for gone in [k for k in self.shared if k not in live]:
+                del self.shared[gone]
             self.life.backlog = sum(r.bytes * (r.pages - self.shared.get(r.root_id, 0))
                                     // max(1, r.pages) for r in self.roots)
-            todo = next((r for r in self.roots if self.shared.get(r.root_id, 0) < r.pages),
-                        None)
-        return todo
+        return self._first_unshared()
 
-    def _roots(self) -> list[_Root]:
-        """The roots to share, in the order they are shared."""
-        where = "WHERE last_access > created " if self.hit_only else ""
-        order = "last_access" if self.hit_only else "created"
-        with index.read_txn(self.reader.conn) as conn:
-            rows = conn.execute(f"SELECT id, pages, bytes FROM roots {where}"
-                                f"ORDER BY {order} DESC").fetchall()
-        live = {r[0] for r in rows}
-        for gone in [k for k in self.shared if k not in live]:
-            del self.shared[gone]
-        return [_Root(*r) for r in rows]
+    def _first_unshared(self) -> _Root | None:
+        return next((r for r in self.roots if self.shared.get(r.root_id, 0) < r.pages), None)
 
     def _share_batch(self, root: _Root) -> None:
         if self.cluster is None:
@@ -140,14 +131,11 @@ class Share:
         done = self.shared.get(root.root_id, 0)
         page_bytes = max(1, root.bytes // max(1, root.pages))
         n = max(1, BATCH_BYTES // page_bytes)
-        with index.read_txn(self.reader.conn) as conn:
-            keys = [k for (k,) in conn.execute(
-                "SELECT key FROM root_pages WHERE root_id = ? AND pos >= ? ORDER BY pos "
-                "LIMIT ?", (root.root_id, done, n))]
+        keys = self.reader.root_keys(root.root_id, done, n)
         plan = self.reader.plan(keys)
         rows = np.empty((len(plan), max((p.size for p in plan), default=0)), np.uint8)
         read = self.reader.read_planned(plan, [rows[i, :p.size] for i, p in enumerate(plan)])
-        if read.pages < len(keys):
+        if not keys or read.pages < len(keys):
             # Evicted meanwhile (or a page that fails verification, which the next
             # restore quarantines): the root is left for a later pass.
             self.shared[root.root_id] = root.pages

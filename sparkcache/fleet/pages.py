@@ -5,23 +5,24 @@
 absent (``SET NX``: a page another node sent meanwhile is not overwritten, and counts as
 present). ``fetch`` reads a prefix of pages (pipelined ``GET``s) and verifies each as a
 local read does (``codec.decode``): it ends at the first page missing or bad, whose
-successors are then computed, never served. ``held_prefix`` is what a lookup asks before a
-fetch: how far the cluster holds a prefix, in pipelined batches, within a deadline.
+successors are then computed, never served.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from sparkcache.fleet import codec
 from sparkcache.fleet.cluster import page_name
+from sparkcache.ratelog import RateLimitedLog
 from sparkcache.store.records import Buffer
 
 log = logging.getLogger(__name__)
+# A page planted or damaged under a right name is refetched by every lookup that reaches it.
+_rare = RateLimitedLog(log)
 
 
 @dataclass
@@ -86,24 +87,7 @@ def fetch(cluster: Any, prefix: str, keys: Sequence[bytes]) -> FetchResult:
             result.pages.append(codec.decode(key, value))
         except codec.BadSharedPage as exc:
             result.bad, result.reason = i, str(exc)
-            log.warning("shared page %s refused: %s", key.hex(), exc)
+            _rare.warning("bad", "shared page %s refused: %s", key.hex(), exc)
             return result
     return result
 
-
-def held_prefix(cluster: Any, prefix: str, keys: Sequence[bytes], deadline: float,
-                batch: int = 256) -> int:
-    """How many leading ``keys`` the cluster holds pages of, asked in pipelined ``EXISTS``
-    batches of ``batch``, until a page is missing or ``time.monotonic()`` passes
-    ``deadline`` (then the pages confirmed so far: a lookup on the engine's path waits no
-    longer than it was given). Raises redis' errors where the cluster fails."""
-    held = 0
-    while held < len(keys) and time.monotonic() < deadline:
-        pipe = cluster.pipeline(transaction=False)
-        for key in keys[held:held + batch]:
-            pipe.exists(page_name(prefix, key))
-        for found in pipe.execute():
-            if not found:
-                return held
-            held += 1
-    return held

@@ -281,6 +281,24 @@ class StoreReader:
                     total += size
         return pages
 
+    def roots(self, restored_only: bool = False) -> list[tuple[str, int, int]]:
+        """Every root as (id, pages, bytes), newest first; ``restored_only``: those read
+        since they were made (their last access after their creation), most recently
+        read first. One read transaction."""
+        where, order = ("WHERE last_access > created ", "last_access") if restored_only \
+            else ("", "created")
+        with index.read_txn(self.conn) as conn:
+            return conn.execute(f"SELECT id, pages, bytes FROM roots {where}"
+                                f"ORDER BY {order} DESC").fetchall()
+
+    def root_keys(self, root_id: str, start: int, count: int) -> list[str]:
+        """Keys of root ``root_id``'s pages ``start`` to ``start + count`` (fewer past its
+        end; none if it is gone)."""
+        with index.read_txn(self.conn) as conn:
+            return [k for (k,) in conn.execute(
+                "SELECT key FROM root_pages WHERE root_id = ? AND pos >= ? ORDER BY pos "
+                "LIMIT ?", (root_id, start, count))]
+
     def read_ahead(self, pages: Sequence[PlannedPage]) -> int:
         """Ask the kernel to read the objects of ``pages`` into the page cache, without
         waiting for it; the bytes asked for (objects gone since they were planned are

@@ -330,31 +330,29 @@ class SparkCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """``get_finished``'s reports and, for a model with several KV cache groups, the
         loads that did not load every page, failed by request: vLLM refuses block-level
-        load errors there (it recomputes a failed request's prompt whole)."""
+        load errors there (it raises) and computes a failed request's prompt whole."""
         sending, recving = self.get_finished(finished_req_ids)
-        failed: set[str] = set()
-        if self._hybrid:
-            try:
-                for side in (self._unserved, self._worker):
-                    if side is not None:
-                        failed |= side.failed_loads()
-                        side.load_errors()  # reported by request instead
-            except Exception:
-                self._fault("get_transfer_results")
+        failed = set(self._take_load_errors()) if self._hybrid else set()
         return KVConnectorTransferResults(finished_sending=set(sending or ()),
                                           finished_recving=set(recving or ()) | failed,
                                           failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors: set[int] = set()
+        if self._hybrid:
+            return set()  # reported by request (get_transfer_results)
+        return set().union(*self._take_load_errors().values())
+
+    def _take_load_errors(self) -> dict[str, set[int]]:
+        """The load errors of the worker side and of ``Unserved``, by request."""
+        taken: dict[str, set[int]] = {}
         try:
             for side in (self._unserved, self._worker):
                 if side is not None:
-                    errors |= side.load_errors()
-                    side.failed_loads()  # (asked by request only with several groups)
+                    for req_id, blocks in side.load_errors.take().items():
+                        taken.setdefault(req_id, set()).update(blocks)
         except Exception:
-            self._fault("get_block_ids_with_load_errors")
-        return set() if self._hybrid else errors
+            self._fault("load errors")
+        return taken
 
     def take_events(self) -> list[Any]:
         if self._scheduler is None:

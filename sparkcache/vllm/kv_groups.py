@@ -77,15 +77,22 @@ class KVGroups:
         """The pages ``[start, end)`` of the composite ending at page ``end``, given the
         anchor's raw keys of pages ``[0, end)`` and each group's blocks (vLLM's block ids
         by group index; None: keys only)."""
+        head = Composite(anchor[start * KEY_BYTES:end * KEY_BYTES],
+                         list(tables[self.groups[0].index][start:end]) if tables is not None
+                         else [])
+        rest = self.derived(anchor, start, end, tables)
+        return Composite(head.keys + rest.keys, head.blocks + rest.blocks)
+
+    def derived(self, anchor: bytes, start: int, end: int,
+                tables: Sequence[Sequence[int]] | None = None) -> Composite:
+        """The composite's parts after the anchor's: the other groups' pages, with keys
+        derived from the anchor's (what a lookup asks beyond the anchor's prefix)."""
         raw: list[bytes] = []
         blocks: list[int] = []
-        for g in self.groups:
+        for g in self.groups[1:]:
             first = start if g.kind == FULL else max(start, end - g.window_pages)
-            if g is self.groups[0]:
-                raw.append(anchor[first * KEY_BYTES:end * KEY_BYTES])
-            else:
-                raw += [group_key(anchor[i * KEY_BYTES:(i + 1) * KEY_BYTES], g.index)
-                        for i in range(first, end)]
+            raw += [group_key(anchor[i * KEY_BYTES:(i + 1) * KEY_BYTES], g.index)
+                    for i in range(first, end)]
             if tables is not None:
                 blocks += tables[g.index][first:end]
         return Composite(b"".join(raw), blocks)
@@ -117,10 +124,6 @@ class Composite:
 
     keys: bytes
     blocks: list[int]
-
-    @property
-    def pages(self) -> int:
-        return len(self.keys) // KEY_BYTES
 
     def hex_keys(self) -> list[str]:
         k = self.keys

@@ -352,10 +352,8 @@ class SchedulerSide:
                        reverse=True)
         ends = [pages, *below[:COMPOSITE_TRIES - 1]]
         for end in ends:
-            tail = self.groups.composite(state.keys.key_bytes(0, end), 0, end).keys[
-                end * KEY_BYTES:]
-            wanted = [*keys[:end], *(tail[i:i + KEY_BYTES].hex()
-                                     for i in range(0, len(tail), KEY_BYTES))]
+            tail = self.groups.derived(state.keys.key_bytes(0, end), 0, end)
+            wanted = [*keys[:end], *tail.hex_keys()]
             if self.lookup.lookup(wanted, beyond=start, hints=(len(wanted),), lease=lease,
                                   counted=False) == len(wanted):
                 return end

@@ -78,6 +78,22 @@ def distinct_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+class LoadErrors:
+    """The blocks of loads that did not load every page, by request, until reported:
+    vLLM takes them by block (``get_block_ids_with_load_errors``), or by request for a
+    model with several KV cache groups (``get_transfer_results``' ``failed_recving``)."""
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, set[int]] = {}
+
+    def add(self, req_id: str, blocks: list[int]) -> None:
+        self._by_request.setdefault(req_id, set()).update(blocks)
+
+    def take(self) -> dict[str, set[int]]:
+        taken, self._by_request = self._by_request, {}
+        return taken
+
+
 class WorkerSide:
     def __init__(self, settings: Settings, rank: int, groups: KVGroups | None = None) -> None:
         """``groups``: vLLM's KV cache groups where it made several (``kv_groups``)."""
@@ -102,8 +118,7 @@ class WorkerSide:
         # Loads the restore worker holds: request -> (job, staging pages, started at).
         self._inflight: dict[str, tuple[PageJob, list[int] | None, float]] = {}
         self._finished: set[str] = set()  # saved requests vLLM reported finished
-        self._load_errors: set[int] = set()
-        self._failed: set[str] = set()  # the requests of those blocks
+        self.load_errors = LoadErrors()
         self._poll_at = 0.0  # when get_finished next reads the rings with nothing outstanding
         # Something may have been counted since totals() was last read: start() had jobs,
         # or get_finished read the rings (the connector's stats skip the sums otherwise).
@@ -340,8 +355,7 @@ class WorkerSide:
         self.counters["loaded_pages"] += got
         if got < job.pages:
             self.counters["load_errors"] += 1
-            self._load_errors.update(job.block_ids[got: job.pages])
-            self._failed.add(job.req_id)
+            self.load_errors.add(job.req_id, job.block_ids[got: job.pages])
         self._loading.pop(job.req_id, None)
         self._recved.add(job.req_id)
 
@@ -383,8 +397,7 @@ class WorkerSide:
             if req_id not in busy:
                 del self._loading[req_id]
                 self._inflight.pop(req_id, None)
-                self._load_errors.update(job.block_ids[: job.pages])
-                self._failed.add(req_id)
+                self.load_errors.add(req_id, job.block_ids[: job.pages])
                 self._recved.add(req_id)
         for req_id in [r for r in self._lent if r not in busy]:
             del self._lent[req_id]
@@ -420,15 +433,6 @@ class WorkerSide:
             out[f"skipped:load_{reason}"] = n
         return out
 
-    def load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
-
-    def failed_loads(self) -> set[str]:
-        """The requests whose blocks ``load_errors`` named, since the last call: vLLM
-        takes load failures of a model with several KV cache groups by request."""
-        failed, self._failed = self._failed, set()
-        return failed
 
     def close(self) -> None:
         self.client.close()
@@ -451,27 +455,17 @@ class Unserved:
     def __init__(self) -> None:
         self.jobs = 0  # answered so, for the log
         self._recved: set[str] = set()
-        self._errors: set[int] = set()
-        self._failed: set[str] = set()
+        self.load_errors = LoadErrors()
         self._sent: set[str] = set()
         self._finished: set[str] = set()
 
     def take(self, meta: SparkCacheMetadata) -> None:
         for job in meta.loads:
             self._recved.add(job.req_id)
-            self._errors.update(job.block_ids[: job.pages])
-            self._failed.add(job.req_id)
+            self.load_errors.add(job.req_id, job.block_ids[: job.pages])
         self._sent.update(job.req_id for job in meta.saves)
         self.jobs += len(meta.loads) + len(meta.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finished |= finished_req_ids & self._sent  # as WorkerSide.get_finished
         return _take_reports(self._sent, self._finished, self._recved)
-
-    def load_errors(self) -> set[int]:
-        errors, self._errors = self._errors, set()
-        return errors
-
-    def failed_loads(self) -> set[str]:
-        failed, self._failed = self._failed, set()
-        return failed

@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
+import os
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,42 @@ def write_checkpoint(path: Path, config: dict | None = None,
                       initializer_range=initializer_range)
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     return path
+
+
+@contextlib.contextmanager
+def engine_beside_supervisor(root: Path, model: Path, model_id: str, *supervisor_args: str,
+                             max_model_len: int = 1024) -> Iterator[tuple[Any, Path]]:
+    """A supervisor on ``root``/store (pages of ``BLOCK`` tokens, ``supervisor_args``
+    more) and vLLM's offline engine in this process on ``model`` with SparkCache's
+    connector (``sparkcache_llm``): ``(llm, store)``. Both are stopped after, the
+    supervisor cleanly, and nothing of the instance is left in /dev/shm."""
+    from sparkcache.shm.segment import instance_entries
+
+    from tests.pipeline_util import start_supervisor, stop_supervisor
+
+    store, instance = root / "store", f"t{uuid.uuid4().hex[:10]}"
+    os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                       "VLLM_CACHE_ROOT": str(root / "vllm-cache"), "HF_HUB_OFFLINE": "1"})
+    sup = start_supervisor(store, instance, "--page-tokens", str(BLOCK), *supervisor_args)
+    llm = None
+    try:
+        llm = sparkcache_llm(model, store, instance, model_id, max_model_len)
+        yield llm, store
+    finally:
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+        code, err = stop_supervisor(sup)
+        assert code == 0, err[-2000:]
+        assert not instance_entries(instance), instance_entries(instance)
+
+
+def save_turn(llm: Any, store: Path, tokens: list[int], pages: int) -> None:
+    """Run a turn, then step the engine (the offline LLM steps only while a request is
+    open) until the store holds its first ``pages`` pages."""
+    generate(llm, tokens)
+    wait_until(lambda: stored_prefix_pages(store, tokens) >= pages, 60,
+               f"{pages} pages stored", step=lambda: generate(llm, [5] * 4))
 
 
 def sparkcache_llm(model: Path, store: Path, instance: str, model_id: str,

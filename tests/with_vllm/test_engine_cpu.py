@@ -4,21 +4,15 @@ a full recompute generates."""
 
 from __future__ import annotations
 
-import os
-import uuid
-from pathlib import Path
-
 import pytest
 
-from tests.pipeline_util import start_supervisor, stop_supervisor
 from tests.with_vllm.engine_util import (
     BLOCK,
     CONFIG,
+    engine_beside_supervisor,
     engine_installed,
     generate,
-    sparkcache_llm,
-    stored_prefix_pages,
-    wait_until,
+    save_turn,
     write_checkpoint,
     wrong_page_restored,
 )
@@ -35,40 +29,16 @@ SLOT_BYTES = "256KiB"
 def engine(tmp_path_factory):
     """One supervisor and one in-process engine for the module (an engine takes tens of
     seconds to start here)."""
-    from sparkcache.shm.segment import instance_entries
-
     root = tmp_path_factory.mktemp("engine")
-    store, instance = root / "store", f"t{uuid.uuid4().hex[:10]}"
-    os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                       "VLLM_CACHE_ROOT": str(root / "vllm-cache"), "HF_HUB_OFFLINE": "1"})
-    ckpt = write_checkpoint(root / "model")
     # Slots of three pages (64 KiB each: 2 layers, K and V, 32 tokens, 2 heads of 64 fp32):
     # every turn here is a publication of several parts (docs/pipeline.md). The blocks
     # are lent longer than by default: a commit's sync also writes back what the tests
     # beside this one wrote, and a publication past its deadline is finished only by a
     # next turn, which these tests do not send.
-    sup = start_supervisor(store, instance, "--page-tokens", str(BLOCK),
-                           "--capture-slot-bytes", SLOT_BYTES,
-                           "--release-timeout-seconds", "30")
-    llm = None
-    try:
-        llm = sparkcache_llm(ckpt, store, instance, "tiny-llama-random")
-        yield llm, store
-    finally:
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-        code, err = stop_supervisor(sup)
-        assert code == 0, err[-2000:]
-        assert not instance_entries(instance), instance_entries(instance)
-
-
-def save_turn(llm, store: Path, tokens: list[int], pages: int) -> None:
-    """Run a turn, then step the engine (the offline LLM steps only while a request is
-    open) until the store holds its first ``pages`` pages."""
-    generate(llm, tokens)
-    wait_until(lambda: stored_prefix_pages(store, tokens) >= pages, 60,
-               f"{pages} pages stored", step=lambda: generate(llm, [5] * 4))
+    with engine_beside_supervisor(root, write_checkpoint(root / "model"),
+                                  "tiny-llama-random", "--capture-slot-bytes", SLOT_BYTES,
+                                  "--release-timeout-seconds", "30") as engine:
+        yield engine
 
 
 def test_second_turn_restores_the_prefix_and_matches_recompute(engine) -> None:
