@@ -144,6 +144,8 @@ READ_PATHS = (
     # through the page cache, for a direct read being impossible there: a filesystem or
     # device refusing O_DIRECT, or an object file of its own (not a pack)
     "buffered",
+    # fetched from the fleet's cluster, the local store lacking them (docs/fleet.md)
+    "cluster",
 )
 
 # Upper bounds (seconds) of the buckets of each worker's item durations (capture: one
@@ -163,13 +165,13 @@ OUTCOMES = 8
 # One slot per worker of a rank (see workers.lifecycle.Role), written by that worker.
 WORKER_STATS = RecordLayout(
     "worker_stats",
-    # 12 had no disk_full or free_bytes; 11 no read lease releases or yields; 10 no
-    # leased or yielded bytes; 9 no
+    # 13 had no read_bytes_cluster or fleet_bad_pages; 12 had no disk_full or free_bytes;
+    # 11 no read lease releases or yields; 10 no leased or yielded bytes; 9 no
     # read_bytes; 7 no index_sync; 6 no pooled_bytes; 5 no entries, outcomes or durations;
     # 4 no lock wait and no maintenance backlog; 3 no roots_superseded; 2 no pid_start and
     # no drop_stale; 8 had pid_start in
     # wall-clock time (psutil create_time)
-    13,
+    14,
     np.dtype(
         [
             ("pid", "<u4"),
@@ -247,6 +249,9 @@ WORKER_STATS = RecordLayout(
             # free bytes, read every slice
             ("disk_full", "<u8"),
             ("free_bytes", "<u8"),
+            # restore: pages fetched from the fleet's cluster that failed verification
+            # (planted, damaged or cut short: a miss, recomputed), in all
+            ("fleet_bad_pages", "<u8"),
         ]
     ),
 )

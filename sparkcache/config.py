@@ -243,6 +243,14 @@ class Config:
         metadata=_help("Which roots are shared: all (newest first) or hit (only those "
                        "restored at least once, most recently restored first)."),
     )
+    share_lookup_timeout_s: float = field(
+        default=0.1,
+        metadata=_help(
+            "Read-through: how long a prefix lookup may ask the cluster for the pages "
+            "the local store lacks (the request waits that long at most; the restore "
+            "worker then fetches them). 0: no read-through, the node only shares."
+        ),
+    )
     metrics_host: str = field(
         default="127.0.0.1",
         metadata=_help(
@@ -353,7 +361,7 @@ def _parse_field(name: str, text: str) -> Any:
         except ValueError:
             raise ValueError("a whole number") from None
     if name in ("lease_seconds", "lookup_lease_seconds", "release_timeout_seconds",
-                "heartbeat_timeout_s"):
+                "heartbeat_timeout_s", "share_lookup_timeout_s"):
         try:
             return float(text)
         except ValueError:
@@ -471,6 +479,8 @@ def validate(
         bad("share_duty", "a share of a second above 0 and at most 1, such as 0.2")
     if cfg.share_roots not in ("all", "hit"):
         bad("share_roots", "all or hit")
+    if not 0 <= cfg.share_lookup_timeout_s <= 10:
+        bad("share_lookup_timeout_s", "0 (no read-through) to 10 seconds, such as 0.1")
     if not 0 <= cfg.metrics_port <= 65535:
         bad("metrics_port", "a port from 0 to 65535 (0: no endpoint)")
     if not is_host(cfg.metrics_host):

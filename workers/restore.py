@@ -28,6 +28,12 @@ first bad page (the client asks maintenance to quarantine it: only the client pr
 into the request ring). Reports are never dropped while this process lives: the client
 reuses a load's blocks only after a report or this process's death (docs/pipeline.md).
 One the full ring refuses waits, in order, and no new load is taken meanwhile.
+
+The read-through (docs/fleet.md): where a cluster is configured, the pages of a load past
+the local store's prefix are fetched from the fleet's cluster, a chunk a pipeline on a
+thread of their own, each verified (``fleet.codec``) before a byte of it is copied to its
+blocks; the load ends at the first page missing there or failing verification (vLLM
+recomputes from it). The engine's save of the request then stores them locally.
 """
 
 from __future__ import annotations
@@ -54,6 +60,10 @@ from sparkcache.workers.batches import split_batches
 from sparkcache.workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, WorkerSpec
 
 from sparkcache import registry, segments
+from sparkcache.config import Config
+from sparkcache.fleet.cluster import settings_of
+from sparkcache.fleet.link import ClusterLink
+from sparkcache.fleet.pages import fetch_into
 from sparkcache.protocol import LoadStatus
 from sparkcache.ratelog import RateLimitedLog
 from sparkcache.store import StoreError, UnsafeStoreDir
@@ -77,6 +87,9 @@ LOAD_CAPACITY = segments.RINGS["load"][1]  # also the most pages of one load
 # through the page cache, one reader did better: two made two streams for the kernel's
 # readahead; docs/store.md, "Reading a pack".) Each holds 34 MiB of buffers for it.
 READERS = 2
+# Threads fetching chunks from the fleet's cluster (the read-through): redis-py's cluster
+# client serves each from its own connection per node.
+FETCHERS = 2
 # Bytes read per task; the staging holds STAGED_CHUNKS of them (read ahead of the writes).
 CHUNK_BYTES = 16 << 20
 STAGED_CHUNKS = 2 * READERS
@@ -138,13 +151,28 @@ class _Outcome:
         return (load_id, int(self.status), self.pages, self.bad_index, 0, hi, lo, gen)
 
 
+@dataclass(frozen=True)
+class _ClusterPage:
+    """A page of a load past the local store's prefix, to fetch from the cluster."""
+
+    key: str  # hex
+
+
+@dataclass(frozen=True)
+class _Fetched(ReadResult):
+    cluster_bytes: int = 0
+    bad_pages: int = 0  # fetched pages that failed verification (0 or 1: it ends there)
+
+
 @dataclass
 class _Active:
     """A load being served: its plan read chunk by chunk, in turn with the others."""
 
     load_id: int
     npages: int  # pages asked for
-    plan: list[PlannedPage]  # the stored prefix of them
+    # The stored prefix of them, then (read-through) the rest, to fetch from the cluster.
+    plan: list[PlannedPage | _ClusterPage]
+    local: int  # leading pages of the plan in the local store
     blocks: list[int]
     started: float  # perf_counter
     submitted: int = 0  # leading pages of the plan handed to the readers
@@ -212,6 +240,46 @@ class _ReaderPool:
         self._io.shutdown()
 
 
+class _FleetFetcher:
+    """Fetches the pages of loads the local store lacks from the fleet's cluster, a chunk
+    a pipeline, on threads of their own beside the readers (``FETCHERS``: one chunk's
+    round trip overlaps another's verification and copy). A cluster that fails ends the
+    chunk's load there (a miss) and is not asked again for a back-off
+    (``ClusterLink``)."""
+
+    def __init__(self, cfg: Config, rank: int) -> None:
+        self.rank = rank
+        self.link = ClusterLink(settings_of(cfg), f"restore[r{rank}] read-through")
+        self._pool = ThreadPoolExecutor(FETCHERS, thread_name_prefix="restore-fleet")
+        self._lock = threading.Lock()  # the link: connecting, and its back-off
+
+    def submit(self, pages: Sequence[_ClusterPage], into: Sequence[object],
+               page_bytes: int) -> Future:
+        return self._pool.submit(self._fetch, [bytes.fromhex(p.key) for p in pages], into,
+                                 page_bytes)
+
+    def _fetch(self, keys: list[bytes], into: Sequence[object], page_bytes: int) -> _Fetched:
+        try:
+            with self._lock:
+                cluster = self.link.client()
+            if cluster is None:
+                return _Fetched(0, ())
+            got = fetch_into(cluster, self.link.settings.key_prefix, self.rank, keys, into,
+                             page_bytes)
+            with self._lock:
+                self.link.succeeded()
+        except Exception as exc:  # the cluster's faults: a miss, no more
+            with self._lock:
+                self.link.failed(exc)
+            return _Fetched(0, ())
+        return _Fetched(got.pages, (), cluster_bytes=got.bytes,
+                        bad_pages=int(got.bad is not None))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.link.close()
+
+
 class Restore:
     def __init__(self, life: Lifecycle) -> None:
         spec = life.spec
@@ -225,6 +293,9 @@ class Restore:
         self.reg: _Registered | None = None
         self._reader: StoreReader | None = None
         self._pool: _ReaderPool | None = None
+        self._fleet = (_FleetFetcher(self.cfg, spec.rank) if self.cfg.share_cluster_url
+                       and self.cfg.share_lookup_timeout_s > 0 else None)
+        life.report["fleet_bad_pages"] = 0
         self._unsent: deque[tuple] = deque()
         # Loads popped and not yet planned, in the order they came.
         self._popped: deque[np.ndarray] = deque()
@@ -251,6 +322,8 @@ class Restore:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+        if self._fleet is not None:
+            self._fleet.close()
         if self._reader is not None:
             self._reader.close()
         self._close_registration()
@@ -485,7 +558,10 @@ class Restore:
             self._rare.warning("size", "page %s holds %d bytes, not the engine's %d; "
                                "the load ends there", plan[fits].key, plan[fits].size,
                                reg.views.page_bytes)
-        return _Active(int(recs["load_id"][0]), len(keys), plan[:fits], blocks.tolist(),
+        whole: list[PlannedPage | _ClusterPage] = list(plan[:fits])
+        if self._fleet is not None and fits == len(plan) < len(keys):
+            whole += [_ClusterPage(k) for k in keys[fits:]]  # the read-through
+        return _Active(int(recs["load_id"][0]), len(keys), whole, fits, blocks.tolist(),
                        time.perf_counter())
 
     def _submit_in_turn(self) -> None:
@@ -499,12 +575,19 @@ class Restore:
         while self._free and self._turn:
             load = self._turn.popleft()
             start = load.submitted
-            pages = load.plan[start : start + size]
+            # A chunk is all local pages or all the cluster's.
+            end = min(start + size, load.local) if start < load.local else start + size
+            pages = load.plan[start:end]
             load.submitted += len(pages)
             buf = self._free.pop()
             into = reg.staging[buf] if not reg.in_place else [
                 reg.views.page_runs(b) for b in load.blocks[start : start + len(pages)]]
-            fut = self._pool.submit(pages, into)
+            if start < load.local:
+                fut = self._pool.submit(pages, into)  # type: ignore[arg-type]
+            else:
+                assert self._fleet is not None
+                fut = self._fleet.submit(pages, into,  # type: ignore[arg-type]
+                                         reg.views.page_bytes)
             load.reading += 1
             self._reading.append((load, start, buf, fut))
             if load.submitted < len(load.plan):
@@ -540,8 +623,10 @@ class Restore:
             load.written += result.pages
             self.life.copy_bytes += result.pages * reg.views.page_bytes
             for path in READ_PATHS:
-                self.life.report[f"read_bytes_{path}"] += getattr(result, f"{path}_bytes")
+                self.life.report[f"read_bytes_{path}"] += getattr(result, f"{path}_bytes", 0)
             lifecycle.checkpoint("restore.written")
+        if isinstance(result, _Fetched):
+            self.life.report["fleet_bad_pages"] += result.bad_pages
         if result.pages < len(load.plan[start : start + reg.chunk_pages]):
             # The page it stopped at; pages opened ahead of it may be reported too.
             stop = load.plan[start + result.pages].key

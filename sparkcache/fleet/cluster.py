@@ -6,7 +6,8 @@ carrying one is refused. TLS is the ``rediss://`` scheme, with a CA (and a clien
 certificate) where the cluster wants them. Every name starts with the deployment's key
 prefix, so fleets sharing a cluster never meet; the page key after it is a hex digest that
 already names the namespace (model, KV layout, tenant salt), so pages of different
-namespaces never meet either.
+namespaces never meet either; the rank is in the name too, since tensor-parallel ranks
+share their keys, each for its own heads.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from sparkcache.identity import KEY_BYTES
+
+if TYPE_CHECKING:
+    from sparkcache.config import Config
 
 DEFAULT_PASSWORD_ENV = "SPARKCACHE_REDIS_PASSWORD"
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -88,11 +92,12 @@ def key_prefix_problem(prefix: str) -> str | None:
     return None if _PREFIX_RE.fullmatch(prefix) else "1-64 characters of A-Z a-z 0-9 _ . -"
 
 
-def page_name(prefix: str, key: bytes) -> bytes:
-    """The cluster's name of the page whose raw key is ``key``."""
+def page_name(prefix: str, rank: int, key: bytes) -> bytes:
+    """The cluster's name of rank ``rank``'s page whose raw key is ``key`` (every rank
+    computes the same keys, each for its own heads: ``identity``)."""
     if len(key) != KEY_BYTES:
         raise ValueError(f"page key of {len(key)} bytes, not {KEY_BYTES}")
-    return f"{prefix}:page:{key.hex()}".encode()
+    return f"{prefix}:r{rank}:page:{key.hex()}".encode()
 
 
 def connect(settings: ClusterSettings, env: Mapping[str, str] = os.environ) -> Any:
@@ -114,3 +119,12 @@ def connect(settings: ClusterSettings, env: Mapping[str, str] = os.environ) -> A
                       ssl_certfile=settings.tls_cert_file and str(settings.tls_cert_file),
                       ssl_keyfile=settings.tls_key_file and str(settings.tls_key_file))
     return RedisCluster(**kwargs)
+
+
+def settings_of(cfg: Config) -> ClusterSettings:
+    """The cluster a SparkCache config names (``share_*``); its URL must be set."""
+    return ClusterSettings(
+        cfg.share_cluster_url, key_prefix=cfg.share_key_prefix,
+        username=cfg.share_username or None,
+        password_file=Path(cfg.share_password_file) if cfg.share_password_file else None,
+        tls_ca_file=Path(cfg.share_tls_ca_file) if cfg.share_tls_ca_file else None)

@@ -22,7 +22,7 @@ COUNTER_FIELDS: tuple[str, ...] = (
     "processed", "failed", "item_errors", "copy_bytes", "copy_seconds", "roots_superseded",
     "lock_wait_s", "evicted_roots", "cut_roots", "skipped_roots", "reclaimed_bytes",
     "collected_objects", "collected_bytes", "io_bytes", "refused_s", "yielded_roots",
-    "yielded_bytes", "read_releases", "read_yielded_roots", "disk_full",
+    "yielded_bytes", "read_releases", "read_yielded_roots", "disk_full", "fleet_bad_pages",
     *(f"drop_{reason}" for reason in DROP_REASONS),
     *(f"outcome_{n}" for n in range(OUTCOMES)),
     "dur_count", "dur_sum_s",

@@ -287,8 +287,13 @@ class SparkCacheCollector(Collector):
             PREFIX + "restore_read_bytes",
             "Bytes of the pages the restore worker restored, by how it read them: direct "
             "(past the page cache), cached (mostly in the page cache already), buffered "
-            "(through the page cache, direct reads being impossible there).",
+            "(through the page cache, direct reads being impossible there), cluster "
+            "(fetched from the fleet's cluster, the local store lacking them).",
             labels=["rank", "path"])
+        fleet_bad = CounterMetricFamily(
+            PREFIX + "fleet_bad_pages",
+            "Pages fetched from the fleet's cluster that failed verification (a miss, "
+            "recomputed; the cluster's copy is left to its eviction).", labels=["rank"])
         for w in r.workers:
             label = _rank(w)
             t = w.totals
@@ -308,7 +313,8 @@ class SparkCacheCollector(Collector):
                 checksum.add_metric([label], t[f"outcome_{int(LoadStatus.CORRUPT)}"])
                 for path in READ_PATHS:
                     read.add_metric([label, path], t[f"read_bytes_{path}"])
-        yield from (pubs, restores, checksum, read)
+                fleet_bad.add_metric([label], t["fleet_bad_pages"])
+        yield from (pubs, restores, checksum, read, fleet_bad)
 
     # ------------------------------------------------------------------ histograms
 

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkcache import attachment, kvmem, registry
-from sparkcache.config import AccessMode
+from sparkcache.config import AccessMode, Config
+from sparkcache.fleet.cluster import settings_of
+from sparkcache.fleet.lookup import ClusterLookup
 from sparkcache.identity import KEY_BYTES, Namespace
 from sparkcache.load_cost import LoadCost
 from sparkcache.prefix_lookup import ALIVE_RECHECK_S, PrefixLookup
@@ -92,6 +94,9 @@ class _Request:
     # and the most pages of the saves it waited for.
     waiting_since: float = 0.0
     waited_for: int = 0
+    # Its last answer was "later" for the cluster's probes, not for a save: asked again
+    # at the next step (the probes take a round trip or a few, not a save's time).
+    asked_fleet: bool = False
 
 
 class SchedulerSide:
@@ -151,6 +156,7 @@ class SchedulerSide:
         self._waits_off_until = 0.0
         self.events = (KVEvents(settings.cfg.store_dir, settings.tp_size, background=True)
                        if kv_events else None)
+        self.fleet = _read_through(settings.cfg, settings.tp_size, self.groups is not None)
 
     # ------------------------------------------------------------------ keys
 
@@ -268,7 +274,8 @@ class SchedulerSide:
         if state is not None:
             state.request = request
             state.answer = (num_computed_tokens, answer)
-            hold = ANSWER_REUSE_S if answer[0] is not None else SAVE_RECHECK_S
+            hold = (ANSWER_REUSE_S if answer[0] is not None else
+                    0.0 if state.asked_fleet else SAVE_RECHECK_S)
             state.answer_until = time.monotonic() + min(
                 hold, self.settings.cfg.lookup_lease_seconds / 2)
         return answer
@@ -314,12 +321,20 @@ class SchedulerSide:
         if self.groups is not None and pages > start:
             pages = self._composite_stored(state, keys, start, pages, lease)
         now = time.monotonic()
+        state.asked_fleet = False
         if self._waits_for_save(state, keys, max(pages, start), now):
             # Asked again at a later step: what the save stores is likelier to be loaded
             # than computed (the prefix vLLM holds itself, ``start``, needs no save).
             if pages:
                 self.lookup.release(lease)
             return None, False
+        if self.fleet is not None:
+            found = self._from_fleet(request.request_id, state, max(pages, start), len(keys))
+            if found is None:  # asked of the cluster: answered at a later step
+                if pages:
+                    self.lookup.release(lease)
+                return None, False
+            pages = max(pages, start) + found if found else pages
         self.lookup.count(len(keys), start, pages)
         self.counters["lookups"] += 1
         if pages and self.settings.drop_last_page:
@@ -339,6 +354,20 @@ class SchedulerSide:
             return 0, False
         state.load, state.lease = (start, pages), lease
         return pages * self.block - num_computed_tokens, True
+
+    def _from_fleet(self, request_id: str, state: _Request, have: int,
+                    total: int) -> int | None:
+        """Pages past ``have`` the fleet's cluster holds for every rank (the restore
+        worker fetches them: the read-through, docs/fleet.md); None: asked, answered at
+        a later step."""
+        assert self.fleet is not None
+        if have >= total:
+            return 0
+        found = self.fleet.held(request_id, state.keys.key_bytes(have, total), have)
+        state.asked_fleet = found is None
+        if found:
+            self.counters["fleet_hit_tokens"] += found * self.block
+        return found
 
     def _composite_stored(self, state: _Request, keys: list[str], start: int, pages: int,
                           lease: int) -> int:
@@ -615,6 +644,8 @@ class SchedulerSide:
             state = self._reqs.pop(request.request_id, None)  # the request is over
             if state is not None:
                 self._release(state)
+            if self.fleet is not None:
+                self.fleet.forget(request.request_id)
         if held:
             self._held[request.request_id] = time.monotonic()
         return held, params
@@ -696,11 +727,17 @@ class SchedulerSide:
                        if k in ("lookups", "hit_tokens", "saves", "partial_saves",
                                 "preemption_saves", "held_requests", "held_seconds",
                                 "load_cuts", "load_cut_tokens", "save_waits",
-                                "save_wait_seconds", "save_waits_in_vain")})
+                                "save_wait_seconds", "save_waits_in_vain",
+                                "fleet_hit_tokens")})
         for reason, n in self.lookup.misses.items():
             out[f"skipped:lookup_{reason}"] += n
         if self.events is not None:
             out.update(self.events.counts.totals())
+        if self.fleet is not None:
+            out["fleet_lookups"] = self.fleet.counters["asked"]
+            for reason in ("late", "unavailable", "failed"):
+                if self.fleet.counters[reason]:
+                    out[f"skipped:fleet_lookup_{reason}"] = self.fleet.counters[reason]
         for reason in ("lookup_skipped", "namespace_mismatch", "aborted_while_loading",
                        "load_failed_before", "lookup_before_reset", "lookup_skip_reading",
                        "lookup_window_not_stored", "save_window_freed", "lookup_draft_window",
@@ -712,5 +749,20 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.lookup.close()
+        if self.fleet is not None:
+            self.fleet.close()
         if self.events is not None:
             self.events.close()
+
+
+def _read_through(cfg: Config, ranks: int, hybrid: bool) -> ClusterLookup | None:
+    """The cluster's lookups where the config names a cluster and a lookup time-out."""
+    if not cfg.share_cluster_url or cfg.share_lookup_timeout_s <= 0:
+        return None
+    if hybrid:
+        # A hybrid model's hit needs its sliding windows' pages too (the composite,
+        # kv_groups), which the cluster's probes of the prefix do not look for.
+        log.info("SparkCache: no read-through from the cluster for a model with "
+                 "sliding-window layers; this node shares its pages all the same")
+        return None
+    return ClusterLookup(settings_of(cfg), ranks, cfg.share_lookup_timeout_s)

@@ -41,6 +41,12 @@ METRICS = {
     "save_waits_in_vain": ("vllm:sparkcache_save_waits_in_vain",
                            "Of those waits, the ones that ended with the save not stored "
                            "in time (the request then took what was stored)."),
+    "fleet_lookups": ("vllm:sparkcache_fleet_lookups",
+                      "Lookups that asked the fleet's cluster for pages the local store "
+                      "lacks (the read-through)."),
+    "fleet_hit_tokens": ("vllm:sparkcache_fleet_hit_tokens",
+                         "Tokens those lookups found in the cluster, past the local "
+                         "stores' hit."),
     "saves": ("vllm:sparkcache_saves", "Finished requests whose pages were published."),
     "saved_pages": ("vllm:sparkcache_saved_pages", "Pages published for capture."),
     "partial_saves": ("vllm:sparkcache_partial_saves",

@@ -1,0 +1,61 @@
+"""A worker's connection to the cluster: opened when first needed, closed by a fault and
+opened again only after a back-off, so a cluster that is down costs each node a
+connection attempt now and then, never a wait on every request."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from sparkcache.fleet.cluster import ClusterSettings, connect
+from sparkcache.ratelog import RateLimitedLog
+
+log = logging.getLogger(__name__)
+
+BACKOFF_S = (1.0, 60.0)  # after a failure: first wait, longest wait
+
+
+class ClusterLink:
+    def __init__(self, settings: ClusterSettings, purpose: str) -> None:
+        """``purpose``: what this process uses the cluster for, for its log lines."""
+        self.settings = settings
+        self.purpose = purpose
+        self.failures = 0
+        self.retry_at = 0.0  # time.monotonic() before which the cluster is not asked
+        self._backoff = BACKOFF_S[0]
+        self._client: Any = None
+        self._rare = RateLimitedLog(log)
+
+    def client(self) -> Any | None:
+        """The cluster's client, connected now if needed; None while backing off.
+        Raises redis' errors where connecting fails (hand them to ``failed``)."""
+        if self._client is None:
+            if time.monotonic() < self.retry_at:
+                return None
+            self._client = connect(self.settings)
+            log.info("%s: the cluster at %s (prefix %r)", self.purpose, self.settings.url,
+                     self.settings.key_prefix)
+        return self._client
+
+    def succeeded(self) -> None:
+        self._backoff = BACKOFF_S[0]
+
+    def failed(self, exc: BaseException) -> None:
+        """Count, log once per kind of error, drop the connection, back off (doubling
+        from 1 s to 60 s)."""
+        self.failures += 1
+        self._rare.warning(type(exc).__name__, "%s: the cluster at %s failed (%s); asked "
+                           "again in %.0f s", self.purpose, self.settings.url, exc,
+                           self._backoff)
+        self.retry_at = time.monotonic() + self._backoff
+        self._backoff = min(BACKOFF_S[1], self._backoff * 2)
+        self.close()
+
+    def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            try:
+                client.close()
+            except Exception as exc:  # a connection already broken
+                log.debug("closing the cluster's client: %r", exc)

@@ -1,0 +1,116 @@
+"""The lookup half of the read-through: how far the cluster holds a request's prefix past
+what the local stores hold, asked off the scheduler's thread.
+
+vLLM's scheduler asks about a request at every step while it waits; a round trip to the
+cluster must not stall that thread, which keeps the engine fed. So the first ask starts
+the cluster's probes (``pages.held``) on this object's own thread and waits for them at
+most ``INLINE_WAIT_S`` (a round trip or two on a LAN: the answer for a prompt the cluster
+lacks, one round, comes within it, and that request is not put off a step); if they are
+not done, it answers "not known yet" (the connector answers vLLM "ask again later"), and
+a later ask takes the answer.
+The probes end by ``timeout_s`` with what they found so far, and an answer still not in
+by then counts as none (``late``): the request computes rather than wait on a slow
+cluster. A cluster that fails is not asked for a back-off (``ClusterLink``): requests
+then get no cluster pages at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from sparkcache.fleet.cluster import ClusterSettings
+from sparkcache.fleet.link import ClusterLink
+from sparkcache.fleet.pages import held
+from sparkcache.identity import KEY_BYTES
+
+log = logging.getLogger(__name__)
+
+# Answers kept for requests that have not asked again yet (a request that is dropped
+# never asks again: the oldest go).
+KEPT = 1024
+# How long after its deadline a probe may still answer (a socket's own time-out ends it).
+GRACE_S = 0.05
+# How long the first ask waits for the probes before answering "later".
+INLINE_WAIT_S = 0.002
+
+
+@dataclass
+class _Asked:
+    start: int  # the page the probes began at
+    count: int  # pages asked about
+    deadline: float
+    future: Future
+
+
+class ClusterLookup:
+    def __init__(self, settings: ClusterSettings, ranks: int, timeout_s: float) -> None:
+        """``ranks``: a page counts only where every tensor-parallel rank shared it."""
+        self.ranks = ranks
+        self.timeout_s = timeout_s
+        self.link = ClusterLink(settings, "read-through lookups")
+        self.counters: Counter = Counter()  # asked, late, unavailable, failed
+        self._asked: OrderedDict[Hashable, _Asked] = OrderedDict()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sparkcache-fleet-lookup")
+        self._lock = threading.Lock()  # the link, between this thread and the pool's
+
+    def held(self, request_id: Hashable, keys: bytes, start: int) -> int | None:
+        """How many leading pages of ``keys`` (raw, ``KEY_BYTES`` each; the request's
+        pages from page ``start`` on) the cluster holds for every rank; None: not known
+        yet, ask again. 0 at once while the cluster is failing."""
+        count = len(keys) // KEY_BYTES
+        asked = self._asked.get(request_id)
+        now = time.monotonic()
+        if asked is not None and (asked.start, asked.count) == (start, count):
+            if asked.future.done():
+                del self._asked[request_id]
+                return asked.future.result()
+            if now < asked.deadline + GRACE_S:
+                return None
+            del self._asked[request_id]
+            self.counters["late"] += 1
+            return 0
+        if now < self.link.retry_at:
+            self.counters["unavailable"] += 1
+            return 0
+        self.counters["asked"] += 1
+        deadline = now + self.timeout_s
+        future = self._pool.submit(
+            self._probe, [keys[i:i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)],
+            deadline)
+        try:
+            return future.result(timeout=INLINE_WAIT_S)
+        except TimeoutError:
+            pass
+        self._asked[request_id] = _Asked(start, count, deadline, future)
+        while len(self._asked) > KEPT:
+            self._asked.popitem(last=False)
+        return None
+
+    def forget(self, request_id: Hashable) -> None:
+        """A request finished: its answer, if one is still kept, is not needed."""
+        self._asked.pop(request_id, None)
+
+    def _probe(self, keys: list[bytes], deadline: float) -> int:
+        with self._lock:
+            try:
+                cluster = self.link.client()
+                if cluster is None:
+                    return 0  # began backing off since this was asked
+                found = held(cluster, self.link.settings.key_prefix, range(self.ranks),
+                             keys, deadline)
+                self.link.succeeded()
+                return found
+            except Exception as exc:  # the cluster's faults: no cluster pages, no more
+                self.counters["failed"] += 1
+                self.link.failed(exc)
+                return 0
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.link.close()
