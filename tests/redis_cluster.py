@@ -82,8 +82,9 @@ class Cluster:
 
 
 @contextmanager
-def redis_cluster(where: Path, masters: int = 3, password: str | None = None
-                  ) -> Iterator[Cluster]:
+def redis_cluster(where: Path, masters: int = 3, password: str | None = None,
+                  conf: tuple[str, ...] = ()) -> Iterator[Cluster]:
+    """``conf``: more lines of each server's configuration (``maxmemory 1mb``, say)."""
     require_redis()
     ports = _ports(masters * 2)
     procs: dict[int, subprocess.Popen] = {}
@@ -92,12 +93,12 @@ def redis_cluster(where: Path, masters: int = 3, password: str | None = None
             d = where / f"redis-{port}"
             d.mkdir(parents=True)
             # The password in a file the server reads, not on its command line.
-            conf = [f"port {port}", "bind 127.0.0.1", "cluster-enabled yes",
+            lines = [f"port {port}", "bind 127.0.0.1", "cluster-enabled yes",
                     "cluster-config-file nodes.conf", "cluster-node-timeout 1500",
                     "save \"\"", "appendonly no", f"dir {d}", "protected-mode no"]
             if password:
-                conf += [f"requirepass {password}", f"masterauth {password}"]
-            (d / "redis.conf").write_text("\n".join(conf) + "\n")
+                lines += [f"requirepass {password}", f"masterauth {password}"]
+            (d / "redis.conf").write_text("\n".join([*lines, *conf]) + "\n")
             (d / "redis.conf").chmod(0o600)
             with open(d / "log", "w") as out:  # the server keeps its own descriptor
                 procs[port] = subprocess.Popen(["redis-server", str(d / "redis.conf")],

@@ -363,3 +363,38 @@ def test_lookups_answer_later_then_how_far_and_never_wait_on_a_slow_or_dead_clus
         assert dead.counters["unavailable"] == 1
     finally:
         dead.close()
+
+
+def test_a_full_cluster_is_a_failure_backed_off_and_the_rank_serves_on(
+        tmp_path: Path) -> None:
+    """A cluster at its ``maxmemory`` that evicts nothing refuses the share worker's
+    writes (OOM): counted as failures, logged once, tried again after a back-off; the
+    rank's other workers run as ever, and what the cluster took is served whole."""
+    from sparkcache.workers.lifecycle import Role, State
+
+    from sparkcache import segments
+    from tests.pipeline_util import make_cfg, start_supervisor, stop_supervisor, wait_for
+
+    chain = pages(120, "full")  # 7.5 MiB against 3 masters of 2 MiB
+    _store_with(tmp_path / "a", "conv", chain)
+    with redis_cluster(tmp_path / "cluster",
+                       conf=("maxmemory 2mb", "maxmemory-policy noeviction")) as cluster:
+        sup = start_supervisor(tmp_path / "a", "sharefull", "--share-cluster-url",
+                               cluster.url)
+        try:
+            with segments.attach_stats(make_cfg(tmp_path / "a", "sharefull"), 0) as stats:
+                rec = wait_for(lambda: (r := stats.read(int(Role.SHARE))) is not None
+                               and r.failed >= 2 and r, 30, "two refused batches")
+                assert rec.state == State.READY and rec.backlog > 0
+                for role in (Role.CAPTURE, Role.COMMIT, Role.RESTORE, Role.MAINTENANCE):
+                    assert stats.read(int(role)).state == State.READY
+        finally:
+            code, err = stop_supervisor(sup)
+        assert code == 0, err[-2000:]
+        refused = [line for line in err.splitlines() if "failed (" in line]
+        assert len(refused) == 1 and "maxmemory" in refused[0], err[-3000:]  # once, short
+        assert len(refused[0]) < 400, refused[0]
+        client = connect(ClusterSettings(cluster.url))
+        got, copied = fetch(client, "sparkcache", [k for k, _ in chain])
+        assert copied == [v for _, v in chain[: got.pages]]
+        client.close()

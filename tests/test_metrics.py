@@ -39,7 +39,8 @@ _wait = functools.partial(wait_for, poll=0.1)
 P = "vllm:sparkcache_"
 # Every family the endpoint serves (counters and histograms by their family name).
 FAMILIES = {
-    "build_info", "worker_up", "worker_report_age_seconds", "worker_restarts", "worker_item_errors",
+    "build_info", "fleet_bad_pages", "worker_up", "worker_report_age_seconds",
+    "worker_restarts", "worker_item_errors",
     "worker_dropped_records", "worker_copied_bytes", "capture_slots",
     "publication_pending_rank_slots", "publication_oldest_pending_seconds",
     "publication_pending_bytes", "ring_depth_records", "store_capacity_bytes",

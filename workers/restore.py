@@ -61,8 +61,7 @@ from sparkcache.workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, WorkerSp
 
 from sparkcache import registry, segments
 from sparkcache.config import Config
-from sparkcache.fleet.cluster import settings_of
-from sparkcache.fleet.link import ClusterLink
+from sparkcache.fleet.link import ClusterLink, settings_of
 from sparkcache.fleet.pages import fetch_into
 from sparkcache.protocol import LoadStatus
 from sparkcache.ratelog import RateLimitedLog

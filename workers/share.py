@@ -29,8 +29,7 @@ from sparkcache.workers import lifecycle
 from sparkcache.workers.lifecycle import Lifecycle, WorkerSpec
 
 from sparkcache.fleet import codec
-from sparkcache.fleet.cluster import settings_of
-from sparkcache.fleet.link import ClusterLink
+from sparkcache.fleet.link import ClusterLink, settings_of
 from sparkcache.fleet.pages import held, send
 from sparkcache.maintenance_policy import DutyCycle, IoPacer
 from sparkcache.store.reader import StoreReader

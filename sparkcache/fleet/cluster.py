@@ -18,13 +18,10 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 from sparkcache.identity import KEY_BYTES
-
-if TYPE_CHECKING:
-    from sparkcache.config import Config
 
 DEFAULT_PASSWORD_ENV = "SPARKCACHE_REDIS_PASSWORD"
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -120,11 +117,3 @@ def connect(settings: ClusterSettings, env: Mapping[str, str] = os.environ) -> A
                       ssl_keyfile=settings.tls_key_file and str(settings.tls_key_file))
     return RedisCluster(**kwargs)
 
-
-def settings_of(cfg: Config) -> ClusterSettings:
-    """The cluster a SparkCache config names (``share_*``); its URL must be set."""
-    return ClusterSettings(
-        cfg.share_cluster_url, key_prefix=cfg.share_key_prefix,
-        username=cfg.share_username or None,
-        password_file=Path(cfg.share_password_file) if cfg.share_password_file else None,
-        tls_ca_file=Path(cfg.share_tls_ca_file) if cfg.share_tls_ca_file else None)

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from sparkcache.fleet.cluster import ClusterSettings, connect
 from sparkcache.ratelog import RateLimitedLog
+
+if TYPE_CHECKING:
+    from sparkcache.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +49,9 @@ class ClusterLink:
         """Count, log once per kind of error, drop the connection, back off (doubling
         from 1 s to 60 s)."""
         self.failures += 1
-        self._rare.warning(type(exc).__name__, "%s: the cluster at %s failed (%s); asked "
-                           "again in %.0f s", self.purpose, self.settings.url, exc,
-                           self._backoff)
+        self._rare.warning(type(exc).__name__, "%s: the cluster at %s failed (%s: %s); "
+                           "asked again in %.0f s", self.purpose, self.settings.url,
+                           type(exc).__name__, brief(exc), self._backoff)
         self.retry_at = time.monotonic() + self._backoff
         self._backoff = min(BACKOFF_S[1], self._backoff * 2)
         self.close()
@@ -59,3 +63,20 @@ class ClusterLink:
                 client.close()
             except Exception as exc:  # a connection already broken
                 log.debug("closing the cluster's client: %r", exc)
+
+
+def brief(exc: BaseException) -> str:
+    """An error's message for a log line: redis-py's pipeline errors quote the command
+    that failed, a page's bytes included."""
+    text = str(exc).rsplit(" caused error: ", 1)[-1]  # the server's reply, not the command
+    text = text.splitlines()[0] if text else ""
+    return text if len(text) <= 160 else text[:160] + "..."
+
+
+def settings_of(cfg: Config) -> ClusterSettings:
+    """The cluster a SparkCache config names (``share_*``); its URL must be set."""
+    return ClusterSettings(
+        cfg.share_cluster_url, key_prefix=cfg.share_key_prefix,
+        username=cfg.share_username or None,
+        password_file=Path(cfg.share_password_file) if cfg.share_password_file else None,
+        tls_ca_file=Path(cfg.share_tls_ca_file) if cfg.share_tls_ca_file else None)

@@ -15,7 +15,7 @@ from typing import Any
 
 from sparkcache import attachment, kvmem, registry
 from sparkcache.config import AccessMode, Config
-from sparkcache.fleet.cluster import settings_of
+from sparkcache.fleet.link import settings_of
 from sparkcache.fleet.lookup import ClusterLookup
 from sparkcache.identity import KEY_BYTES, Namespace
 from sparkcache.load_cost import LoadCost
@@ -735,9 +735,11 @@ class SchedulerSide:
             out.update(self.events.counts.totals())
         if self.fleet is not None:
             out["fleet_lookups"] = self.fleet.counters["asked"]
-            for reason in ("late", "unavailable", "failed"):
+            for reason, name in (("late", "fleet_lookup_late"),
+                                 ("unavailable", "fleet_lookup_unavailable"),
+                                 ("failed", "fleet_lookup_failed")):
                 if self.fleet.counters[reason]:
-                    out[f"skipped:fleet_lookup_{reason}"] = self.fleet.counters[reason]
+                    out[f"skipped:{name}"] = self.fleet.counters[reason]
         for reason in ("lookup_skipped", "namespace_mismatch", "aborted_while_loading",
                        "load_failed_before", "lookup_before_reset", "lookup_skip_reading",
                        "lookup_window_not_stored", "save_window_freed", "lookup_draft_window",
