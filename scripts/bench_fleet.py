@@ -160,6 +160,11 @@ def _stats(store: Path, role):
         return stats.read(int(role))
 
 
+def _load_seconds(before, after) -> float:
+    """The restore worker's mean time a load between two of its stats records."""
+    return (after.dur_sum_s - before.dur_sum_s) / max(1, after.dur_count - before.dur_count)
+
+
 def engine_paths(cluster: Cluster, work: Path, args: argparse.Namespace) -> dict:
     from sparkcache.workers.lifecycle import Role
     from vllm import SamplingParams
@@ -242,19 +247,25 @@ def engine_paths(cluster: Cluster, work: Path, args: argparse.Namespace) -> dict
                    share_bytes_sent_while_on=sent)
         wait_until(lambda: _stats(store, Role.SHARE).backlog == 0, 900,
               "node A's share worker done", step=lambda: timed(llm, [5] * 4))
+        mark = _stats(store, Role.RESTORE)
         local = [timed(llm, turn2(p))[0] for p in measured]
+        load_local = _load_seconds(mark, _stats(store, Role.RESTORE))
         cold = []  # again, the store's files out of the page cache first: from the disk
+        mark = _stats(store, Role.RESTORE)
         for p in measured:
             evict_from_page_cache(store)
             cold.append(timed(llm, turn2(p))[0])
+        load_cold = _load_seconds(mark, _stats(store, Role.RESTORE))
     with engine_beside_supervisor(work / "b", model, "bench-fleet",
                                   max_model_len=args.prefix_tokens + 1024) as (llm, store):
         timed(llm, turn2(warm))  # the cluster's connections opened, as in a node's life
         other, hits = [], []
+        mark = _stats(store, Role.RESTORE)
         for p in measured:
             took, result = timed(llm, turn2(p))
             other.append(took)
             hits.append((result.num_cached_tokens or 0) >= pages * BLOCK)
+        load_other = _load_seconds(mark, _stats(store, Role.RESTORE))
         recompute = [timed(llm, turn2(p), salt="recompute")[0] for p in measured]
         out.update(ttft2_other_node_vs_local=statistics.median(other) / statistics.median(local),
                    ttft2_other_node_vs_local_cold=(statistics.median(other)
@@ -263,6 +274,9 @@ def engine_paths(cluster: Cluster, work: Path, args: argparse.Namespace) -> dict
                    ttft2_local_cold_s=[round(x, 3) for x in cold],
                    ttft2_other_node_s=[round(x, 3) for x in other],
                    ttft2_recompute_s=[round(x, 3) for x in recompute],
+                   # The restore worker's own time a load, of those turns 2.
+                   restore_load_s_local=load_local, restore_load_s_local_cold=load_cold,
+                   restore_load_s_other_node=load_other,
                    other_node_full_hits=sum(hits), other_node_turns=len(hits))
         # A master killed with turns 2 in flight.
         results: dict[int, object] = {}
