@@ -350,6 +350,15 @@ def test_lookups_answer_later_then_how_far_and_never_wait_on_a_slow_or_dead_clus
                     time.sleep(0.005)
                 assert answer == 0 and time.monotonic() - started < 0.5
                 assert lookup.counters["late"] == 1
+                # A burst of new requests in one step waits INLINE_WAIT_S in all, not
+                # each (200 x 2 ms would be 0.4 s).
+                burst = ClusterLookup(ClusterSettings(cluster.url, timeout_s=0.5), 2, 0.2)
+                try:
+                    started = time.monotonic()
+                    assert all(burst.held(f"b{i}", raw, 0) is None for i in range(200))
+                    assert time.monotonic() - started < 0.2
+                finally:
+                    burst.close()  # the probes queued behind the hung one cancelled
             finally:
                 for port in masters:
                     cluster.procs[port].send_signal(signal.SIGCONT)

@@ -3,11 +3,12 @@ what the local stores hold, asked off the scheduler's thread.
 
 vLLM's scheduler asks about a request at every step while it waits; a round trip to the
 cluster must not stall that thread, which keeps the engine fed. So the first ask starts
-the cluster's probes (``pages.held``) on this object's own thread and waits for them at
-most ``INLINE_WAIT_S`` (a round trip or two on a LAN: the answer for a prompt the cluster
-lacks, one round, comes within it, and that request is not put off a step); if they are
-not done, it answers "not known yet" (the connector answers vLLM "ask again later"), and
-a later ask takes the answer.
+the cluster's probes (``pages.held``) on this object's own thread and waits for them,
+``INLINE_WAIT_S`` at most in all the asks of one scheduler step (``new_step``): a round
+trip or two on a LAN, within which the answer for a prompt the cluster lacks (one round)
+comes, so that request is not put off a step. If they are not done, it answers "not
+known yet" (the connector answers vLLM "ask again later"), and a later ask takes the
+answer.
 The probes end by ``timeout_s`` with what they found so far, and an answer still not in
 by then counts as none (``late``): the request computes rather than wait on a slow
 cluster. A cluster that fails is not asked for a back-off (``ClusterLink``): requests
@@ -36,7 +37,8 @@ log = logging.getLogger(__name__)
 KEPT = 1024
 # How long after its deadline a probe may still answer (a socket's own time-out ends it).
 GRACE_S = 0.05
-# How long the first ask waits for the probes before answering "later".
+# How long the asks of one scheduler step may wait for probes, in all, before answering
+# "later": a burst of new requests must not stall the step once per request.
 INLINE_WAIT_S = 0.002
 
 
@@ -58,6 +60,7 @@ class ClusterLookup:
         self._asked: OrderedDict[Hashable, _Asked] = OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sparkcache-fleet-lookup")
         self._lock = threading.Lock()  # the link, between this thread and the pool's
+        self._wait_left = INLINE_WAIT_S  # of this scheduler step's
 
     def held(self, request_id: Hashable, keys: bytes, start: int) -> int | None:
         """How many leading pages of ``keys`` (raw, ``KEY_BYTES`` each; the request's
@@ -83,14 +86,23 @@ class ClusterLookup:
         future = self._pool.submit(
             self._probe, [keys[i:i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)],
             deadline)
-        try:
-            return future.result(timeout=INLINE_WAIT_S)
-        except TimeoutError:
-            pass
+        if self._wait_left > 0:
+            began = time.monotonic()
+            try:
+                return future.result(timeout=self._wait_left)
+            except TimeoutError:
+                pass
+            finally:
+                self._wait_left -= time.monotonic() - began
         self._asked[request_id] = _Asked(start, count, deadline, future)
         while len(self._asked) > KEPT:
             self._asked.popitem(last=False)
         return None
+
+    def new_step(self) -> None:
+        """The scheduler built a step (``build_connector_meta``): the next step's asks
+        may wait ``INLINE_WAIT_S`` again."""
+        self._wait_left = INLINE_WAIT_S
 
     def forget(self, request_id: Hashable) -> None:
         """A request finished: its answer, if one is still kept, is not needed."""

@@ -492,6 +492,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> SparkCacheMetadata:
         meta, self._meta = self._meta, SparkCacheMetadata()
+        if self.fleet is not None:
+            self.fleet.new_step()
         self.cost.step(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)),
                        time.monotonic())
         self.lookup.publish_counters()
