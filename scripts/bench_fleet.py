@@ -150,16 +150,6 @@ def cluster_paths(cluster: Cluster, args: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------------- the engine
 
 
-def _stats(store: Path, role):
-    from sparkcache import runtime, segments
-    from sparkcache.config import load
-
-    rt = runtime.read(store)
-    cfg = load(env={}, overrides={"store_dir": str(store), "instance": rt["instance"]})
-    with segments.attach_stats(cfg, 0) as stats:
-        return stats.read(int(role))
-
-
 def _load_seconds(before, after) -> float:
     """The restore worker's mean time a load between two of its stats records."""
     return (after.dur_sum_s - before.dur_sum_s) / max(1, after.dur_count - before.dur_count)
@@ -176,6 +166,7 @@ def engine_paths(cluster: Cluster, work: Path, args: argparse.Namespace) -> dict
         engine_beside_supervisor,
         stored_prefix_pages,
         wait_until,
+        worker_stats,
         write_checkpoint,
     )
 
@@ -220,7 +211,7 @@ def engine_paths(cluster: Cluster, work: Path, args: argparse.Namespace) -> dict
         # Paused while turns 1 are stored, so they are all still to share: then, in
         # turn, decode with it sharing and paused (SIGSTOP: the same process and
         # backlog, none of its work; well within the supervisor's heartbeat limit).
-        sharer = psutil.Process(int(_stats(store, Role.SHARE).pid))
+        sharer = psutil.Process(int(worker_stats(store, Role.SHARE).pid))
         sharer.suspend()
         try:
             for prefix in convs:
@@ -231,13 +222,13 @@ def engine_paths(cluster: Cluster, work: Path, args: argparse.Namespace) -> dict
             sent = []  # bytes the share worker sent in each window it was on
             for _ in range(args.decode_reps):
                 for side in ("on", "off"):
-                    before = _stats(store, Role.SHARE).copy_bytes
+                    before = worker_stats(store, Role.SHARE).copy_bytes
                     (sharer.resume if side == "on" else sharer.suspend)()
                     rates[side].append(decode_rate(llm, 1))
                     if side == "on":
                         sharer.suspend()
                         time.sleep(0.2)  # its last stats written
-                        sent.append(int(_stats(store, Role.SHARE).copy_bytes - before))
+                        sent.append(int(worker_stats(store, Role.SHARE).copy_bytes - before))
         finally:
             sharer.resume()
         on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
@@ -245,27 +236,27 @@ def engine_paths(cluster: Cluster, work: Path, args: argparse.Namespace) -> dict
                    decode_tok_s_share_off=round(off, 1),
                    decode_tok_s_each={k: [round(x, 1) for x in v] for k, v in rates.items()},
                    share_bytes_sent_while_on=sent)
-        wait_until(lambda: _stats(store, Role.SHARE).backlog == 0, 900,
+        wait_until(lambda: worker_stats(store, Role.SHARE).backlog == 0, 900,
               "node A's share worker done", step=lambda: timed(llm, [5] * 4))
-        mark = _stats(store, Role.RESTORE)
+        mark = worker_stats(store, Role.RESTORE)
         local = [timed(llm, turn2(p))[0] for p in measured]
-        load_local = _load_seconds(mark, _stats(store, Role.RESTORE))
+        load_local = _load_seconds(mark, worker_stats(store, Role.RESTORE))
         cold = []  # again, the store's files out of the page cache first: from the disk
-        mark = _stats(store, Role.RESTORE)
+        mark = worker_stats(store, Role.RESTORE)
         for p in measured:
             evict_from_page_cache(store)
             cold.append(timed(llm, turn2(p))[0])
-        load_cold = _load_seconds(mark, _stats(store, Role.RESTORE))
+        load_cold = _load_seconds(mark, worker_stats(store, Role.RESTORE))
     with engine_beside_supervisor(work / "b", model, "bench-fleet",
                                   max_model_len=args.prefix_tokens + 1024) as (llm, store):
         timed(llm, turn2(warm))  # the cluster's connections opened, as in a node's life
         other, hits = [], []
-        mark = _stats(store, Role.RESTORE)
+        mark = worker_stats(store, Role.RESTORE)
         for p in measured:
             took, result = timed(llm, turn2(p))
             other.append(took)
             hits.append((result.num_cached_tokens or 0) >= pages * BLOCK)
-        load_other = _load_seconds(mark, _stats(store, Role.RESTORE))
+        load_other = _load_seconds(mark, worker_stats(store, Role.RESTORE))
         recompute = [timed(llm, turn2(p), salt="recompute")[0] for p in measured]
         out.update(ttft2_other_node_vs_local=statistics.median(other) / statistics.median(local),
                    ttft2_other_node_vs_local_cold=(statistics.median(other)
@@ -298,7 +289,7 @@ def engine_paths(cluster: Cluster, work: Path, args: argparse.Namespace) -> dict
             got = results.get(i)
             wrong += got is None or list(got.outputs[0].token_ids) != list(
                 want.outputs[0].token_ids)
-        rec = _stats(store, Role.RESTORE)
+        rec = worker_stats(store, Role.RESTORE)
         out.update(master_killed=True, requests_completed=len(results),
                    requests_sent=len(killed), wrong_outputs=wrong,
                    fleet_bad_pages=int(rec.fleet_bad_pages),

@@ -270,6 +270,12 @@ class Config:
         return min(self.maintenance_pool_bytes, self.max_bytes - self.low_watermark_bytes)
 
     @property
+    def read_through(self) -> bool:
+        """Whether lookups and loads reach into the fleet's cluster for the pages the
+        local store lacks (docs/fleet.md): a cluster named and a lookup time-out."""
+        return bool(self.share_cluster_url) and self.share_lookup_timeout_s > 0
+
+    @property
     def hard_cap_bytes(self) -> int:
         """Beyond max_bytes by the gap between the watermarks: maintenance had that much
         room to catch up; past it publications are refused rather than overrunning."""

@@ -250,7 +250,6 @@ class _FleetFetcher:
         self.rank = rank
         self.link = ClusterLink(settings_of(cfg), f"restore[r{rank}] read-through")
         self._pool = ThreadPoolExecutor(FETCHERS, thread_name_prefix="restore-fleet")
-        self._lock = threading.Lock()  # the link: connecting, and its back-off
 
     def submit(self, pages: Sequence[_ClusterPage], into: Sequence[object],
                page_bytes: int) -> Future:
@@ -258,18 +257,10 @@ class _FleetFetcher:
                                  page_bytes)
 
     def _fetch(self, keys: list[bytes], into: Sequence[object], page_bytes: int) -> _Fetched:
-        try:
-            with self._lock:
-                cluster = self.link.client()
-            if cluster is None:
-                return _Fetched(0, ())
-            got = fetch_into(cluster, self.link.settings.key_prefix, self.rank, keys, into,
-                             page_bytes)
-            with self._lock:
-                self.link.succeeded()
-        except Exception as exc:  # the cluster's faults: a miss, no more
-            with self._lock:
-                self.link.failed(exc)
+        prefix = self.link.settings.key_prefix
+        got = self.link.call(
+            lambda cluster: fetch_into(cluster, prefix, self.rank, keys, into, page_bytes))
+        if got is None:  # backing off, or the cluster failed: the load ends here
             return _Fetched(0, ())
         return _Fetched(got.pages, (), cluster_bytes=got.bytes,
                         bad_pages=int(got.bad is not None))
@@ -292,8 +283,7 @@ class Restore:
         self.reg: _Registered | None = None
         self._reader: StoreReader | None = None
         self._pool: _ReaderPool | None = None
-        self._fleet = (_FleetFetcher(self.cfg, spec.rank) if self.cfg.share_cluster_url
-                       and self.cfg.share_lookup_timeout_s > 0 else None)
+        self._fleet = _FleetFetcher(self.cfg, spec.rank) if self.cfg.read_through else None
         life.report["fleet_bad_pages"] = 0
         self._unsent: deque[tuple] = deque()
         # Loads popped and not yet planned, in the order they came.

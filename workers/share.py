@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from sparkcache.workers import lifecycle
@@ -80,14 +81,10 @@ class Share:
             self.life.idle(timeout)
             return
         started = time.monotonic()
-        try:
-            self._share_batch(todo)
-            self.link.succeeded()
-        except Exception as exc:  # the cluster's faults: a miss for the fleet, no more
-            self.life.failed += 1
-            self.link.failed(exc)
-        finally:
-            self.duty.record(started, time.monotonic())
+        # The cluster's faults are a miss for the fleet, no more: counted, backed off.
+        self.link.call(lambda cluster: self._share_batch(cluster, todo))
+        self.life.failed = self.link.failures
+        self.duty.record(started, time.monotonic())
 
     def _next_root(self, now: float) -> _Root | None:
         """The first root listed with pages not yet shared; the roots are listed again
@@ -107,10 +104,7 @@ class Share:
     def _first_unshared(self) -> _Root | None:
         return next((r for r in self.roots if self.shared.get(r.root_id, 0) < r.pages), None)
 
-    def _share_batch(self, root: _Root) -> None:
-        cluster = self.link.client()
-        if cluster is None:
-            return  # backing off (step waits for retry_at first: not reached)
+    def _share_batch(self, cluster: Any, root: _Root) -> None:
         prefix, rank = self.link.settings.key_prefix, self.life.spec.rank
         if root.root_id not in self.shared:
             # First, how far the cluster holds this root already (another node's turn of

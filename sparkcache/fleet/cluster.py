@@ -116,4 +116,3 @@ def connect(settings: ClusterSettings, env: Mapping[str, str] = os.environ) -> A
                       ssl_certfile=settings.tls_cert_file and str(settings.tls_cert_file),
                       ssl_keyfile=settings.tls_key_file and str(settings.tls_key_file))
     return RedisCluster(**kwargs)
-

@@ -7,12 +7,11 @@
 its keys are every rank's keys, so the rank is in the name and in the header.)
 
 A value fetched under a page's name is served only if its header names that page of that
-rank, its
-length is the length of what follows and its checksum holds, as a local read verifies a
-record (``store/objects.py``): a value planted or damaged under a right name, or a
-write cut short by a failover, is a miss, never a page. The page key is itself chained
-over the whole prefix and the namespace (``identity``), so pages of different models,
-layouts or tenants never share a name.
+rank, its length is the length of what follows and its checksum holds, as a local read
+verifies a record (``store/objects.py``): a value planted or damaged under a right name,
+or a write cut short by a failover, is a miss, never a page. The page key is itself
+chained over the whole prefix and the namespace (``identity``), so pages of different
+models, layouts or tenants never share a name.
 """
 
 from __future__ import annotations

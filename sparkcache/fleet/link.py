@@ -5,9 +5,11 @@ connection attempt now and then, never a wait on every request."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sparkcache.fleet.cluster import ClusterSettings, connect
 from sparkcache.ratelog import RateLimitedLog
@@ -18,6 +20,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BACKOFF_S = (1.0, 60.0)  # after a failure: first wait, longest wait
+T = TypeVar("T")
 
 
 class ClusterLink:
@@ -25,15 +28,35 @@ class ClusterLink:
         """``purpose``: what this process uses the cluster for, for its log lines."""
         self.settings = settings
         self.purpose = purpose
-        self.failures = 0
+        self.failures = 0  # calls the cluster failed
         self.retry_at = 0.0  # time.monotonic() before which the cluster is not asked
         self._backoff = BACKOFF_S[0]
         self._client: Any = None
         self._rare = RateLimitedLog(log)
+        # The connection and the back-off, between the threads that call (the restore
+        # worker fetches on two); what they send runs outside it.
+        self._lock = threading.Lock()
 
-    def client(self) -> Any | None:
+    def call(self, fn: Callable[[Any], T]) -> T | None:
+        """``fn(client)``; None while backing off, or where connecting or ``fn`` raised
+        (a fault: counted in ``failures``, logged once per kind, backed off)."""
+        try:
+            with self._lock:
+                client = self._connected()
+            if client is None:
+                return None
+            out = fn(client)
+        except Exception as exc:  # the cluster's faults: a miss, no more
+            with self._lock:
+                self._failed(exc)
+            return None
+        with self._lock:
+            self._backoff = BACKOFF_S[0]
+        return out
+
+    def _connected(self) -> Any | None:
         """The cluster's client, connected now if needed; None while backing off.
-        Raises redis' errors where connecting fails (hand them to ``failed``)."""
+        Raises redis' errors where connecting fails."""
         if self._client is None:
             if time.monotonic() < self.retry_at:
                 return None
@@ -42,10 +65,7 @@ class ClusterLink:
                      self.settings.key_prefix)
         return self._client
 
-    def succeeded(self) -> None:
-        self._backoff = BACKOFF_S[0]
-
-    def failed(self, exc: BaseException) -> None:
+    def _failed(self, exc: BaseException) -> None:
         """Count, log once per kind of error, drop the connection, back off (doubling
         from 1 s to 60 s)."""
         self.failures += 1
@@ -54,9 +74,13 @@ class ClusterLink:
                            type(exc).__name__, brief(exc), self._backoff)
         self.retry_at = time.monotonic() + self._backoff
         self._backoff = min(BACKOFF_S[1], self._backoff * 2)
-        self.close()
+        self._close()
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._client is not None:
             client, self._client = self._client, None
             try:

@@ -18,7 +18,6 @@ then get no cluster pages at once.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Hashable
@@ -56,11 +55,16 @@ class ClusterLookup:
         self.ranks = ranks
         self.timeout_s = timeout_s
         self.link = ClusterLink(settings, "read-through lookups")
-        self.counters: Counter = Counter()  # asked, late, unavailable, failed
+        self._counts: Counter = Counter()  # asked, late, unavailable
         self._asked: OrderedDict[Hashable, _Asked] = OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sparkcache-fleet-lookup")
-        self._lock = threading.Lock()  # the link, between this thread and the pool's
         self._wait_left = INLINE_WAIT_S  # of this scheduler step's
+
+    @property
+    def counters(self) -> Counter:
+        """Lookups asked of the cluster, answered late, answered 0 while backing off
+        (unavailable), and the cluster's faults (failed)."""
+        return self._counts + Counter(failed=self.link.failures)
 
     def held(self, request_id: Hashable, keys: bytes, start: int) -> int | None:
         """How many leading pages of ``keys`` (raw, ``KEY_BYTES`` each; the request's
@@ -76,12 +80,12 @@ class ClusterLookup:
             if now < asked.deadline + GRACE_S:
                 return None
             del self._asked[request_id]
-            self.counters["late"] += 1
+            self._counts["late"] += 1
             return 0
         if now < self.link.retry_at:
-            self.counters["unavailable"] += 1
+            self._counts["unavailable"] += 1
             return 0
-        self.counters["asked"] += 1
+        self._counts["asked"] += 1
         deadline = now + self.timeout_s
         future = self._pool.submit(
             self._probe, [keys[i:i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)],
@@ -109,19 +113,10 @@ class ClusterLookup:
         self._asked.pop(request_id, None)
 
     def _probe(self, keys: list[bytes], deadline: float) -> int:
-        with self._lock:
-            try:
-                cluster = self.link.client()
-                if cluster is None:
-                    return 0  # began backing off since this was asked
-                found = held(cluster, self.link.settings.key_prefix, range(self.ranks),
-                             keys, deadline)
-                self.link.succeeded()
-                return found
-            except Exception as exc:  # the cluster's faults: no cluster pages, no more
-                self.counters["failed"] += 1
-                self.link.failed(exc)
-                return 0
+        """0 where the cluster failed, or began backing off since this was asked."""
+        prefix = self.link.settings.key_prefix
+        return self.link.call(
+            lambda cluster: held(cluster, prefix, range(self.ranks), keys, deadline)) or 0
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -761,7 +761,7 @@ class SchedulerSide:
 
 def _read_through(cfg: Config, ranks: int, hybrid: bool) -> ClusterLookup | None:
     """The cluster's lookups where the config names a cluster and a lookup time-out."""
-    if not cfg.share_cluster_url or cfg.share_lookup_timeout_s <= 0:
+    if not cfg.read_through:
         return None
     if hybrid:
         # A hybrid model's hit needs its sliding windows' pages too (the composite,

@@ -433,7 +433,6 @@ class WorkerSide:
             out[f"skipped:load_{reason}"] = n
         return out
 
-
     def close(self) -> None:
         self.client.close()
         if self.staging is not None:

@@ -163,6 +163,17 @@ def stored_prefix_pages(store: Path, tokens: list[int], rank: int = 0) -> int:
         reader.close()
 
 
+def worker_stats(store: Path, role: Any) -> Any:
+    """Rank 0's ``role`` worker's stats record, under the supervisor serving ``store``."""
+    from sparkcache import runtime, segments
+    from sparkcache.config import load
+
+    cfg = load(env={}, overrides={"store_dir": str(store),
+                                  "instance": runtime.read(store)["instance"]})
+    with segments.attach_stats(cfg, 0) as stats:
+        return stats.read(int(role))
+
+
 def wait_until(predicate, timeout: float, what: str, step=lambda: None) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

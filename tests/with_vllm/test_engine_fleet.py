@@ -11,12 +11,14 @@ import pytest
 from tests.redis_cluster import redis_cluster, require_redis
 from tests.with_vllm.engine_util import (
     BLOCK,
+    CONFIG,
     engine_beside_supervisor,
     engine_installed,
     generate,
     save_turn,
     stored_prefix_pages,
     wait_until,
+    worker_stats,
     write_checkpoint,
 )
 
@@ -26,19 +28,6 @@ if not engine_installed():
 
 PREFIX_PAGES = 8
 PLANTED_AT = 3  # the page of the second conversation planted wrong
-
-
-def _restore_stats(store):
-    """Rank 0's restore worker's stats record, under the supervisor serving ``store``."""
-    from sparkcache.workers.lifecycle import Role
-
-    from sparkcache import runtime, segments
-    from sparkcache.config import load
-
-    rt = runtime.read(store)
-    with segments.attach_stats(load(env={}, overrides={
-            "store_dir": str(store), "instance": rt["instance"]}), 0) as stats:
-        return stats.read(int(Role.RESTORE))
 
 
 def _shared(cluster_url: str, prefix: str, key_hex: list[str]) -> int:
@@ -62,6 +51,8 @@ def _keys(store, tokens: list[int]) -> list[str]:
 
 
 def test_turn_two_on_another_node_restores_from_the_cluster(tmp_path, monkeypatch) -> None:
+    from sparkcache.workers.lifecycle import Role
+
     require_redis()
     model = write_checkpoint(tmp_path / "model")
     one = [(i * 37) % 500 + 3 for i in range(PREFIX_PAGES * BLOCK)]
@@ -102,12 +93,13 @@ def test_turn_two_on_another_node_restores_from_the_cluster(tmp_path, monkeypatc
                 assert max(abs(a - b) for a, b in zip(lp, want_lp, strict=True)) < 1e-3
                 if reused == PREFIX_PAGES:
                     assert cached >= PREFIX_PAGES * BLOCK, cached
-            rec = _restore_stats(store)
+            rec = worker_stats(store, Role.RESTORE)
             assert rec.fleet_bad_pages == 1
             # Loaded from the cluster: the first conversation whole, the second up to
-            # the planted page.
-            page = rec.read_bytes_cluster // (PREFIX_PAGES + PLANTED_AT)
-            assert rec.read_bytes_cluster == page * (PREFIX_PAGES + PLANTED_AT) > 0
+            # the planted page (a page: K and V of every layer, fp32).
+            page = (2 * CONFIG["num_hidden_layers"] * CONFIG["num_key_value_heads"]
+                    * CONFIG["head_dim"] * BLOCK * 4)
+            assert rec.read_bytes_cluster == page * (PREFIX_PAGES + PLANTED_AT)
             # And now on B's own disk too (the end of turn 2 saved it).
             wait_until(lambda: stored_prefix_pages(store, one) >= PREFIX_PAGES, 60,
                        "turn 2's prefix stored on node B",
