@@ -153,17 +153,18 @@ def check_stopped(stopped: tuple[int, str], store: Path, instance: str) -> None:
 
 @contextlib.contextmanager
 def pipeline(store: Path, instance: str, settings: dict[str, str] | None = None,
-             env: dict | None = None, device: str = "cpu") -> Iterator[SyntheticEngine]:
-    """A supervisor (with ``settings`` on top of SETTINGS) and a synthetic engine on
-    ``store``. On leaving, the engine closes and the supervisor stops; unless the body
-    failed, it must have stopped cleanly (``check_stopped``)."""
+             env: dict | None = None, device: str = "cpu",
+             blocks: int = BLOCKS) -> Iterator[SyntheticEngine]:
+    """A supervisor (with ``settings`` on top of SETTINGS) and a synthetic engine of
+    ``blocks`` KV blocks on ``store``. On leaving, the engine closes and the supervisor
+    stops; unless the body failed, it must have stopped cleanly (``check_stopped``)."""
     settings = settings or {}
     flags = [a for k, v in settings.items() for a in (config.flag_name(k), v)]
     sup = start_supervisor(store, instance, *flags, env=env)
     engine = None
     try:
         cfg = make_cfg(store, instance, **settings)
-        engine = SyntheticEngine.create(cfg, 0, device=device)
+        engine = SyntheticEngine.create(cfg, 0, device=device, blocks=blocks)
         yield engine
     finally:
         if engine is not None:

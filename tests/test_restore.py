@@ -26,6 +26,7 @@ from pipeline_util import (
 )
 from sparkcache.shm.segment import SHM_DIR, process_start
 from sparkcache.workers.lifecycle import KILL_AT_ENV, KILL_FILE_ENV, Role
+from sparkcache.workers.restore import PLAN_PAGES
 
 from sparkcache import segments
 from sparkcache.filesystems import MEMORY_FILESYSTEMS, filesystem_of
@@ -124,6 +125,31 @@ def test_loads_restore_byte_exact_into_fresh_blocks(tmp_path: Path, instance: st
         assert stats.copy_bytes >= pages * engine.client._reg.views.page_bytes
         assert engine.client.loads_in_flight == 0
         assert engine.max_call_s < 0.25, engine.max_call_s
+
+
+def test_a_load_longer_than_a_plan_step_is_planned_as_its_reads_reach_it(
+        tmp_path: Path, instance: str) -> None:
+    """The restore worker plans a load ``PLAN_PAGES`` pages at a time: a stored prefix
+    ending in the second step loads whole, byte-exact, and a longer ask stops at its end."""
+    stored, asked = PLAN_PAGES + 300, PLAN_PAGES + 500
+    with pipeline(tmp_path / "store", instance, {"capture_slot_bytes": "8MiB"},
+                  blocks=2 * asked + 8) as engine:
+        pt = engine.client.cfg.page_tokens
+        tokens = list(range(1, asked * pt + 1))
+        assert engine.publish("long", tokens[: stored * pt]), engine.client.counters
+        engine.drain()
+        assert wait_committed(engine, seqs={"long": tokens[: stored * pt]}) == {}
+        free = list(engine.free)
+        whole, longer = ([free.pop() for _ in range(n)] for n in (stored, asked))
+        _fill(engine, whole + longer)
+        assert engine.client.load("whole", tokens[: stored * pt], whole)
+        assert engine.client.load("longer", tokens, longer)
+        got = engine.wait_loaded(["whole", "longer"])
+        assert (got["whole"].status, got["whole"].tokens) == ("ok", stored * pt)
+        assert (got["longer"].status, got["longer"].tokens) == ("partial", stored * pt)
+        assert all(engine.exact_pages(tokens, whole))
+        assert all(engine.exact_pages(tokens, longer[:stored]))
+        assert all(_holds_sentinel(engine, longer[stored:]))
 
 
 def test_keys_as_raw_bytes_publish_and_load_the_same_pages(tmp_path: Path,

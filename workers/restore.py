@@ -47,7 +47,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -92,6 +92,11 @@ FETCHERS = 2
 # Bytes read per task; the staging holds STAGED_CHUNKS of them (read ahead of the writes).
 CHUNK_BYTES = 16 << 20
 STAGED_CHUNKS = 2 * READERS
+# A load's pages are planned (their index rows read) this many at a time, at least a
+# chunk's, as its reads reach them: its first chunks are read while the rest is planned.
+# Planned whole, a load of 3,750 pages waited 20-50 ms before its first read, two loads
+# arriving together twice that (scripts/bench_mission.py, profiled).
+PLAN_PAGES = 1024
 # A reader's index connection may wait this long for a lock (the engine's waits 5 ms).
 READER_BUSY_MS = 1000
 # How often an idle worker looks for a registration to open ahead of its first load.
@@ -169,11 +174,14 @@ class _Active:
 
     load_id: int
     npages: int  # pages asked for
-    # The stored prefix of them, then (read-through) the rest, to fetch from the cluster.
-    plan: list[PlannedPage | _ClusterPage]
-    local: int  # leading pages of the plan in the local store
+    keys: list[str]
     blocks: list[int]
     started: float  # perf_counter
+    # The stored prefix of them as far as planned, then (read-through) the rest, to fetch
+    # from the cluster.
+    plan: list[PlannedPage | _ClusterPage] = field(default_factory=list)
+    local: int = 0  # leading pages of the plan in the local store
+    planned: bool = False  # the plan is whole: it reached the last key or its end
     submitted: int = 0  # leading pages of the plan handed to the readers
     written: int = 0  # leading pages verified and written into their blocks
     reading: int = 0  # its chunks with the readers
@@ -525,7 +533,7 @@ class Restore:
         self._turn.extendleft(reversed(new))
 
     def _start(self, recs: np.ndarray) -> _Active | _Outcome:
-        """The load's plan of the stored prefix, or why it ends without one."""
+        """The load, its first pages planned, or why it ends without a plan."""
         reg = self._registration(int(recs["reg_gen"][0]))
         if reg is None:
             return _Outcome(LoadStatus.UNREGISTERED)
@@ -538,7 +546,18 @@ class Restore:
         if reader is None:
             return _Outcome(LoadStatus.PARTIAL)
         keys = join_keys(recs["key_hi"], recs["key_lo"])
-        plan = reader.plan(keys)
+        load = _Active(int(recs["load_id"][0]), len(keys), keys, blocks.tolist(),
+                       time.perf_counter())
+        self._plan_more(load, reader, reg)
+        return load
+
+    def _plan_more(self, load: _Active, reader: StoreReader, reg: _Registered) -> None:
+        """Plan ``load``'s next pages (``PLAN_PAGES``, at least a chunk's) from the local
+        store. Its plan is whole at the first page the store lacks, and then, with a
+        read-through, the rest are the cluster's."""
+        start = load.local
+        step = load.keys[start : start + max(PLAN_PAGES, reg.chunk_pages)]
+        plan = reader.plan(step)
         # A page of another size than the engine's is not its page (a staging row would
         # also keep an earlier page's bytes past it): the load ends before it.
         fits = next((i for i, p in enumerate(plan) if p.size != reg.views.page_bytes),
@@ -547,11 +566,13 @@ class Restore:
             self._rare.warning("size", "page %s holds %d bytes, not the engine's %d; "
                                "the load ends there", plan[fits].key, plan[fits].size,
                                reg.views.page_bytes)
-        whole: list[PlannedPage | _ClusterPage] = list(plan[:fits])
-        if self._fleet is not None and fits == len(plan) < len(keys):
-            whole += [_ClusterPage(k) for k in keys[fits:]]  # the read-through
-        return _Active(int(recs["load_id"][0]), len(keys), whole, fits, blocks.tolist(),
-                       time.perf_counter())
+        load.plan += plan[:fits]
+        load.local += fits
+        if fits == len(step) and load.local < len(load.keys):
+            return  # more to plan
+        load.planned = True
+        if self._fleet is not None and fits == len(plan) and load.local < len(load.keys):
+            load.plan += [_ClusterPage(k) for k in load.keys[load.local :]]  # read-through
 
     def _submit_in_turn(self) -> None:
         """Hand the readers a chunk of each load in turn while staging is free (up to
@@ -563,7 +584,12 @@ class Restore:
         size = reg.chunk_pages
         while self._free and self._turn:
             load = self._turn.popleft()
+            if not load.planned and load.submitted + size > len(load.plan):
+                self._plan_next(load, reg)
             start = load.submitted
+            if start == len(load.plan):  # its plan ended where its reads had
+                self._finish_if_done(load)
+                continue
             # A chunk is all local pages or all the cluster's.
             end = min(start + size, load.local) if start < load.local else start + size
             pages = load.plan[start:end]
@@ -579,8 +605,21 @@ class Restore:
                                          reg.views.page_bytes)
             load.reading += 1
             self._reading.append((load, start, buf, fut))
-            if load.submitted < len(load.plan):
+            if load.submitted < len(load.plan) or not load.planned:
                 self._turn.append(load)
+
+    def _plan_next(self, load: _Active, reg: _Registered) -> None:
+        """``_plan_more`` as the load's reads reach its plan's end; a fault ends the plan
+        where it is (the pages planned are read, the rest are a miss)."""
+        try:
+            assert self._reader is not None
+            self._plan_more(load, self._reader, reg)
+        except ENVIRONMENT_FAULTS:
+            raise
+        except Exception:
+            self.life.item_error("load", load.load_id)
+            self._check_usable()
+            load.planned = True
 
     def _complete(self, load: _Active, start: int, buf: int, fut: Future) -> None:
         """Write a chunk's verified prefix into its load's blocks (read in place: it is
@@ -638,7 +677,8 @@ class Restore:
     def _finish_if_done(self, load: _Active) -> None:
         """Answer ``load`` once its last chunk is written (or it ended) and none of its
         chunks is still being read."""
-        if load.reading or (load.outcome is None and load.submitted < len(load.plan)):
+        if load.reading or (load.outcome is None and (
+                load.submitted < len(load.plan) or not load.planned)):
             return
         outcome = load.outcome or _Outcome(
             LoadStatus.OK if load.written == load.npages else LoadStatus.PARTIAL,
