@@ -1,5 +1,6 @@
-"""``chained_prefix`` (a binary search) answers what ``stored_prefix`` (a row per key)
-answers, for the key chains SparkCache stores."""
+"""``chained_prefix`` (a binary search) and capture's ``PageStore.lease_prefix`` (the
+prefix one root holds) answer what ``stored_prefix`` (a row per key) answers, for the key
+chains SparkCache stores."""
 
 from __future__ import annotations
 
@@ -9,11 +10,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparkcache.identity import Namespace, sequence_keys
-from sparkcache.store import PageStore
-from sparkcache.store.reader import StoreReader, chained_prefix, stored_prefix
+from sparkcache.store import PageStore, index
+from sparkcache.store.reader import StoreReader, chained_prefix
 from sparkcache.store.testing import make_root
 
 NS = Namespace("m", "float16", "pages", 1, 0, 4)
+
+
+def stored_prefix(conn, keys: list[str]) -> int:
+    """How many leading ``keys`` have a live, referenced object: a row per key."""
+    rows = index.rows_for_keys(conn, "refcount, state", keys)
+    n = 0
+    for key in keys:
+        row = rows.get(key)
+        if row is None or row[0] == 0 or row[1] != "live":
+            break
+        n += 1
+    return n
 
 
 def chain(branch: int, length: int) -> list[str]:
@@ -54,6 +67,8 @@ def test_binary_search_equals_the_full_scan(tmp_path_factory, roots, removed, qu
             assert reader.lookup(keys, beyond, right) == (full if full > beyond else 0)
     finally:
         reader.close()
+    with PageStore(store, 0) as st_:  # what capture leases and does not copy
+        assert st_.lease_prefix(keys, 30) == full
 
 
 def test_a_quarantined_page_mid_chain_ends_the_prefix_there(tmp_path: Path) -> None:
@@ -80,6 +95,8 @@ def test_a_quarantined_page_mid_chain_ends_the_prefix_there(tmp_path: Path) -> N
         assert reader.restore(keys, bufs).pages == 2
     finally:
         reader.close()
+    with PageStore(tmp_path, 0) as st_:
+        assert st_.lease_prefix(keys, 30) == 2
 
 
 def test_a_writer_adds_the_quarantined_index_to_an_older_store(tmp_path: Path) -> None:

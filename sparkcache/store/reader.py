@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparkcache.identity import require_hex
+from sparkcache.identity import require_hex, split_keys
 from sparkcache.store import index
 from sparkcache.store.direct import DirectReads, Pending, mostly_cached, supported
 from sparkcache.store.fileops import FileOps
@@ -86,18 +86,6 @@ class ReadResult:
     buffered_bytes: int = 0
 
 
-def stored_prefix(conn: sqlite3.Connection, keys: Sequence[str]) -> int:
-    """How many leading ``keys`` have a live, referenced object, read on ``conn``."""
-    rows = index.rows_for_keys(conn, "refcount, state", keys)
-    n = 0
-    for key in keys:
-        row = rows.get(key)
-        if row is None or row[0] == 0 or row[1] != "live":
-            break
-        n += 1
-    return n
-
-
 # Quarantined keys are few: a partial index holds them (``index``).
 QUARANTINED_KEYS = "SELECT key FROM objects WHERE state = 'quarantined'"
 
@@ -109,13 +97,13 @@ MAX_HINTS = 4
 
 def chained_prefix(conn: sqlite3.Connection, keys: Sequence[str], beyond: int = 0,
                    hints: Sequence[int] = ()) -> int:
-    """``stored_prefix`` of a key chain in O(log n) lookups instead of n; or 0 when it is
-    not longer than ``beyond`` pages, the pages the caller has already (vLLM's own prefix
-    cache): one lookup tells, and a quarantined object among those pages does not end
-    the prefix, since it is not read. ``hints``, answers the caller expects (where the
-    conversation's latest saves ended), are tried first: one statement confirms the one
-    that is right (``_confirmed_hint``); if none is, that statement was the cost, and
-    the search follows.
+    """How many leading ``keys`` (a chain) have a live, referenced object, in O(log n)
+    lookups instead of a row per key; or 0 when it is not longer than ``beyond`` pages,
+    the pages the caller has already (vLLM's own prefix cache): one lookup tells, and a
+    quarantined object among those pages does not end the prefix, since it is not read.
+    ``hints``, answers the caller expects (where the conversation's latest saves ended),
+    are tried first: one statement confirms the one that is right (``_confirmed_hint``);
+    if none is, that statement was the cost, and the search follows.
 
     Page keys are chained (``sparkcache.identity``): key ``i`` determines keys ``0..i``, so
     a referenced object of key ``i`` belongs to a root that holds all of them, and the
@@ -243,7 +231,8 @@ class StoreReader:
     def plan(self, keys: Sequence[str]) -> list[PlannedPage]:
         """The objects of the leading ``keys`` the index holds live (one read
         transaction): what ``read_planned`` reads. Nothing is read from the files yet."""
-        keys = [require_hex(k, "page key") for k in keys]
+        keys = list(keys)
+        split_keys(keys)  # ValueError naming the first key that is not one
         with index.read_txn(self.conn) as conn:
             rows = index.rows_for_keys(
                 conn, "generation, bytes, refcount, state, file_key, file_offset", keys)
