@@ -111,8 +111,8 @@ def test_non_hex_keys_and_ids_are_refused(store: PageStore) -> None:
         store.remove_roots(["zz"])
     with pytest.raises(ValueError, match="root id"):
         Root("nothex", [PageData("0" * 32, b"x")])
-    with pytest.raises(ValueError, match="page key"):
-        PageData("0" * 31 + "G", b"x")
+    with pytest.raises(ValueError, match=r"page key '0+G' is not a hex digest"):
+        Root("0" * 32, [PageData("0" * 32, b"x"), PageData("0" * 31 + "G", b"x")])
 
 
 @pytest.mark.parametrize(
