@@ -1,6 +1,7 @@
-"""``chained_prefix`` (a binary search) and capture's ``PageStore.lease_prefix`` (the
-prefix one root holds) answer what ``stored_prefix`` (a row per key) answers, for the key
-chains SparkCache stores."""
+"""``chained_prefix`` (a binary search), capture's ``PageStore.lease_prefix`` (the
+prefix one root holds) and a restore's ``StoreReader.plan`` (a root's run of pages)
+answer what ``stored_prefix`` (a row per key) answers, for the key chains SparkCache
+stores and, for the plan, for lists that are not one chain."""
 
 from __future__ import annotations
 
@@ -52,10 +53,15 @@ def test_binary_search_equals_the_full_scan(tmp_path_factory, roots, removed, qu
             ids.append(root_id)
         st_.remove_roots([ids[i] for i in removed if i < len(ids)])
     keys = chain(*query)
+    # Not one chain: the query's first pages, then another branch's from there on.
+    mixed = keys[: len(keys) // 2] + chain((query[0] + 1) % 4, query[1])[len(keys) // 2 :]
     reader = StoreReader(store, 0)
     try:
         full = stored_prefix(reader.conn, keys)
         assert chained_prefix(reader.conn, keys) == full
+        # A restore's plan: the same pages, read by root runs or a row per key.
+        assert [p.key for p in reader.plan(keys)] == keys[:full]
+        assert [p.key for p in reader.plan(mixed)] == mixed[: stored_prefix(reader.conn, mixed)]
         assert reader.lookup(keys) == full
         # Beyond the pages the caller has: the same prefix, or 0 if it is not longer.
         assert reader.lookup(keys, beyond) == (full if full > beyond else 0)
@@ -69,6 +75,25 @@ def test_binary_search_equals_the_full_scan(tmp_path_factory, roots, removed, qu
         reader.close()
     with PageStore(store, 0) as st_:  # what capture leases and does not copy
         assert st_.lease_prefix(keys, 30) == full
+
+
+def test_a_plan_of_keys_that_are_not_one_chain_reads_what_each_key_names(
+        tmp_path: Path) -> None:
+    """A list whose last key ends another root's run: the plan compares every key with
+    that root's and reads the rest a row per key, never the root's pages in their place."""
+    one, two = chain(1, 8), chain(2, 8)
+    with PageStore(tmp_path, 0) as st_:
+        st_.commit(make_root("a" * 32, one, 16))
+        st_.commit(make_root("b" * 32, two, 16))
+    mixed = one[:4] + two[4:]  # the system prompt's two pages are both branches'
+    reader = StoreReader(tmp_path, 0)
+    try:
+        assert [p.key for p in reader.plan(mixed)] == mixed
+        assert [p.key for p in reader.plan(two)] == two
+        bufs = [bytearray(16) for _ in mixed]
+        assert reader.restore(mixed, bufs).pages == 8
+    finally:
+        reader.close()
 
 
 def test_a_quarantined_page_mid_chain_ends_the_prefix_there(tmp_path: Path) -> None:
