@@ -113,6 +113,14 @@ def split_keys(keys: Sequence[str], what: str = "page key") -> np.ndarray:
     return np.frombuffer(raw, "<u8").reshape(n, 2)
 
 
+def require_keys(keys: Sequence[str], what: str = "page key") -> list[str]:
+    """``keys`` as a list, checked as ``split_keys`` checks them (one batch, the first bad
+    key named): where a 300k-token prompt's 18,750 keys are checked every turn."""
+    keys = list(keys)
+    split_keys(keys, what)
+    return keys
+
+
 def keys_bytes(keys: Sequence[str]) -> bytes:
     """The raw bytes of page ``keys`` (``KEY_BYTES`` each, in order), as ``key_halves``
     takes them: the vLLM scheduler side sends keys so, and the worker side then neither

@@ -173,8 +173,7 @@ class _Active:
     """A load being served: its plan read chunk by chunk, in turn with the others."""
 
     load_id: int
-    npages: int  # pages asked for
-    keys: list[str]
+    keys: list[str]  # the pages asked for
     blocks: list[int]
     started: float  # perf_counter
     # The stored prefix of them as far as planned, then (read-through) the rest, to fetch
@@ -546,8 +545,7 @@ class Restore:
         if reader is None:
             return _Outcome(LoadStatus.PARTIAL)
         keys = join_keys(recs["key_hi"], recs["key_lo"])
-        load = _Active(int(recs["load_id"][0]), len(keys), keys, blocks.tolist(),
-                       time.perf_counter())
+        load = _Active(int(recs["load_id"][0]), keys, blocks.tolist(), time.perf_counter())
         self._plan_more(load, reader, reg)
         return load
 
@@ -681,7 +679,7 @@ class Restore:
                 load.submitted < len(load.plan) or not load.planned)):
             return
         outcome = load.outcome or _Outcome(
-            LoadStatus.OK if load.written == load.npages else LoadStatus.PARTIAL,
+            LoadStatus.OK if load.written == len(load.keys) else LoadStatus.PARTIAL,
             load.written)
         self._active.remove(load)
         self._end(load.load_id, outcome, time.perf_counter() - load.started)

@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from sparkcache.identity import require_hex, split_keys
+from sparkcache.identity import require_hex, require_keys
 
 ROOT_ID_HEX_LEN = 32
 # Raw bytes-like page contents: bytes, bytearray, memoryview, numpy arrays (C-contiguous).
@@ -42,9 +42,9 @@ class PageData:
     """One page to store: its hex key and its bytes, whole or as the pieces they are made
     of, in order (a capture slot holds a page as one piece per layer and K/V; the pieces
     are checksummed and written with one ``writev``, never joined). Its key is checked by
-    the ``Root`` that holds it, with the root's other keys at once: checked one by one,
-    the keys of a 300k-token prompt's pages took the commit worker 52 ms every turn,
-    against 3.4 ms as one batch."""
+    the ``Root`` that holds it, with the root's other keys at once: the commit worker
+    builds one for every page of a prompt every turn, and for a 300k-token prompt's
+    18,750 that took 52 ms with a check each, 13.4 without, the batch's check 3.4."""
 
     key: str
     data: Buffer | list[Buffer] | tuple[Buffer, ...]
@@ -71,7 +71,7 @@ class Root:
         require_hex(self.root_id, "root id", ROOT_ID_HEX_LEN)
         if not self.pages:
             raise ValueError(f"root {self.root_id} has no pages; a root needs at least one")
-        split_keys([p.key for p in self.pages], "page key")
+        require_keys([p.key for p in self.pages])
 
 
 @dataclass(frozen=True)
