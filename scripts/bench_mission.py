@@ -16,7 +16,8 @@ shared memory, blocks handed out and taken back, the client's calls on its threa
 A turn: the engine looks its prompt up (a read lease, which the load's report ends), loads
 the stored prefix into fresh blocks through the restore worker, checks loaded pages byte
 for byte (the first, the last and 14 more at random), computes the rest (fills the
-blocks), then publishes the whole prompt. The turns of a round start at once.
+blocks), then publishes the whole prompt under a new request id, as vLLM does every turn.
+The turns of a round start at once.
 
 Figures (JSON with ``--json``):
 
@@ -101,6 +102,12 @@ class Conversation:
     @property
     def finished(self) -> bool:
         return self.done >= len(self.turns)
+
+    @property
+    def request(self) -> str:
+        """The id the current turn is published under: a new one every turn, as vLLM
+        sends each turn of a conversation as a new request."""
+        return f"{self.name}/{self.done}"
 
 
 @dataclass
@@ -287,13 +294,12 @@ def run_round(engine: Engine, lookup: PrefixLookup, convs: list[Conversation],
                      for c, *_ in jobs}
     pub_started = time.perf_counter()
     for c, _, blocks, *_ in jobs:
-        engine.durable.pop(c.name, None)
-        engine.completed.discard(c.name)
         c.published = engine.step(lambda c=c, b=blocks:
-                                  client.publish_keys(c.name, c.raw[: KEY_BYTES * len(b)], b))[0]
+                                  client.publish_keys(c.request, c.raw[: KEY_BYTES * len(b)],
+                                                      b))[0]
     published = [c for c, *_ in jobs if c.published]
     deadline = time.monotonic() + 600
-    while not all(c.name in engine.durable for c in published):
+    while not all(c.request in engine.durable for c in published):
         if time.monotonic() > deadline:
             raise RuntimeError(f"publications never acknowledged: {client.counters}")
         engine.step()
@@ -306,8 +312,8 @@ def run_round(engine: Engine, lookup: PrefixLookup, convs: list[Conversation],
     seq_write_s = sequential_write(client.cfg.store_dir, added) if added >= 16 << 20 else None
     for c, _, blocks, *_ in jobs:
         first = c.done == 0
-        ok = c.published and engine.durable[c.name] is not None \
-            and engine.durable[c.name].durable
+        ok = c.published and engine.durable[c.request] is not None \
+            and engine.durable[c.request].durable
         if first:
             c.first_stored = bool(ok)
         c.done += 1

@@ -12,8 +12,10 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import pytest
+from eviction_util import UNLIMITED, meter
 
 from sparkcache.store import PageStore
+from sparkcache.store.eviction import EvictionPlan
 from sparkcache.store.fsck import fsck
 from sparkcache.store.layout import object_name
 from sparkcache.store.testing import make_root, page_bytes
@@ -62,6 +64,58 @@ def test_commit_retries_when_a_deduplicated_page_is_collected_meanwhile(
     assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in keys]
     committer.close()
     evictor.close()
+    assert fsck(tmp_path / "s", grace_seconds=0).ok
+
+
+@pytest.mark.parametrize("change", ["removed", "cut", "quarantined", "replaced"])
+def test_a_held_prefix_that_changes_before_the_transaction_is_looked_at_again(
+    tmp_path: Path, change: str,
+) -> None:
+    """A commit growing a root takes its pages as held by that root before its transaction
+    and checks inside it that they still are, without reading them all again: the root
+    removed, cut short below the end of the held prefix (eviction's bounded slices cut
+    roots from their end), one of its pages quarantined, or the root stored again under
+    its id by another committer with keys that are not one chain and the same last key
+    (its old pages collected), all between the two, each make the commit look again and
+    write what is no longer held."""
+    clock = Clock()
+    other = PageStore(tmp_path / "s", 0, lease_seconds=0, clock=clock)
+    keys = [secrets.token_hex(16) for _ in range(8)]
+    fired: list[str] = []
+
+    def change_the_held_root(step: str) -> None:
+        if step != "commit.durable" or fired or not armed:
+            return
+        fired.append(step)
+        if change == "removed":
+            assert other.remove_roots([first]).removed == (first,)
+        elif change == "replaced":
+            clock.now += 1
+            other.commit(make_root(first, [*(secrets.token_hex(16) for _ in range(5)),
+                                           keys[5]], SIZE))
+            assert other.collect(10).objects == 5
+        elif change == "cut":
+            other.evict(meter(nbytes=2 * SIZE), EvictionPlan(), UNLIMITED)
+            assert other.lookup(keys[:6]) == 4
+        else:
+            (gen,) = other._rconn.execute("SELECT generation FROM objects WHERE key = ?",
+                                          (keys[2],)).fetchone()
+            other.quarantine(keys[2], gen, "test")
+
+    armed: list[bool] = []
+    committer = PageStore(tmp_path / "s", 0, lease_seconds=0, clock=clock,
+                          hook=change_the_held_root)
+    first = secrets.token_hex(16)
+    committer.commit(make_root(first, keys[:6], SIZE))
+    clock.now += 1
+    armed.append(True)
+    result = committer.commit(make_root(secrets.token_hex(16), keys, SIZE))
+    assert fired and result.retries == 1
+    bufs = [bytearray(SIZE) for _ in keys]
+    assert other.restore(keys, bufs) == len(keys)
+    assert [bytes(b) for b in bufs] == [page_bytes(k, SIZE) for k in keys]
+    committer.close()
+    other.close()
     assert fsck(tmp_path / "s", grace_seconds=0).ok
 
 

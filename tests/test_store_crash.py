@@ -70,8 +70,9 @@ def commit_child(store_dir: Path, step: str, nth: int, seed: int, conn: Connecti
     """Acknowledge ``nth`` commits, then die at ``step`` of the next one.
 
     Some commits extend the root acknowledged just before them (the next turn of its
-    conversation, under a new id), which supersedes it; the fatal one always does, so every
-    step is a step of a commit that drops a root in its transaction. The fatal commit
+    conversation, under a new id), which grows that root in place; the fatal one always
+    does, so every step is a step of a commit that changes an acknowledged root in its
+    transaction. The fatal commit
     writes three fresh pages (one pack), and per-page steps die at its first, second or
     third record depending on ``nth``, so kills land at different points of a commit.
     Every commit's file is written over a pooled file.
@@ -89,7 +90,7 @@ def commit_child(store_dir: Path, step: str, nth: int, seed: int, conn: Connecti
             root_id = secrets.token_hex(16)
             keys = previous[1] + [secrets.token_hex(16) for _ in range(3 if hook.armed else 1)]
             if hook.armed:
-                conn.send(("extending", previous[0]))
+                conn.send(("extending", previous[1]))
         else:
             root_id, keys = random_root(rng)
             if hook.armed:
@@ -155,10 +156,10 @@ def verify_after_crash(
     acked: dict[str, list[str]],
     doomed: set[str],
     step: str,
-    kept: set[str],
+    kept: list[list[str]],
 ) -> None:
-    """``doomed``: acknowledged roots that may have been evicted; ``kept``: roots the
-    killed commit would have superseded, which must still be there."""
+    """``doomed``: acknowledged roots that may have been evicted; ``kept``: the pages of
+    roots the killed commit would have grown, which must still be roots as they were."""
     if step in LEFTOVERS:
         seen = fsck(store_dir, grace_seconds=0)  # fsck sees the debris
         assert not seen.ok or seen.unpunched_bytes, seen
@@ -174,13 +175,17 @@ def verify_after_crash(
             "SELECT root_id, key FROM root_pages ORDER BY root_id, pos"
         ):
             stored.setdefault(root_id, []).append(key)
-        assert kept <= stored.keys(), "a commit that never committed superseded a root"
+        for keys in kept:
+            assert keys in stored.values(), "a commit that never committed changed a root"
         for root_id, keys in acked.items():
             if root_id in doomed:
-                # Evicted, or cut from its end: what is left is a prefix (restored below).
-                assert stored.get(root_id, []) == keys[: len(stored.get(root_id, []))]
+                # Evicted, or cut from its end: what is left is a prefix of its pages, or,
+                # cut and then grown in place by a later commit that extended what was
+                # left, a prefix of that commit's (restored below).
+                left = stored.get(root_id, [])
+                assert any(k[: len(left)] == left for k in acked.values()), root_id
                 continue
-            # A superseded root is gone, but a stored root holds every page it held.
+            # A root grown in place by another id's commit holds every page it held.
             assert root_id in stored or any(k[: len(keys)] == keys for k in stored.values()), (
                 f"acknowledged root {root_id} lost"
             )
@@ -202,13 +207,13 @@ def test_sigkill_during_commit(tmp_path: Path, step: str) -> None:
     store_dir = tmp_path / "store"
     acked: dict[str, list[str]] = {}
     for nth in (1, 2, 3):
-        kept = set()
+        kept = []
         for msg in run_child(commit_child, store_dir, step, nth, nth):
             if msg[0] == "ack":
                 acked[msg[1]] = msg[2]
             elif msg[0] == "extending":
-                kept.add(msg[1])
-        assert kept, "the killed commit superseded nothing: the test proves less"
+                kept.append(msg[1])
+        assert kept, "the killed commit extended nothing: the test proves less"
         verify_after_crash(store_dir, acked, set(), step, kept)
     assert len(acked) >= 3
 
@@ -224,5 +229,5 @@ def test_sigkill_during_eviction(tmp_path: Path, step: str) -> None:
                 acked[msg[1]] = msg[2]
             elif msg[0] == "removing":
                 doomed.update(msg[1])
-        verify_after_crash(store_dir, acked, doomed, step, set())
+        verify_after_crash(store_dir, acked, doomed, step, [])
     assert doomed

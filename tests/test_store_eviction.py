@@ -239,20 +239,21 @@ def test_at_the_cap_conversation_leases_yield_oldest_first(
         assert_clean(store)
 
 
-def test_a_read_lease_on_a_prefix_passes_to_the_root_superseding_it(
+def test_a_read_lease_on_a_prefix_protects_the_root_the_next_turn_grows(
         tmp_path: Path, lease_clock: LeaseClock) -> None:
-    """A capture relying on a stored prefix leases it; the commit of the longer turn drops
-    the prefix root, and its read lease protects the new root until it runs out."""
+    """A capture relying on a stored prefix leases it; the commit of the longer turn (a
+    new request id) grows the prefix root in place, and the read lease protects it until
+    it runs out."""
     with PageStore(tmp_path / "s", 0, lease_seconds=300, clock=lease_clock) as store:
         keys = chain("conv", 6)
-        commit(store, keys[:3], lease_clock)
+        first = commit(store, keys[:3], lease_clock)
         assert store.lease_prefix(keys[:3], 30) == 3
-        turn = commit(store, keys, lease_clock)
-        assert pages_of(store) == {turn: keys}
-        assert read_leased(store, lease_clock.now) == {turn}
+        commit(store, keys, lease_clock)
+        assert pages_of(store) == {first: keys}
+        assert read_leased(store, lease_clock.now) == {first}
         assert not store.evict(meter(), EvictionPlan(), UNLIMITED).pages
         lease_clock.now += 30
-        assert store.evict(meter(), EvictionPlan(), UNLIMITED).removed == (turn,)
+        assert store.evict(meter(), EvictionPlan(), UNLIMITED).removed == (first,)
         assert store._rconn.execute("SELECT count(*) FROM reads").fetchone() == (0,)
         assert_clean(store)
 
@@ -352,18 +353,18 @@ def test_a_commit_ends_its_captures_lease_and_keeps_a_lookups(
         store: PageStore, lease_clock: LeaseClock) -> None:
     """Capture leases the prefix it does not copy (named by its publication); the commit
     of the longer turn ends that lease in its transaction, while a lookup's lease of the
-    same prefix passes to the new root and holds."""
+    same prefix stays on the root the turn grows, and holds."""
     keys = chain("conv", 6)
-    commit(store, keys[:3], lease_clock)
+    first = commit(store, keys[:3], lease_clock)
     assert store.lease_prefix(keys[:3], 30, lease=77) == 3
     lease(store, keys[:3], 78, lease_clock.now)
-    turn = os.urandom(16).hex()
-    store.commit(make_root(turn, keys, SIZE), release=77)
-    assert store._rconn.execute("SELECT root_id, lease FROM reads").fetchall() == [(turn, 78)]
+    store.commit(make_root(os.urandom(16).hex(), keys, SIZE), release=77)
+    assert pages_of(store) == {first: keys}
+    assert store._rconn.execute("SELECT root_id, lease FROM reads").fetchall() == [(first, 78)]
     lease_clock.now += 20  # its conversation lease (10 s) is over, the lookup's is not
     assert not store.evict(meter(), EvictionPlan(), UNLIMITED).pages
     release(store, 78)
-    assert store.evict(meter(), EvictionPlan(), UNLIMITED).removed == (turn,)
+    assert store.evict(meter(), EvictionPlan(), UNLIMITED).removed == (first,)
     assert_clean(store)
 
 

@@ -133,7 +133,7 @@ def test_a_request_saving_as_it_runs_grows_its_root_by_its_new_pages(
     publication's index work is its new pages, not the prefix its root already holds, so a
     300k-token prefill's ~290 saves do not rewrite its root ~290 times. Rows, references
     and bytes come out as one commit of the whole would leave them; a later turn (a new
-    id) supersedes the grown root as any other."""
+    id, as vLLM sends every turn) grows the same root by its new pages too."""
     statements: list[str] = []
     store._wconn.set_trace_callback(statements.append)
     tokens = [7] * (PAGE * 400)
@@ -154,10 +154,14 @@ def test_a_request_saving_as_it_runs_grows_its_root_by_its_new_pages(
     (lease_until, last_access) = store._rconn.execute(
         "SELECT lease_until, last_access FROM roots").fetchone()
     assert (lease_until, last_access) == (clock.now - 1 + LEASE, clock.now - 1)
-    # The next turn, a new request: one root again, the grown one superseded.
+    # The next turn, a new request: the grown root grows again, under its own id, by
+    # a row for its one new page.
     longer = tokens + [8] * PAGE
+    statements.clear()
     assert commit(store, longer).roots_superseded == 1
-    assert list(stored_roots(store).values()) == [keys_of(longer)]
+    assert len([q for q in statements if q.startswith("INSERT INTO root_pages")]) == 1
+    assert not [q for q in statements if q.startswith("DELETE FROM root_pages")]
+    assert stored_roots(store) == {root_id: keys_of(longer)}
     assert refcount_errors(store) == []
     keys = keys_of(longer)
     bufs = [bytearray(SIZE) for _ in keys]
@@ -240,9 +244,10 @@ def test_the_same_pages_again_are_one_root(store: PageStore) -> None:
     first, second = rid(), rid()
     commit(store, tokens, first)
     assert commit(store, tokens, second).roots_superseded == 1
-    assert stored_roots(store) == {second: keys_of(tokens)}
-    # The same id again replaces it, as always; that is no supersession.
-    assert commit(store, tokens, second).roots_superseded == 0
+    # The root keeps the id it was stored with: taking the new one rewrote its rows.
+    assert stored_roots(store) == {first: keys_of(tokens)}
+    # Its own id again is no supersession.
+    assert commit(store, tokens, first).roots_superseded == 0
     assert store.usage().entries == 1
     assert refcount_errors(store) == []
 
@@ -276,6 +281,29 @@ def test_a_turn_ending_mid_page_keeps_its_root(store: PageStore) -> None:
     assert store.lookup(keys_of(first)) == len(keys_of(first))
 
 
+def test_a_turn_growing_another_root_replaces_its_own_ids_root_with_a_tail(
+    store: PageStore,
+) -> None:
+    """A request whose earlier publication ended in a tail page publishes again, and what
+    it publishes extends another root: that root grows, the request's old root is
+    replaced as it always was, and the pages both held keep a reference throughout (no
+    removal logged for them, none for a page that is still held)."""
+    held = [5] * (3 * PAGE)
+    own_id, other_id = rid(), rid()
+    commit(store, held[: 2 * PAGE] + [6] * 3, own_id)  # two full pages and a tail
+    commit(store, held, other_id)
+    before = store._rconn.execute("SELECT coalesce(max(seq), 0) FROM removals").fetchone()[0]
+    longer = held + [7] * PAGE
+    assert commit(store, longer, own_id).roots_superseded == 1
+    assert stored_roots(store) == {other_id: keys_of(longer)}
+    assert refcount_errors(store) == []
+    removed = [k for (k,) in store._rconn.execute(
+        "SELECT key FROM removals WHERE seq > ?", (before,))]
+    tail = keys_of(held[: 2 * PAGE] + [6] * 3)[-1]
+    assert removed == [tail]
+    assert store.lookup(keys_of(longer)) == len(keys_of(longer))
+
+
 def test_a_lease_on_the_old_prefix_protects_the_new_root(
     store: PageStore, clock: Clock
 ) -> None:
@@ -286,12 +314,13 @@ def test_a_lease_on_the_old_prefix_protects_the_new_root(
     clock.now += LEASE + 1
     new_id = rid()
     assert commit(store, newer, new_id).roots_superseded == 1
-    clock.now += LEASE + 1  # past the new root's own lease, inside the inherited one
+    (held_id,) = stored_roots(store)
+    clock.now += LEASE + 1  # past the new turn's own lease, inside the lookup's
     assert store.select_victims(10) == []
-    assert store.remove_roots([new_id]).skipped == (new_id,)
+    assert store.remove_roots([held_id]).skipped == (held_id,)
     assert evict(store, 10).removed == ()
     clock.now += 100
-    assert store.select_victims(10) == [new_id]
+    assert store.select_victims(10) == [held_id]
 
 
 def test_random_turns_keep_no_root_a_prefix_of_another(tmp_path: Path) -> None:

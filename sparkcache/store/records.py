@@ -82,8 +82,10 @@ class CommitResult:
     pages_deduplicated: int
     bytes_written: int
     retries: int
-    # Roots of other ids that were prefixes of this one (same pages or fewer), dropped in
-    # its transaction: a later turn of a conversation replaces the earlier turn's root.
+    # Roots of other ids that were prefixes of this one (same pages or fewer), taken over
+    # in its transaction: the one such root grown in place, under its own id (a later
+    # turn of a conversation grows the earlier turn's root), or several dropped (a store
+    # written before supersession may hold the same pages under several ids).
     roots_superseded: int = 0
     # A stored root already extends this one: no root was created, its lease was renewed.
     covered: bool = False
