@@ -155,13 +155,23 @@ def test_a_request_saving_as_it_runs_grows_its_root_by_its_new_pages(
         "SELECT lease_until, last_access FROM roots").fetchone()
     assert (lease_until, last_access) == (clock.now - 1 + LEASE, clock.now - 1)
     # The next turn, a new request: the grown root grows again, under its own id, by
-    # a row for its one new page.
+    # a row for its one new page; its 400 held keys are compared with the ones this
+    # store committed, not read from the index again.
     longer = tokens + [8] * PAGE
     statements.clear()
+    store._rconn.set_trace_callback(statements.append)
     assert commit(store, longer).roots_superseded == 1
     assert len([q for q in statements if q.startswith("INSERT INTO root_pages")]) == 1
     assert not [q for q in statements if q.startswith("DELETE FROM root_pages")]
+    assert not [q for q in statements if "SELECT key FROM root_pages" in q]
     assert stored_roots(store) == {root_id: keys_of(longer)}
+    # Another store (a restarted commit worker) reads them, and comes to the same.
+    with PageStore(store.layout.store_dir, 0, lease_seconds=LEASE, clock=clock) as fresh:
+        fresh._rconn.set_trace_callback(statements.append)
+        statements.clear()
+        result = commit(fresh, longer + [9] * PAGE)
+        assert (result.pages_written, result.roots_superseded) == (1, 1)
+        assert [q for q in statements if "SELECT key FROM root_pages" in q]
     assert refcount_errors(store) == []
     keys = keys_of(longer)
     bufs = [bytearray(SIZE) for _ in keys]

@@ -46,6 +46,7 @@ from sparkcache.store import eviction, index, recovery
 from sparkcache.store.eviction import RECORD, ROW, SYNC, TXN, UNLINK, Budget, EvictionPlan
 from sparkcache.store.fileops import FileOps, StepHook, no_hook
 from sparkcache.store.gate import LookupGate
+from sparkcache.store.known_roots import KnownRoots
 from sparkcache.store.layout import (
     DIR_FLAGS,
     FILE_MODE,
@@ -157,8 +158,12 @@ class _Deferred:
 class _Placement:
     """What a commit's transaction did with its root (see ``PageStore._place_root``)."""
 
-    superseded: int  # roots of other ids dropped because the new root extends them
+    superseded: int  # roots of other ids taken over because the new root extends them
     covered: bool  # a stored root extends the new one: no root was created
+    # The root row that holds the publication's pages now (id, created), and how many of
+    # its leading rows it had before (0: a new root); None if covered or staged.
+    holder: tuple[str, float] | None = None
+    kept: int = 0
 
 
 @dataclass(frozen=True)
@@ -251,6 +256,7 @@ class PageStore:
             self._free_fd = os.open(self.layout.free_dir, DIR_FLAGS)
             self._pool = FilePool(self._ops, self._free_fd, pool_bytes)
         self._writer = ObjectWriter(self._ops, hook, self._objects_fd, self._pool)
+        self._known = KnownRoots()
         try:
             # Created by any writer, so an older store gains it on its next open.
             self.gate = LookupGate(self.layout.rank_dir, create=True)
@@ -397,6 +403,11 @@ class PageStore:
             raise
         # Published. Keys another committer stored first: our copies are unreferenced.
         self._writer.release(surplus, written)
+        if placement.holder is not None and (
+                placement.kept == 0 or (placement.holder == (held.root_id, held.created)
+                                        and held.pages >= placement.kept)):
+            # It holds exactly ``keys``: the rows it kept were compared with them.
+            self._known.remember(*placement.holder, keys)
         if place:
             self.counters.commits += 1
         else:
@@ -431,8 +442,10 @@ class PageStore:
         [(root_id, created)] = conn.execute(
             "SELECT r.id, r.created FROM root_pages rp JOIN roots r ON r.id = rp.root_id "
             "WHERE rp.key = ? AND rp.pos = ? LIMIT 1", (keys[n - 1], n - 1)).fetchall()
-        held = [k for (k,) in conn.execute("SELECT key FROM root_pages WHERE root_id = ? "
-                                           "AND pos < ? ORDER BY pos", (root_id, n))]
+        held = self._known.first(root_id, created, n)  # a root this process committed
+        if held is None:
+            held = [k for (k,) in conn.execute("SELECT key FROM root_pages WHERE root_id = ? "
+                                               "AND pos < ? ORDER BY pos", (root_id, n))]
         if held != keys[:n]:
             return _HeldPrefix()
         n = self._short_of_quarantine(conn, keys, n)
@@ -532,21 +545,22 @@ class PageStore:
             # for the new pages only: taking the new id meant rewriting a row per page of
             # the whole prefix (a 250-page turn over 18,750 pages: 0.44-0.66 s, against
             # 0.11-0.15 s growing it).
-            [(held_id, _, _)] = prefix_roots
+            [(held_id, _, _, created)] = prefix_roots
             refs: Counter[str] = Counter()
             if held_id != root_id:
                 # A root of the publication's own id that is not a prefix of it (an
                 # earlier publication of the same request that ended in a tail page) is
                 # replaced, as it always was; its references netted with the new ones.
                 self._unlink_root(conn, root_id, refs)
-            self._extend_root(conn, held_id, keys, sizes, now, lease_until, refs)
-            return _Placement(superseded=int(held_id != root_id), covered=False)
+            had = self._extend_root(conn, held_id, keys, sizes, now, lease_until, refs)
+            return _Placement(superseded=int(held_id != root_id), covered=False,
+                              holder=(held_id, created), kept=had)
         # References are netted: a superseded root's pages are the new root's too, so
         # dropping one and adding the other leaves their refcounts as they were.
         refs = Counter(keys)
         last_access, superseded = now, 0
         reads = []
-        for old_id, old_lease, old_access in prefix_roots:
+        for old_id, old_lease, old_access, _ in prefix_roots:
             # A lease taken on the old prefix (a lookup about to restore it, a capture
             # relying on it) must keep protecting those pages, now held by the new root.
             lease_until = max(lease_until, old_lease)
@@ -558,11 +572,11 @@ class PageStore:
         # The same id that is not a prefix (an earlier publication of the sequence that
         # ended in a tail page) is replaced, as it always was.
         self._unlink_root(conn, root_id, refs)
-        conn.execute(
-            "INSERT INTO roots VALUES (?, ?, ?, ?, ?, ?)",
-            (root_id, sum(pages[k].nbytes for k in keys), len(keys), now, last_access,
-             lease_until),
-        )
+        # Sizes are known for the pages the commit looked at; the others' are asked of their
+        # data (a capture's guard buffer for pages it did not copy).
+        nbytes = sum(sizes[k] if k in sizes else pages[k].nbytes for k in keys)
+        conn.execute("INSERT INTO roots VALUES (?, ?, ?, ?, ?, ?)",
+                     (root_id, nbytes, len(keys), now, last_access, lease_until))
         conn.executemany(
             "INSERT INTO root_pages VALUES (?, ?, ?)",
             [(root_id, pos, key) for pos, key in enumerate(keys)],
@@ -572,14 +586,14 @@ class PageStore:
             "SET taken = max(taken, excluded.taken), until = max(until, excluded.until)",
             [(root_id, *read) for read in reads])
         self._add_refs(conn, refs)
-        return _Placement(superseded=superseded, covered=False)
+        return _Placement(superseded=superseded, covered=False, holder=(root_id, now))
 
     def _extend_root(self, conn: sqlite3.Connection, root_id: str, keys: list[str],
                      sizes: dict[str, int], now: float, lease_until: float,
-                     refs: Counter[str]) -> None:
+                     refs: Counter[str]) -> int:
         """Inside the commit transaction: root ``root_id``, a prefix of ``keys``, becomes
         ``keys``: its row renewed and grown, rows and references for its new pages only,
-        applied with the changes ``refs`` holds already (netted)."""
+        applied with the changes ``refs`` holds already (netted); the pages it had."""
         (had,) = conn.execute("SELECT pages FROM roots WHERE id = ?", (root_id,)).fetchone()
         new = keys[had:]
         conn.execute(
@@ -590,6 +604,7 @@ class PageStore:
                          [(root_id, had + i, key) for i, key in enumerate(new)])
         refs.update(new)
         self._add_refs(conn, refs)
+        return had
 
     def _renew_extensions(
         self, conn: sqlite3.Connection, keys: list[str], now: float, lease_until: float
@@ -608,8 +623,8 @@ class PageStore:
 
     def _prefix_roots(
         self, conn: sqlite3.Connection, keys: list[str]
-    ) -> list[tuple[str, float, float]]:
-        """``(id, lease_until, last_access)`` of the roots that are prefixes of ``keys``
+    ) -> list[tuple[str, float, float, float]]:
+        """``(id, lease_until, last_access, created)`` of the roots that are prefixes of ``keys``
         (the whole of it included): ``p`` pages, the last of them ``keys[p-1]``.
 
         Only one length is looked at: the longest prefix of ``keys`` any root holds. A
@@ -622,7 +637,7 @@ class PageStore:
         if n == 0:
             return []
         return conn.execute(
-            "SELECT r.id, r.lease_until, r.last_access "
+            "SELECT r.id, r.lease_until, r.last_access, r.created "
             "FROM root_pages rp JOIN roots r ON r.id = rp.root_id "
             "WHERE rp.key = ? AND rp.pos = ? AND r.pages = ?",
             (keys[n - 1], n - 1, n),
