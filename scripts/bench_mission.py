@@ -39,7 +39,10 @@ Figures (JSON with ``--json``):
 * ``shm_bytes_per_rank``: the peak of SparkCache's own ``/dev/shm`` segments, sampled
   (the engine's KV segment not counted; target <= 1 GiB);
 * ``refused_publications_at_cap``: publications skipped as ``store_full`` (target 0);
-* ``wrong_pages``: checked pages not byte-exact (0).
+* ``wrong_pages``: checked pages not byte-exact (0);
+* ``capture_ms_mean``, ``commit_ms_mean``: what a publication took in the capture worker
+  and in the commit worker, on average (their duration histograms' sums over counts):
+  where a round's commit time goes.
 
 Usage: ``python scripts/bench_mission.py [--json] [--dir D] [--layers 1] [--quick]``
 (``--quick``: 6 conversations of 20k-60k tokens, 2 at once, for a smoke run).
@@ -360,6 +363,17 @@ def publish_whole(engine: Engine, c: Conversation, page: int) -> None:
         engine.free.extend(blocks)
 
 
+def mean_durations_ms(cfg: config.Config) -> dict[Role, float | None]:
+    """Capture's and commit's mean duration of a publication so far, in ms."""
+    out: dict[Role, float | None] = {}
+    with segments.attach_stats(cfg, 0) as stats:
+        for role in (Role.CAPTURE, Role.COMMIT):
+            rec = stats.read(int(role))
+            out[role] = (rec.dur_sum_s / rec.dur_count * 1e3
+                         if rec is not None and rec.dur_count else None)
+    return out
+
+
 def lone_load_s(engine: Engine, keys: list[str], store: Path) -> float:
     reader = StoreReader(store, 0)
     try:
@@ -439,6 +453,7 @@ def bench(work: Path, args: argparse.Namespace) -> dict:
         elapsed = time.monotonic() - started
         steps = sorted(engine.steps_us)
         counters = copy.deepcopy(engine.client.counters)  # the rounds', not what follows
+        worker_ms = mean_durations_ms(cfg)
         # A whole 300k prefix against its first 75k, each alone and cold: the
         # conversation the store holds most of, published whole first where the cap has
         # cut it (its newest root, so the last that eviction takes).
@@ -483,6 +498,8 @@ def bench(work: Path, args: argparse.Namespace) -> dict:
             "skipped_publications": dict(counters.skipped),
             "publications_released_by_deadline": counters.released_by_deadline,
             "wrong_pages": sum(r["wrong"] for r in rounds),
+            "capture_ms_mean": worker_ms[Role.CAPTURE],
+            "commit_ms_mean": worker_ms[Role.COMMIT],
             "restored_gib": sum(r["loaded_bytes"] for r in rounds) / GIB,
             "published_gib": sum(r["added_bytes"] for r in rounds) / GIB,
         }
