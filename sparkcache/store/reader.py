@@ -57,10 +57,12 @@ class BadObject:
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PlannedPage:
     """A page's live object, as the index named it when planned: a file of its own, or
-    (``file_key`` set) the record at ``offset`` of that pack."""
+    (``file_key`` set) the record at ``offset`` of that pack. A plain slotted record: a
+    300k-token load plans 18,750 of them, which took ~25 ms frozen (``object.__setattr__``
+    per field) against ~5 slotted."""
 
     key: str
     generation: str
