@@ -38,7 +38,7 @@ import sqlite3
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparkcache.identity import require_hex, require_keys
@@ -164,6 +164,8 @@ class _Placement:
     # its leading rows it had before (0: a new root); None if covered or staged.
     holder: tuple[str, float] | None = None
     kept: int = 0
+    # Reference changes for the caller to apply (``_add_refs``), netted.
+    refs: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(frozen=True)
@@ -504,13 +506,15 @@ class PageStore:
         with index.write_txn(self._wconn, self.counters.waited) as conn:
             if held.pages and not self._still_held(conn, keys, held):
                 raise _Conflict(set())  # evicted or quarantined meanwhile: look again
-            self._adopt_objects(conn, sizes, written, surplus, now)
+            new_rows = self._adopt_objects(conn, sizes, written, surplus, now)
             if place:
                 placement = self._place_root(conn, root_id, keys, pages, sizes, now)
+                self._add_refs(conn, placement.refs, new_rows)
                 if release:
                     conn.execute(_RELEASE_SQL, (release,))
             else:
                 placement = _Placement(superseded=0, covered=False)
+                self._add_refs(conn, placement.refs, new_rows)
                 conn.executemany(
                     "UPDATE objects SET hold_until = max(coalesce(hold_until, 0), ?) "
                     "WHERE key = ? AND refcount = 0", [(now + self.stage_hold_s, k) for k in keys])
@@ -554,7 +558,7 @@ class PageStore:
                 self._unlink_root(conn, root_id, refs)
             had = self._extend_root(conn, held_id, keys, sizes, now, lease_until, refs)
             return _Placement(superseded=int(held_id != root_id), covered=False,
-                              holder=(held_id, created), kept=had)
+                              holder=(held_id, created), kept=had, refs=refs)
         # References are netted: a superseded root's pages are the new root's too, so
         # dropping one and adding the other leaves their refcounts as they were.
         refs = Counter(keys)
@@ -585,15 +589,15 @@ class PageStore:
             "INSERT INTO reads VALUES (?, ?, ?, ?) ON CONFLICT(root_id, lease) DO UPDATE "
             "SET taken = max(taken, excluded.taken), until = max(until, excluded.until)",
             [(root_id, *read) for read in reads])
-        self._add_refs(conn, refs)
-        return _Placement(superseded=superseded, covered=False, holder=(root_id, now))
+        return _Placement(superseded=superseded, covered=False, holder=(root_id, now),
+                          refs=refs)
 
     def _extend_root(self, conn: sqlite3.Connection, root_id: str, keys: list[str],
                      sizes: dict[str, int], now: float, lease_until: float,
                      refs: Counter[str]) -> int:
         """Inside the commit transaction: root ``root_id``, a prefix of ``keys``, becomes
-        ``keys``: its row renewed and grown, rows and references for its new pages only,
-        applied with the changes ``refs`` holds already (netted); the pages it had."""
+        ``keys``: its row renewed and grown, rows for its new pages only, their references
+        added to ``refs`` (for the caller to apply, netted); the pages it had."""
         (had,) = conn.execute("SELECT pages FROM roots WHERE id = ?", (root_id,)).fetchone()
         new = keys[had:]
         conn.execute(
@@ -603,7 +607,6 @@ class PageStore:
         conn.executemany("INSERT INTO root_pages VALUES (?, ?, ?)",
                          [(root_id, had + i, key) for i, key in enumerate(new)])
         refs.update(new)
-        self._add_refs(conn, refs)
         return had
 
     def _renew_extensions(
@@ -665,8 +668,9 @@ class PageStore:
         written: dict[str, WrittenFile],
         surplus: list[str],
         now: float,
-    ) -> None:
-        """Inside the commit transaction: rows for the files we wrote, re-check the rest."""
+    ) -> list[tuple]:
+        """Inside the commit transaction: re-check the rows of the pages the commit looked
+        at; the rows to insert for the files we wrote (``_add_refs`` inserts them)."""
         rows = index.rows_for_keys(conn, "generation, state", list(sizes))
         conflict = set()
         new_rows = []
@@ -699,9 +703,7 @@ class PageStore:
                 surplus.append(key)
         if conflict:
             raise _Conflict(conflict)
-        conn.executemany(
-            "INSERT INTO objects (key, generation, bytes, refcount, state, created, "
-            "file_key, file_offset) VALUES (?, ?, ?, 0, 'live', ?, ?, ?)", new_rows)
+        return new_rows
 
     def _drop_root(self, conn: sqlite3.Connection, root_id: str) -> int:
         """Delete a root and its references inside the caller's transaction; its bytes."""
@@ -725,10 +727,21 @@ class PageStore:
         return int(row[0])
 
     @staticmethod
-    def _add_refs(conn: sqlite3.Connection, refs: Counter[str]) -> None:
+    def _add_refs(conn: sqlite3.Connection, refs: Counter[str],
+                  new_rows: Sequence[tuple] = ()) -> None:
         """Add ``refs`` (key -> references gained, negative if lost) to the refcounts. A
         page gaining one has no more use for a hold (``stage``): its root holds it, and
-        once evicted it is collected at once, as any page."""
+        once evicted it is collected at once, as any page. ``new_rows`` (objects the
+        commit adds: ``_adopt_objects``) are inserted with their references: inserted
+        unreferenced and then counted, each cost three more row writes (the update, and
+        the garbage total twice by trigger). A commit of 2,560 new 4 KiB pages
+        in-process, medians of 13, three runs each in turn: 0.28-0.31 s, against
+        0.33-0.43 s before."""
+        conn.executemany(
+            "INSERT INTO objects (key, generation, bytes, refcount, state, created, "
+            "file_key, file_offset) VALUES (?, ?, ?, ?, 'live', ?, ?, ?)",
+            [(key, gen, size, refs.pop(key, 0), created, file_key, offset)
+             for key, gen, size, created, file_key, offset in new_rows])
         conn.executemany(
             "UPDATE objects SET refcount = refcount + ?1, "
             "hold_until = CASE WHEN ?1 > 0 THEN NULL ELSE hold_until END WHERE key = ?2",
