@@ -36,7 +36,7 @@ class KnownRoots:
     def remember(self, root_id: str, created: float, keys: list[str]) -> None:
         """Root ``root_id`` (its row made at ``created``) holds exactly ``keys`` now."""
         name = (root_id, created)
-        self.forget(name)
+        self._forget(name)
         if len(keys) > self._max_keys:
             return
         self._keys[name] = keys
@@ -45,7 +45,7 @@ class KnownRoots:
             _, dropped = self._keys.popitem(last=False)
             self._held -= len(dropped)
 
-    def forget(self, name: tuple[str, float]) -> None:
+    def _forget(self, name: tuple[str, float]) -> None:
         dropped = self._keys.pop(name, None)
         if dropped is not None:
             self._held -= len(dropped)

@@ -61,8 +61,8 @@ class BadObject:
 class PlannedPage:
     """A page's live object, as the index named it when planned: a file of its own, or
     (``file_key`` set) the record at ``offset`` of that pack. A plain slotted record: a
-    300k-token load plans 18,750 of them, which took ~25 ms frozen (``object.__setattr__``
-    per field) against ~5 slotted."""
+    300k-token load plans 18,750 of them, and frozen (``object.__setattr__`` per field)
+    the plan of such a load took 141 ms in-process against 110 slotted."""
 
     key: str
     generation: str

@@ -507,14 +507,13 @@ class PageStore:
             if held.pages and not self._still_held(conn, keys, held):
                 raise _Conflict(set())  # evicted or quarantined meanwhile: look again
             new_rows = self._adopt_objects(conn, sizes, written, surplus, now)
+            placement = (self._place_root(conn, root_id, keys, pages, sizes, now) if place
+                         else _Placement(superseded=0, covered=False))
+            self._add_refs(conn, placement.refs, new_rows)
             if place:
-                placement = self._place_root(conn, root_id, keys, pages, sizes, now)
-                self._add_refs(conn, placement.refs, new_rows)
                 if release:
                     conn.execute(_RELEASE_SQL, (release,))
             else:
-                placement = _Placement(superseded=0, covered=False)
-                self._add_refs(conn, placement.refs, new_rows)
                 conn.executemany(
                     "UPDATE objects SET hold_until = max(coalesce(hold_until, 0), ?) "
                     "WHERE key = ? AND refcount = 0", [(now + self.stage_hold_s, k) for k in keys])
