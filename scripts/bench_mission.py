@@ -40,6 +40,8 @@ Figures (JSON with ``--json``):
   (the engine's KV segment not counted; target <= 1 GiB);
 * ``refused_publications_at_cap``: publications skipped as ``store_full`` (target 0);
 * ``wrong_pages``: checked pages not byte-exact (0);
+* ``lookup_misses``: the bench's lookups that missed, by reason (a turn that missed loads
+  nothing and computes its whole prompt);
 * ``capture_ms_mean``, ``commit_ms_mean``: what a publication took in the capture worker
   and in the commit worker, on average (their duration histograms' sums over counts):
   where a round's commit time goes.
@@ -448,7 +450,8 @@ def bench(work: Path, args: argparse.Namespace) -> dict:
                 r = rounds[-1]
                 print(f"round {len(rounds)}: {[f'{c.name}@{c.turns[c.done - 1]}' for c in active]}"
                       f" load {r['loaded_bytes'] / GIB:.2f} GiB in {r['load_s']:.2f}s, "
-                      f"commit {r['added_bytes'] / GIB:.2f} GiB in {r['commit_s']:.2f}s",
+                      f"commit {r['added_bytes'] / GIB:.2f} GiB in {r['commit_s']:.2f}s "
+                      f"(sequential {r['seq_write_s'] or 0:.2f}s)",
                       file=sys.stderr)
         elapsed = time.monotonic() - started
         steps = sorted(engine.steps_us)
@@ -486,6 +489,7 @@ def bench(work: Path, args: argparse.Namespace) -> dict:
             "first_turn_stored": sum(bool(c.first_stored) for c in convs) / len(convs),
             "load_capacity_failures": sum(counters.misses[m] for m in CAPACITY_MISSES),
             "load_misses": dict(counters.misses),
+            "lookup_misses": dict(lookup.misses),
             "load_status": dict(counters.load_status),
             "restore_vs_sequential": statistics.median(restore_ratios) if restore_ratios
             else None,

@@ -47,7 +47,7 @@ def test_commit_retries_when_a_deduplicated_page_is_collected_meanwhile(
     def collect_shared_page(step: str) -> None:
         # Between the committer's dedup check and its transaction, another process
         # removes the only root holding the shared page and collects the page.
-        if step == "commit.durable" and armed and not fired:
+        if step == "commit.syncing" and armed and not fired:
             fired.append(step)
             evictor.remove_roots([first])
             assert evictor.collect(10).objects == 2
@@ -84,7 +84,7 @@ def test_a_held_prefix_that_changes_before_the_transaction_is_looked_at_again(
     fired: list[str] = []
 
     def change_the_held_root(step: str) -> None:
-        if step != "commit.durable" or fired or not armed:
+        if step != "commit.syncing" or fired or not armed:
             return
         fired.append(step)
         if change == "removed":
@@ -179,7 +179,7 @@ def test_reconcile_beside_a_commit_never_strands_it(tmp_path: Path) -> None:
     swept = []
 
     def sweep(step: str) -> None:
-        if step == "commit.durable" and not swept:
+        if step == "commit.syncing" and not swept:
             swept.append(sweeper.reconcile(grace_seconds=0))
 
     committer = PageStore(tmp_path / "s", 0, hook=sweep)

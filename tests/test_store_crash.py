@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from sparkcache.maintenance_policy import CostModel, SliceBudget, SliceMeter
-from sparkcache.store import PageStore, objects
+from sparkcache.store import PageStore, Publication, objects
 from sparkcache.store.eviction import EvictionPlan
 from sparkcache.store.fileops import COMMIT_STEPS, EVICTION_STEPS
 from sparkcache.store.fsck import fsck
@@ -101,6 +101,32 @@ def commit_child(store_dir: Path, step: str, nth: int, seed: int, conn: Connecti
     conn.send(("done",))
 
 
+def batch_child(store_dir: Path, step: str, nth: int, seed: int, conn: Connection) -> None:
+    """Acknowledge two roots, then die at ``step`` of a batch of three publications
+    (``commit_batch``): the next turn of the second root, the turn after that (relying on
+    pages the first writes) and a new root. Steps that come once a publication die in its
+    first, second or third depending on ``nth``; the sync comes once a batch."""
+    objects.WRITE_CHUNK_BYTES = 1
+    seed_pool(store_dir, POOLED)
+    occurrence = 1 if step in ("commit.syncing", "commit.durable") else 1 + nth % 3
+    hook = KillAt(step, occurrence, armed=False)
+    store = PageStore(store_dir, 0, hook=hook)
+    rng = random.Random(seed)
+    for _ in range(2):
+        root_id, keys = random_root(rng)
+        store.commit(make_root(root_id, keys, SIZE))
+        conn.send(("ack", root_id, keys))
+    turn = keys + [secrets.token_hex(16) for _ in range(2)]
+    after = turn + [secrets.token_hex(16) for _ in range(2)]
+    fresh = [secrets.token_hex(16) for _ in range(3)]
+    conn.send(("extending", keys))
+    conn.send(("batch", turn + after + fresh))
+    hook.armed = True
+    store.commit_batch([Publication(make_root(secrets.token_hex(16), ks, SIZE))
+                        for ks in (turn, after, fresh)])
+    conn.send(("done",))
+
+
 def eviction_child(store_dir: Path, step: str, nth: int, seed: int, conn: Connection) -> None:
     """Acknowledge six roots, then evict and collect everything in slices as maintenance
     does, each allowed two roots and two pages' bytes: roots are cut short across slices
@@ -144,6 +170,7 @@ LEFTOVERS = {
     "commit.temp_write": ("temp_files_removed",),
     "commit.written": ("temp_files_removed",),
     "commit.rename": ("orphan_files_removed",),
+    "commit.syncing": ("orphan_files_removed",),
     "commit.durable": ("orphan_files_removed",),
     "commit.index_txn": ("orphan_files_removed",),
     "collect.unlink": ("orphan_files_removed", "pack_ranges_freed"),
@@ -216,6 +243,29 @@ def test_sigkill_during_commit(tmp_path: Path, step: str) -> None:
         assert kept, "the killed commit extended nothing: the test proves less"
         verify_after_crash(store_dir, acked, set(), step, kept)
     assert len(acked) >= 3
+
+
+@pytest.mark.parametrize("step", COMMIT_STEPS)
+def test_sigkill_during_a_batch_leaves_none_of_it(tmp_path: Path, step: str) -> None:
+    """A batch is all or none: after a kill at any step of it, no page it added is in a
+    root, the root it would have grown is as acknowledged, and fsck is clean."""
+    store_dir = tmp_path / "store"
+    acked: dict[str, list[str]] = {}
+    for nth in (1, 2, 3):
+        kept, added = [], []
+        for msg in run_child(batch_child, store_dir, step, nth, 200 + nth):
+            if msg[0] == "ack":
+                acked[msg[1]] = msg[2]
+            elif msg[0] == "extending":
+                kept.append(msg[1])
+            elif msg[0] == "batch":
+                added = msg[1]
+        assert kept and added, "the child died before its batch: the test proves less"
+        verify_after_crash(store_dir, acked, set(), step, kept)
+        with PageStore(store_dir, 0) as store:
+            assert store.lookup(added[-3:]) == 0
+            held = {k for (k,) in store._rconn.execute("SELECT key FROM root_pages")}
+            assert not held & set(added) - {k for ks in acked.values() for k in ks}
 
 
 @pytest.mark.parametrize("step", EVICTION_STEPS)

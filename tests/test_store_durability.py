@@ -97,11 +97,14 @@ class Recording(FaultyFileOps):
 
 
 @pytest.mark.parametrize("per_file_sync", [False, True], ids=["syncfs", "fsync-each"])
-def test_every_page_is_durable_before_the_index_transaction(
+def test_every_page_is_durable_before_the_index_transaction_commits(
     tmp_path: Path, per_file_sync: bool
 ) -> None:
     ops = Recording(per_file_sync)
     with PageStore(tmp_path / "s", 0, fileops=ops, hook=ops.events.append) as store:
+        # The transaction is built while the files sync, and commits after.
+        store._wconn.set_trace_callback(
+            lambda sql: ops.events.append(sql) if sql in ("BEGIN IMMEDIATE", "COMMIT") else None)
         page_keys = keys(30)
         store.commit(make_root(secrets.token_hex(16), page_keys, BIG))
         size = sum(f.stat().st_size for f in object_files(store))
@@ -127,7 +130,9 @@ def test_every_page_is_durable_before_the_index_transaction(
         assert ev.count("syncfs") == 1 and not any(e.startswith("fsync") for e in ev)
         assert last["rename"] < first["syncfs"]
         synced = first["syncfs"]
-    assert synced < first["commit.durable"] < first["commit.index_txn"]
+    assert last["rename"] < first["commit.syncing"] < first["BEGIN IMMEDIATE"]
+    assert synced < first["commit.durable"] < first["COMMIT"]
+    assert first["BEGIN IMMEDIATE"] < first["commit.index_txn"] < first["commit.durable"]
 
 
 def test_a_failed_writeback_start_fails_the_commit_cleanly(tmp_path: Path) -> None:

@@ -390,7 +390,7 @@ def test_a_page_another_committer_stored_first_is_punched_out_of_ours(
     other = PageStore(tmp_path / "s", 0)
 
     def race(step: str) -> None:
-        if step == "commit.durable" and not raced:
+        if step == "commit.syncing" and not raced:
             raced.append(other.commit(make_root(rid(), page_keys[1:3], SIZE)))
 
     raced: list[object] = []

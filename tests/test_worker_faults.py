@@ -140,16 +140,16 @@ def test_a_failing_item_is_counted_and_the_worker_goes_on(
     with rig(tmp_path / "store", instance, **SETTINGS) as r:
         seqs = sequences(3, r.cfg.page_tokens, seed=2)
         (s1, t1), (s2, t2), (s3, t3) = seqs.items()
-        real_commit = r.commit.store.commit
+        real_commit = r.commit.store.commit_batch
         calls = []
 
-        def commit_once_broken(root, release=0):
-            calls.append(root.root_id)
+        def commit_once_broken(publications, more=None):
+            calls.append(publications)
             if len(calls) == 1:
                 raise RuntimeError("injected fault in one commit")
-            return real_commit(root, release=release)
+            return real_commit(publications, more)
 
-        monkeypatch.setattr(r.commit.store, "commit", commit_once_broken)
+        monkeypatch.setattr(r.commit.store, "commit_batch", commit_once_broken)
         assert r.engine.publish(s1, t1, tries=1)
         r.step(3)
         assert r.engine.publish(s2, t2, tries=1)
@@ -195,6 +195,43 @@ def test_a_failing_item_is_counted_and_the_worker_goes_on(
         assert r.engine.loaded["fine"].status == "ok"
         assert all(r.engine.exact_pages(t2, r.engine.free[8:16]))
         assert r.restore.life.item_errors == 1 and r.restore.life.failed == 1
+
+
+def test_a_batch_that_fails_is_committed_one_by_one_each_with_its_outcome(
+        tmp_path: Path, instance: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Publications handed over together are committed as one batch; if it fails, each
+    is committed alone: the one at fault fails, the others are acknowledged."""
+    with rig(tmp_path / "store", instance, **SETTINGS) as r:
+        (s1, t1), (s2, t2), (s3, t3) = sequences(3, r.cfg.page_tokens, seed=9).items()
+        real_commit = r.commit.store.commit_batch
+        batches: list[int] = []
+        bad_root: list[str] = []
+
+        def fails_with_the_first(publications, more=None):
+            publications = list(publications)
+            if not bad_root:
+                bad_root.append(publications[0].root.root_id)
+            if more is not None:  # the worker's batch: every slot readable meanwhile joins
+                publications += list(more())
+            batches.append(len(publications))
+            if any(p.root.root_id == bad_root[0] for p in publications):
+                raise RuntimeError("injected fault in one publication")
+            return real_commit(publications)
+
+        monkeypatch.setattr(r.commit.store, "commit_batch", fails_with_the_first)
+        for seq, tokens in ((s1, t1), (s2, t2), (s3, t3)):
+            assert r.engine.publish(seq, tokens, tries=1)
+        r.capture._step(0)  # all three captured before commit looks
+        r.capture._step(0)
+        r.capture._step(0)
+        r.step(3)
+        assert batches[0] == 3 and batches[1:] == [1, 1, 1]
+        counters = r.engine.client.counters
+        assert counters.not_durable["commit_failed"] == 1
+        assert s1 not in r.engine.acknowledged
+        assert s2 in r.engine.acknowledged and s3 in r.engine.acknowledged
+        assert r.commit.life.failed == 1
+        check_restores(r.engine, {s2: t2, s3: t3})
 
 
 def test_every_load_among_malformed_records_is_answered(

@@ -29,6 +29,8 @@ from __future__ import annotations
 import errno
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from posix_ipc import SignalError
@@ -43,7 +45,15 @@ from sparkcache.workers.lifecycle import ENVIRONMENT_FAULTS, Lifecycle, Role, Wo
 from sparkcache import segments
 from sparkcache.protocol import DurableStatus
 from sparkcache.segments import OWNER_COMMIT
-from sparkcache.store import CommitFailed, PageData, PageStore, Root, index
+from sparkcache.store import (
+    CommitFailed,
+    CommitResult,
+    PageData,
+    PageStore,
+    Publication,
+    Root,
+    index,
+)
 from sparkcache.store.fileops import FileOps
 from sparkcache.store.space import is_disk_full
 
@@ -84,10 +94,11 @@ class Commit:
         self.filled = segments.consumer(cfg, spec.rank, "filled")
         self.freed = segments.producer(cfg, spec.rank, "freed")
         self.durable = segments.producer(cfg, spec.rank, "durable")
+        self.slot_bytes = cfg.capture_slot_bytes
         self.ops = _GuardedOps()
         self.store = PageStore(
             cfg.store_dir, spec.rank, lease_seconds=cfg.lease_seconds, fileops=self.ops,
-            hook=lifecycle.checkpoint,
+            hook=lifecycle.checkpoint, checkpoint_thread=True,
         )
         # Per capture process (pid, start time): the latest hand-over a popped record
         # covers. Every slot that process handed over no later than that may be read.
@@ -132,6 +143,14 @@ class Commit:
     def _pop(self, timeout: float) -> bool:
         """Take the records in the ring and commit what they cover; False if there were
         none."""
+        if not self._take_records(timeout):
+            return False
+        self._commit_readable()
+        return True
+
+    def _take_records(self, timeout: float) -> bool:
+        """Take the records in the ring: the slots they cover may be read. False if there
+        were none."""
         try:
             batch = self.filled.pop_batch(_POP, timeout=timeout)
         except (RingEmpty, RingClosed, SignalError):
@@ -146,12 +165,45 @@ class Commit:
             if st is not None and int(st["generation"]) == generation:
                 holder = (int(st["pid"]), float(st["pid_start"]))
                 self._covered[holder] = max(self._covered.get(holder, 0.0), float(st["since"]))
-                self._commit_readable()
         return True
 
     def _commit_readable(self) -> None:
         """Commit every held slot that may be read (see the module notes), in hand-over
         order: two turns of a sequence share a root, and the later turn must come last.
+
+        They are committed as one batch (``PageStore.commit_batch``), which slots that
+        become readable while its pages are written join: one sync and one transaction
+        where each publication had its own. A batch stops growing at one slot's bytes or
+        all slots but one, so capture always has a slot to fill while it commits."""
+        readable = self._readable()
+        taken = [self._read_slot(slot) for _, slot in readable]
+        batch = [t for t in taken if t.publication is not None]
+        last = readable[-1][0] if readable else 0.0
+
+        def more() -> list[Publication]:
+            nonlocal last
+            room = self.arena.slots - 1 - len(taken)
+            if room <= 0 or sum(t.nbytes for t in taken) >= self.slot_bytes:
+                return []
+            self._take_records(0)
+            # Only slots handed over after the batch's: hand-over order is commit order.
+            later = [(since, slot) for since, slot in self._readable() if since > last][:room]
+            if later:
+                last = later[-1][0]
+            new = [self._read_slot(slot) for _, slot in later]
+            taken.extend(new)
+            new = [t for t in new if t.publication is not None]
+            batch.extend(new)
+            return [t.publication for t in new]
+
+        if batch:
+            self._commit_batch(batch, more)
+        for t in taken:
+            self._finish(t)
+        self._forget_dead_captures()
+
+    def _readable(self) -> list[tuple[float, int]]:
+        """(since, slot) of the slots commit holds and may read, in hand-over order.
         (``since`` is CLOCK_MONOTONIC, one clock for every process of the host.)"""
         readable = []
         for i in range(self.arena.slots):
@@ -164,70 +216,109 @@ class Commit:
             covered = self._covered.get((int(st["pid"]), float(st["pid_start"])))
             if (covered is not None and since <= covered) or writer_dead(st):
                 readable.append((since, i))
-        for _, slot in sorted(readable):
-            self._commit_slot(slot)
-        self._forget_dead_captures()
+        return sorted(readable)
 
     def _forget_dead_captures(self) -> None:
         for pid, start in list(self._covered):
             if not creator_alive(pid, start):
                 del self._covered[(pid, start)]
 
-    def _commit_slot(self, slot: int) -> None:
-        buf = self.arena.slot_array(slot)
-        pub_id, status = None, DurableStatus.BAD_SLOT
-        part_only = False  # a part before the last: its publication is reported with that
+    def _read_slot(self, slot: int) -> _Taken:
+        """What ``slot`` holds: a publication (a root, or a part of one to stage), or an
+        unreadable slot, reported as such."""
         started = time.perf_counter()
+        buf = self.arena.slot_array(slot)
+        pub_id = None
         try:
             contents = slotfmt.read(buf)
             pub_id = contents.pub_id
-            status = DurableStatus.COMMIT_FAILED
             guard = self.ops.ensure(contents.page_bytes)
             keys = join_keys(contents.entries["key_hi"], contents.entries["key_lo"])
             pages = [
                 PageData(key, guard if copied < 0 else contents.pieces(buf, copied))
                 for key, copied in zip(keys, contents.entries["copied"].tolist(), strict=True)
             ]
-            root_id = join_key(*contents.root)
-            t0 = time.perf_counter()
-            if not contents.last:
-                part_only = True
-                result = self.store.stage(Root(root_id, pages))
-                log.debug("staged part %d of %d of %s in %.3fs: %s", contents.part + 1,
-                          contents.parts, root_id, time.perf_counter() - t0, result)
-            else:
-                # Ends capture's read lease of the pages it did not copy (named by the
-                # publication) in the commit's transaction.
-                result = self.store.commit(Root(root_id, pages), release=pub_id)
-                status = DurableStatus.DURABLE
-                self.life.processed += 1
-                self.life.roots_superseded += result.roots_superseded
-                log.debug("committed %s in %.3fs: %s", root_id, time.perf_counter() - t0,
-                          result)
+            root = Root(join_key(*contents.root), pages)
+            nbytes = int((contents.entries["copied"] >= 0).sum()) * contents.page_bytes
         except ValueError as exc:
             self.life.failed += 1
             log.warning("slot %d holds no readable publication: %s", slot, exc)
+            return _Taken(slot, started, pub_id)
+        # The last part ends capture's read lease of the pages it did not copy (named by
+        # the publication) in the commit's transaction; an earlier part only stages.
+        publication = (Publication(root, release=contents.pub_id) if contents.last
+                       else Publication(root, place=False))
+        return _Taken(slot, started, pub_id, publication, DurableStatus.COMMIT_FAILED, nbytes)
+
+    def _commit_batch(self, batch: list[_Taken], more: Callable[[], list[Publication]]
+                      ) -> None:
+        """Commit the publications of ``batch`` as one, with those ``more`` adds to it
+        (``PageStore.commit_batch``). If that fails, each is committed alone, so each
+        gets its own outcome."""
+        try:
+            results = self.store.commit_batch([t.publication for t in batch], more)
         except CommitFailed as exc:
-            self.life.failed += 1
-            if index.sync_failed(exc):
-                # Not acknowledged, and nothing after it may be (IndexSyncFailed): the
-                # worker stops, FATAL, its slot left for an operator's restart to redo.
-                raise
-            if is_disk_full(exc):
-                self.life.disk_full_error(f"the commit of slot {slot}", exc)
-            else:
-                log.warning("slot %d not committed: %s", slot, exc)
+            if index.sync_failed(exc) or len(batch) == 1:
+                self._failed(batch[0], exc)
+                return
+            log.info("%d publications not committed as one (%s): one by one", len(batch), exc)
             self.store.check_usable()
         except ENVIRONMENT_FAULTS:
             raise
         except Exception:
-            self.life.failed += 1
-            self.life.item_error("slot", slot)
+            if len(batch) == 1:
+                self.life.failed += 1
+                self.life.item_error("slot", batch[0].slot)
+                self.store.check_usable()
+                return
+            log.exception("%d publications not committed as one: one by one", len(batch))
             self.store.check_usable()
+        else:
+            for t, result in zip(batch, results, strict=True):
+                self._committed(t, result)
+            return
+        for t in batch:
+            self._commit_one(t)
+
+    def _commit_one(self, t: _Taken) -> None:
+        try:
+            self._committed(t, self.store.commit_batch([t.publication])[0])
+        except CommitFailed as exc:
+            self._failed(t, exc)
+        except ENVIRONMENT_FAULTS:
+            raise
+        except Exception:
+            self.life.failed += 1
+            self.life.item_error("slot", t.slot)
+            self.store.check_usable()
+
+    def _failed(self, t: _Taken, exc: CommitFailed) -> None:
+        self.life.failed += 1
+        if index.sync_failed(exc):
+            # Not acknowledged, and nothing after it may be (IndexSyncFailed): the worker
+            # stops, FATAL, its slots left for an operator's restart to redo.
+            raise exc
+        if is_disk_full(exc):
+            self.life.disk_full_error(f"the commit of slot {t.slot}", exc)
+        else:
+            log.warning("slot %d not committed: %s", t.slot, exc)
+        self.store.check_usable()
+
+    def _committed(self, t: _Taken, result: CommitResult) -> None:
+        if t.publication.place:
+            t.status = DurableStatus.DURABLE
+            self.life.processed += 1
+            self.life.roots_superseded += result.roots_superseded
+        log.debug("%s %s in %.3fs: %s", "committed" if t.publication.place else "staged",
+                  result.root_id, time.perf_counter() - t.started, result)
+
+    def _finish(self, t: _Taken) -> None:
+        """Report ``t``'s outcome, acknowledge it and free its slot."""
+        part_only = t.publication is not None and not t.publication.place
         if not part_only:
             # A publication's outcome and duration are its last part's (its root's).
-            self.life.timed(time.perf_counter() - started)
-            self.life.outcome(int(status))
+            self.life.timed(time.perf_counter() - t.started)
+            self.life.outcome(int(t.status))
         counters = self.store.counters
         self.life.report.update(lock_wait_s=counters.lock_wait_s,
                                 lock_wait_max_s=counters.lock_wait_max_s)
@@ -236,16 +327,28 @@ class Commit:
         # two leaves the slot held, so its successor redoes it and acknowledges again
         # (the client settles a publication once, and ignores the second). Freed first, a
         # kill between lost the acknowledgement for good.
-        if pub_id is not None and not part_only:
+        if t.pub_id is not None and not part_only:
             try:
-                self.durable.try_push((pub_id, int(status), 0))
+                self.durable.try_push((t.pub_id, int(t.status), 0))
             except RingFull:
                 # The engine's bookkeeping of that publication times out instead.
-                log.warning("durable ring full; acknowledgement of %d dropped", pub_id)
+                log.warning("durable ring full; acknowledgement of %d dropped", t.pub_id)
         lifecycle.checkpoint("commit.acknowledged")
-        self.arena.hand_over(slot, OWNER_COMMIT, FREE)
+        self.arena.hand_over(t.slot, OWNER_COMMIT, FREE)
         lifecycle.checkpoint("commit.slot_freed")
-        self.freed_records.add(slot)
+        self.freed_records.add(t.slot)
+
+
+@dataclass(eq=False)
+class _Taken:
+    """A slot commit read: its publication (None: unreadable) and how it ended."""
+
+    slot: int
+    started: float
+    pub_id: int | None = None
+    publication: Publication | None = None
+    status: DurableStatus = DurableStatus.BAD_SLOT
+    nbytes: int = 0  # page bytes the slot holds (capture copied)
 
 
 def _body(life: Lifecycle) -> None:

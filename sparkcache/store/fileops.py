@@ -22,8 +22,9 @@ COMMIT_STEPS = (
     "commit.temp_write",  # a temp file is partly written (torn)
     "commit.written",  # a temp file is fully written and its writeback started, not durable
     "commit.rename",  # a temp file was renamed to its final name, nothing durable yet
-    "commit.durable",  # every file and name durable (one syncfs), index transaction not begun
-    "commit.index_txn",  # inside the index transaction, before COMMIT
+    "commit.syncing",  # every file renamed, their sync begun, index transaction not begun
+    "commit.index_txn",  # inside the index transaction, a publication's rows written
+    "commit.durable",  # every file and name durable (one syncfs), the transaction not committed
 )
 EVICTION_STEPS = (
     "evict.select",  # victims selected, nothing removed

@@ -75,6 +75,18 @@ class Root:
 
 
 @dataclass(frozen=True)
+class Publication:
+    """One root for ``PageStore.commit_batch``: committed (``place``), or its pages only
+    staged (a chunk of a publication larger than a capture slot; ``PageStore.stage``).
+    ``release``: the read lease that protected the pages it relied on, ended in the
+    commit's transaction (0: none)."""
+
+    root: Root
+    place: bool = True
+    release: int = 0
+
+
+@dataclass(frozen=True)
 class CommitResult:
     root_id: str
     pages: int

@@ -4,8 +4,9 @@ The new pages of a commit go to one file, ``<key>.<generation>.tmp`` named after
 of them: the object of a single page, or a pack of one record per page (docs/store.md,
 "Packs"). Each record's header is checksummed ahead on a second thread, its writeback
 started as soon as it is written (the disk writes it while the committer writes the next);
-the file is renamed to its final name; then one ``syncfs`` makes it durable, data, inode
-and directory entry alike. Only after that may an index row name it.
+the file is renamed to its final name; then one ``syncfs`` for every file of a batch of
+publications (``start_durable``, on the sync thread) makes them durable, data, inode and
+directory entry alike. Only after that may an index row naming them commit.
 
 So a commit of P pages costs one file and one filesystem sync, where it once cost P files,
 P file fsyncs and one fsync per fan-out directory touched: each fsync was a device cache
@@ -93,25 +94,27 @@ class ObjectWriter:
         # the store's own, so no other caller can consume an error meant for a commit.
         self._objects_fd = objects_fd
         self._pool: ThreadPoolExecutor | None = None
+        self._syncer: ThreadPoolExecutor | None = None
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        for pool in (self._pool, self._syncer):
+            if pool is not None:
+                pool.shutdown()
+        self._pool = self._syncer = None
 
     def write(
         self, keys: list[str], data: dict[str, list[memoryview]],
         written: dict[str, WrittenFile],
-    ) -> None:
-        """Write, rename and make durable the pages of ``keys``: one object file for one
-        page, one pack for more (their records in the order of ``keys``).
+    ) -> WrittenFile | None:
+        """Write and rename the pages of ``keys``: one object file for one page, one pack
+        for more (their records in the order of ``keys``); None if there are none. Not
+        durable until ``make_durable``.
 
         Every key is entered in ``written`` before its file is created, so on any
-        exception the caller can ``discard`` exactly what exists. A failed sync is never
-        retried: the state of the pages it could not write is unknown, so the commit fails.
+        exception the caller can ``discard`` exactly what exists.
         """
         if not keys:
-            return
+            return None
         file = WrittenFile(keys[0], new_generation(), packed=len(keys) > 1)
         # Checksums are a CPU cost of a commit (CRC-32C ~19 GB/s here): one thread
         # computes the headers ahead while this one writes; crc32c releases the GIL, so
@@ -146,8 +149,6 @@ class ObjectWriter:
             self._ops.rename(temp_name(file.key, file.generation), name, dir_fd, dir_fd)
             file.renamed = True
             self._hook("commit.rename")
-            self._make_durable(file, dir_fd)
-            self._hook("commit.durable")
         finally:
             # After a failure no checksum may still be reading the caller's pages.
             for header in headers:
@@ -155,29 +156,52 @@ class ObjectWriter:
             futures_wait(headers)
             if dir_fd >= 0:
                 os.close(dir_fd)
+        return file
 
     def _checksummer(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="sparkcache-crc")
         return self._pool
 
-    def _make_durable(self, file: WrittenFile, dir_fd: int) -> None:
-        """Make ``file`` and its name durable: one ``syncfs`` (``sync(2)``: "all pending
-        modifications to filesystem metadata and cached file data"). Where syncfs would
-        not report a page it failed to write, an fsync of the file and of its directory
-        instead."""
+    def start_durable(self, files: list[WrittenFile]) -> Future:
+        """``make_durable(files)`` on the sync thread: its future (its result None, or
+        the sync's error)."""
+        if self._syncer is None:
+            self._syncer = ThreadPoolExecutor(1, thread_name_prefix="sparkcache-sync")
+        return self._syncer.submit(self.make_durable, files)
+
+    def make_durable(self, files: list[WrittenFile]) -> None:
+        """Make ``files`` and their names durable: one ``syncfs`` (``sync(2)``: "all
+        pending modifications to filesystem metadata and cached file data") however many
+        there are. Where syncfs would not report a page it failed to write, an fsync of
+        each file and of its directory instead. A failed sync is never retried: the state
+        of the pages it could not write is unknown, so the commit fails."""
+        if not files:
+            return
         if self._ops.syncfs_reports_errors:
             self._ops.sync_filesystem(self._objects_fd)
-            return
+        else:
+            for file in files:
+                self._fsync_one(file)
+
+    def _fsync_one(self, file: WrittenFile) -> None:
         try:
-            fd = self._ops.open(object_name(file.key, file.generation), _SYNC_FLAGS, 0, dir_fd)
+            dir_fd = open_subdir(fanout(file.key), self._objects_fd, create=False)
         except FileNotFoundError:
             return  # swept by a concurrent reconcile: the index transaction sees it
         try:
-            self._ops.fsync(fd)
+            try:
+                fd = self._ops.open(object_name(file.key, file.generation), _SYNC_FLAGS, 0,
+                                    dir_fd)
+            except FileNotFoundError:
+                return  # swept by a concurrent reconcile: the index transaction sees it
+            try:
+                self._ops.fsync(fd)
+            finally:
+                self._ops.close(fd)
+            self._ops.fsync(dir_fd)
         finally:
-            self._ops.close(fd)
-        self._ops.fsync(dir_fd)
+            os.close(dir_fd)
 
     def exists(self, w: WrittenFile) -> bool:
         """Whether ``w``'s final file is still in place as a regular file."""
