@@ -165,10 +165,10 @@ def test_publications_that_come_meanwhile_join_the_batch(
     assert restores(store, first) and restores(store, third)
 
 
-def test_the_commit_workers_store_leaves_checkpoints_to_its_thread(tmp_path: Path) -> None:
+def test_a_workers_store_leaves_checkpoints_to_its_thread(tmp_path: Path) -> None:
     """With ``checkpoint_thread`` its COMMITs never checkpoint (SQLite's would, inside a
     commit of a few hundred pages); its thread copies the WAL into the index soon after,
-    at most once every ``INTERVAL_S`` however many commits come."""
+    once every ``INTERVAL_S`` however many commits come."""
     with PageStore(tmp_path / "plain", 0) as plain:
         assert plain._wconn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 1000
     with PageStore(tmp_path / "s", 0, checkpoint_thread=True) as store:

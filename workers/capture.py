@@ -93,7 +93,7 @@ class Capture:
         self.freed = segments.consumer(cfg, spec.rank, "freed")
         # Its only writes are leases, which a crash may lose: no fsync at each.
         self.store = PageStore(cfg.store_dir, spec.rank, lease_seconds=cfg.lease_seconds,
-                               durable=False)
+                               durable=False, checkpoint_thread=True)
         self.reg: _Registered | None = None
         self._owner_check_at = 0.0  # when the registering engine is next checked alive
         self.filled_records = SlotAnnouncer(self.filled, self.arena, OWNER_COMMIT)

@@ -116,7 +116,7 @@ class Maintenance:
         self.store = PageStore(
             cfg.store_dir, life.spec.rank, lease_seconds=cfg.lease_seconds,
             hook=lifecycle.checkpoint, pool_bytes=cfg.pool_cap_bytes,
-            halve_above=cfg.maintenance_halve_bytes,
+            halve_above=cfg.maintenance_halve_bytes, checkpoint_thread=True,
         )
         self.clock = clock
         self.pooled_bytes = 0

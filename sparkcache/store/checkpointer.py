@@ -1,15 +1,16 @@
-"""Checkpoints of the index's WAL on a thread of their own, for the commit worker.
+"""Checkpoints of the index's WAL on a thread of their own, for the workers that write.
 
 SQLite checkpoints on the connection whose COMMIT takes the WAL past 1,000 pages, inside
 that COMMIT. A commit of a few hundred pages dirties a leaf of the objects table and of
 the ``root_pages_key`` index per page (their keys are random), so nearly every commit of
 the mission's turns did it: the COMMIT of a batch of three 2k-8k-token turns took
 ~125 ms with the checkpoint and ~55 ms without it (960 new pages over 120,000,
-in-process, measured for this change). The commit worker's connection therefore never
-checkpoints (``wal_autocheckpoint=0``); after each commit it nudges this thread, which
-runs a ``PASSIVE`` checkpoint (it never blocks a writer or a reader) on its own
-connection, at most once every ``INTERVAL_S``, so that several commits' frames of the same
-pages are copied once. Other writers (maintenance, the CLI) keep SQLite's default.
+in-process, measured for this change). And once the commit worker stopped checkpointing,
+maintenance's COMMITs did it instead, inside an eviction's transaction, which holds the
+lookup gate: lookups missed as ``evicting`` meanwhile. So the workers' connections
+never checkpoint (``wal_autocheckpoint=0``); a thread of each runs a ``PASSIVE``
+checkpoint (it never blocks a writer or a reader; with nothing new it does nothing) on
+its own connection every ``INTERVAL_S``. Other writers (the CLI) keep SQLite's default.
 
 A checkpoint's failed fsync of the index is what it is at a COMMIT (docs/store.md, "A
 failed fsync of the index"): ``failure`` holds it, the thread stops, and the store's next
@@ -31,12 +32,11 @@ INTERVAL_S = 0.5
 
 
 class Checkpointer:
-    """A thread that checkpoints the index at ``path`` when nudged."""
+    """A thread that checkpoints the index at ``path`` every ``INTERVAL_S``."""
 
     def __init__(self, path: Path, busy_timeout_ms: int) -> None:
         self._path = path
         self._busy_timeout_ms = busy_timeout_ms
-        self._wake = threading.Event()
         self._stopping = threading.Event()
         self._warned = False
         self.checkpoints = 0
@@ -45,14 +45,9 @@ class Checkpointer:
                                         daemon=True)
         self._thread.start()
 
-    def nudge(self) -> None:
-        """Frames were added to the WAL: checkpoint them soon."""
-        self._wake.set()
-
     def close(self) -> None:
-        """Stop the thread after one last checkpoint of what was nudged."""
+        """Stop the thread after one last checkpoint."""
         self._stopping.set()
-        self._wake.set()
         self._thread.join()
 
     def _run(self) -> None:
@@ -61,12 +56,9 @@ class Checkpointer:
                                timeout=self._busy_timeout_ms / 1000)
         try:
             while self.failure is None:
-                self._wake.wait()
-                self._wake.clear()
+                stopping = self._stopping.wait(INTERVAL_S)
                 self._checkpoint(conn)
-                if self._stopping.wait(INTERVAL_S):
-                    if self._wake.is_set() and self.failure is None:
-                        self._checkpoint(conn)
+                if stopping:
                     return
         finally:
             conn.close()

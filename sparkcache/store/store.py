@@ -124,6 +124,10 @@ DEFAULT_GRACE_SECONDS = 60.0
 # SQLite virtual-machine instructions between two calls of a long statement's progress
 # handler (``check_index``): ~2.5 ms of a quick_check on this guest.
 PROGRESS_OPS = 100_000
+# A batch that wrote more syncs before its transaction begins, not during it: a sync of a
+# capture slot's 240 MiB took up to 1 s at the cap, and maintenance's slices waited that
+# long for the write lock (2.7 s at most in one mission run with every batch overlapped).
+OVERLAP_MAX_BYTES = 128 << 20
 # The least time a staged page (``stage``) is kept from collection, whatever the lease.
 MIN_STAGE_HOLD_S = 60.0
 
@@ -309,7 +313,7 @@ class PageStore:
             self._close_dirs()
             raise
         self._rconn = self._reader.conn
-        # The commit worker's: its COMMITs leave the WAL's checkpoints to a thread.
+        # The workers': their COMMITs leave the WAL's checkpoints to a thread.
         self._checkpointer: Checkpointer | None = None
         if checkpoint_thread:
             self._wconn.execute("PRAGMA wal_autocheckpoint=0")
@@ -443,8 +447,6 @@ class PageStore:
             if isinstance(exc, OSError | sqlite3.Error):
                 raise CommitFailed(f"commit {_names(batch)} failed: {exc}") from exc
             raise
-        if self._checkpointer is not None:
-            self._checkpointer.nudge()
         return [self._settle(item, retries) for item in batch]
 
     def _publish_batch(self, batch: list[_Pending], files: list[WrittenFile]) -> None:
@@ -453,10 +455,13 @@ class PageStore:
         step 3). The sync is mostly the disk writing the data, and the transaction's rows
         are CPU work: one after the other they took 0.08-0.16 s and 0.14-0.24 s of a batch
         of three turns of 2k-8k tokens (scripts/bench_mission.py). The write lock is held
-        for the overlap: maintenance waits, never a lookup or a restore."""
+        for the overlap: maintenance waits, never a lookup or a restore; so only while
+        the batch wrote at most ``OVERLAP_MAX_BYTES``."""
         syncing = self._writer.start_durable(files)
         try:
             self._hook("commit.syncing")
+            if sum(f.nbytes for f in files) > OVERLAP_MAX_BYTES:
+                syncing.result()
             with index.write_txn(self._wconn, self.counters.waited) as conn:
                 for item in batch:
                     item.placement = self._publish(conn, item)

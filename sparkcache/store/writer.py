@@ -81,6 +81,11 @@ class WrittenFile:
     packed: bool = False
     renamed: bool = False
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its records."""
+        return sum(n for _, n in self.records.values())
+
 
 class ObjectWriter:
     """Writes and removes the object files and packs of one rank's ``objects/`` directory."""
