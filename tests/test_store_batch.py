@@ -92,9 +92,9 @@ def test_a_batch_commits_with_one_sync_and_one_transaction_in_order(
     begun = transactions(store)
     # A conversation's next two turns (the second relies on pages the first writes), a
     # publication in two parts (the part staged, then its root), and a new conversation.
-    turn1, turn2 = earlier + keys(2), []
+    turn1 = earlier + keys(2)
     turn2 = turn1 + keys(3)
-    part, whole = keys(5), []
+    part = keys(5)
     whole = part + keys(2)
     fresh = keys(3)
     batch = [Publication(make_root(new_id(), turn1, SIZE)),
@@ -145,8 +145,8 @@ def test_a_batch_is_all_or_none(tmp_path: Path) -> None:
 
 def test_publications_that_come_meanwhile_join_the_batch(
         store: PageStore, ops: CountingOps) -> None:
-    first, second, third = keys(2), keys(3), keys(1)
-    third = second + third  # the next turn of the one that came meanwhile
+    first, second = keys(2), keys(3)
+    third = second + keys(1)  # the next turn of the one that came meanwhile
     arriving = [[Publication(make_root(new_id(), second, SIZE))],
                 [Publication(make_root(new_id(), third, SIZE))], []]
     asked = []

@@ -253,8 +253,8 @@ class Commit:
     def _commit_batch(self, batch: list[_Taken], more: Callable[[], list[Publication]]
                       ) -> None:
         """Commit the publications of ``batch`` as one, with those ``more`` adds to it
-        (``PageStore.commit_batch``). If that fails, each is committed alone, so each
-        gets its own outcome."""
+        (``PageStore.commit_batch``; ``batch`` grows with them). If that fails, each is
+        committed alone, so each gets its own outcome."""
         try:
             results = self.store.commit_batch([t.publication for t in batch], more)
         except CommitFailed as exc:
@@ -262,21 +262,18 @@ class Commit:
                 self._failed(batch[0], exc)
                 return
             log.info("%d publications not committed as one (%s): one by one", len(batch), exc)
-            self.store.check_usable()
         except ENVIRONMENT_FAULTS:
             raise
         except Exception:
             if len(batch) == 1:
-                self.life.failed += 1
-                self.life.item_error("slot", batch[0].slot)
-                self.store.check_usable()
+                self._errored(batch[0])
                 return
             log.exception("%d publications not committed as one: one by one", len(batch))
-            self.store.check_usable()
         else:
             for t, result in zip(batch, results, strict=True):
                 self._committed(t, result)
             return
+        self.store.check_usable()
         for t in batch:
             self._commit_one(t)
 
@@ -288,9 +285,13 @@ class Commit:
         except ENVIRONMENT_FAULTS:
             raise
         except Exception:
-            self.life.failed += 1
-            self.life.item_error("slot", t.slot)
-            self.store.check_usable()
+            self._errored(t)
+
+    def _errored(self, t: _Taken) -> None:
+        """A commit of ``t`` that raised what no commit should: counted and logged."""
+        self.life.failed += 1
+        self.life.item_error("slot", t.slot)
+        self.store.check_usable()
 
     def _failed(self, t: _Taken, exc: CommitFailed) -> None:
         self.life.failed += 1

@@ -113,7 +113,7 @@ class ObjectWriter:
     ) -> WrittenFile | None:
         """Write and rename the pages of ``keys``: one object file for one page, one pack
         for more (their records in the order of ``keys``); None if there are none. Not
-        durable until ``make_durable``.
+        durable until ``start_durable``.
 
         Every key is entered in ``written`` before its file is created, so on any
         exception the caller can ``discard`` exactly what exists.
@@ -169,13 +169,13 @@ class ObjectWriter:
         return self._pool
 
     def start_durable(self, files: list[WrittenFile]) -> Future:
-        """``make_durable(files)`` on the sync thread: its future (its result None, or
+        """``_make_durable(files)`` on the sync thread: its future (its result None, or
         the sync's error)."""
         if self._syncer is None:
             self._syncer = ThreadPoolExecutor(1, thread_name_prefix="sparkcache-sync")
-        return self._syncer.submit(self.make_durable, files)
+        return self._syncer.submit(self._make_durable, files)
 
-    def make_durable(self, files: list[WrittenFile]) -> None:
+    def _make_durable(self, files: list[WrittenFile]) -> None:
         """Make ``files`` and their names durable: one ``syncfs`` (``sync(2)``: "all
         pending modifications to filesystem metadata and cached file data") however many
         there are. Where syncfs would not report a page it failed to write, an fsync of
